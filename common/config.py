@@ -1,0 +1,134 @@
+"""Typed configs and their command lines: one dataclass per script, one `--flag` per field.
+
+A field is documented by the string literal right below it (as in torchtitan); that text is
+the flag's `--help`. Every chapter's config subclasses `RunConfig`, so the run options (seed,
+output folder, device, backend, timeout, steps) are the same everywhere.
+
+    @dataclass
+    class Config(RunConfig):
+        lr: float = 0.1
+        \"\"\"Learning rate of SGD.\"\"\"
+
+    cfg = parse_config(Config, description=__doc__)
+
+A config may validate itself in `__post_init__` by raising `ValueError("one clear sentence")`:
+`parse_config` turns that into a usage message and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import sys
+import textwrap
+import types
+import typing
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class RunConfig:
+    """Options every chapter script shares."""
+
+    seed: int = 0
+    """Seed for every random number generator (Python, torch, CUDA)."""
+    steps: int = 20
+    """Optimizer steps to train."""
+    out: str = ""
+    """Output folder for summary.json and metrics.jsonl (default: runs/<chapter>/<script>/ under the repository root)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device: auto picks CUDA when every local rank has a GPU, else CPU."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend: auto picks nccl on CUDA, gloo on CPU."""
+    timeout: float = 120.0
+    """Seconds a collective may wait for a peer before the run fails with an error."""
+    log_every: int = 5
+    """Log a metrics line every this many steps."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to <out>/tb (needs the tensorboard package)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if self.timeout <= 0:
+            raise ValueError(f"--timeout must be positive, got {self.timeout}")
+        if self.log_every < 1:
+            raise ValueError(f"--log-every must be at least 1, got {self.log_every}")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Map each dataclass field to the string literal written below it, through the MRO."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0].body
+        for node, following in zip(body, body[1:] + [None]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(following, ast.Expr)
+                    and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _add_argument(parser: argparse.ArgumentParser, f: dataclasses.Field, hint, doc: str) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):  # Optional[X]: X, with None as default
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    kwargs: dict = dict(default=default, dest=f.name)
+    if hint is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif origin is Literal:
+        kwargs.update(choices=list(args), type=type(args[0]))
+    elif origin in (list, tuple):
+        kwargs.update(nargs="+", type=args[0])
+    else:
+        kwargs["type"] = hint
+    shown = default if default != "" else "''"
+    parser.add_argument(flag, help=f"{doc} (default: {shown})", **kwargs)
+
+
+def build_parser(cls: type, description: str | None = None, prog: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one documented flag per field of the dataclass `cls`."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name not in docs:
+            raise TypeError(f"{cls.__name__}.{f.name} has no docstring: every option is documented")
+        _add_argument(parser, f, hints[f.name], docs[f.name])
+    return parser
+
+
+def parse_config(cls: type, argv: list[str] | None = None, description: str | None = None):
+    """Parse `argv` (default: the command line) into an instance of the dataclass `cls`.
+
+    Unknown options and settings the config rejects end the program with exit status 2 and
+    one line saying why (argparse's convention), not a traceback.
+    """
+    parser = build_parser(cls, description=description)
+    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return cls(**vars(ns))
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def config_dict(cfg) -> dict:
+    """The config as plain JSON-ready values (for summary.json)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,360 @@
+"""Unit tests of common/: each module's promise, checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from common import checkpoint, config, data, distributed, launch, models, results, seed, timing
+
+# --- distributed ------------------------------------------------------------------------------
+
+
+def test_first_slurm_host():
+    assert distributed.first_slurm_host("gpu[07-09,12],cpu1") == "gpu07"
+    assert distributed.first_slurm_host("node3") == "node3"
+    assert distributed.first_slurm_host("a-b[1,3]") == "a-b1"
+
+
+def test_read_launch_env_torchrun_slurm_single():
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "n0", "MASTER_PORT": "1234"}
+    got = distributed.read_launch_env(env)
+    assert (got["rank"], got["local_rank"], got["world_size"], got["local_world_size"]) == (3, 1, 8, 2)
+    assert (got["master_addr"], got["master_port"], got["launcher"]) == ("n0", 1234, "torchrun")
+
+    slurm = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
+             "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[10-11]", "SLURM_JOB_ID": "77"}
+    got = distributed.read_launch_env(slurm)
+    assert (got["rank"], got["local_rank"], got["world_size"], got["local_world_size"]) == (5, 1, 8, 4)
+    assert (got["master_addr"], got["master_port"], got["launcher"]) == ("gpu10", 20077, "slurm")
+
+    got = distributed.read_launch_env({})
+    assert (got["rank"], got["world_size"], got["launcher"]) == (0, 1, "single")
+
+
+def test_choose_device_and_backend_on_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU-only choice")
+    assert distributed.choose_device_and_backend(0, 2) == (torch.device("cpu"), "gloo")
+    with pytest.raises(distributed.DistributedSetupError, match="no CUDA GPU"):
+        distributed.choose_device_and_backend(0, 1, device="cuda")
+    with pytest.raises(distributed.DistributedSetupError, match="nccl backend needs CUDA"):
+        distributed.choose_device_and_backend(0, 1, backend="nccl")
+    with pytest.raises(distributed.DistributedSetupError, match="unknown device"):
+        distributed.choose_device_and_backend(0, 1, device="tpu")
+
+
+def test_setup_single_process_world(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    info = distributed.setup_distributed(timeout_s=10)
+    try:
+        assert (info.rank, info.world_size, info.launcher, info.is_main) == (0, 1, "single", True)
+        x = torch.tensor([2.0])
+        dist.all_reduce(x)  # a real group of one: collectives work
+        assert x.item() == 2.0
+    finally:
+        distributed.teardown_distributed()
+    assert not dist.is_initialized()
+
+
+# --- config -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Cfg(config.RunConfig):
+    lr: float = 0.1
+    """Learning rate."""
+    mode: Literal["a", "b"] = "a"
+    """Which mode."""
+    sizes: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
+    """Some sizes."""
+    shuffle: bool = True
+    """Shuffle the data."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.lr <= 0:
+            raise ValueError("--lr must be positive")
+
+
+@dataclass
+class _Undocumented(config.RunConfig):
+    x: int = 1
+
+
+def test_config_flags_types_and_help():
+    cfg = config.parse_config(_Cfg, ["--lr", "0.5", "--mode", "b", "--sizes", "3", "4",
+                                     "--no-shuffle", "--steps", "7"])
+    assert (cfg.lr, cfg.mode, cfg.sizes, cfg.shuffle, cfg.steps) == (0.5, "b", [3, 4], False, 7)
+    assert config.parse_config(_Cfg, []) == _Cfg()
+    text = config.build_parser(_Cfg).format_help()
+    for flag in ("--lr", "--mode", "--sizes", "--shuffle", "--seed", "--out", "--device",
+                 "--backend", "--timeout", "--steps", "--tensorboard"):
+        assert flag in text
+    assert "Learning rate. (default: 0.1)" in " ".join(text.split())
+
+
+def test_config_rejects_bad_input_with_exit_2(capsys):
+    for argv in (["--no-such-flag"], ["--lr", "-1"], ["--mode", "c"], ["--steps", "0"],
+                 ["--lr", "abc"]):
+        with pytest.raises(SystemExit) as e:
+            config.parse_config(_Cfg, argv)
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--lr must be positive" in err and "unrecognized arguments: --no-such-flag" in err
+    assert "Traceback" not in err
+
+
+def test_config_requires_documented_fields():
+    with pytest.raises(TypeError, match="has no docstring"):
+        config.build_parser(_Undocumented)
+
+
+# --- seed and checkpoint ----------------------------------------------------------------------
+
+
+def test_rng_state_roundtrip_through_safe_checkpoint(tmp_path):
+    import random
+
+    import numpy as np
+
+    seed.seed_everything(3)
+    state = seed.capture_rng_state()
+    checkpoint.save_checkpoint(tmp_path / "rng.pt", {"rng": state})
+    expected = (random.random(), torch.rand(3), np.random.rand(2))
+    seed.restore_rng_state(checkpoint.load_checkpoint(tmp_path / "rng.pt")["rng"])
+    got = (random.random(), torch.rand(3), np.random.rand(2))
+    assert got[0] == expected[0] and torch.equal(got[1], expected[1])
+    assert (got[2] == expected[2]).all()
+
+
+def test_checkpoint_atomic_and_clear_errors(tmp_path):
+    path = tmp_path / "ck.pt"
+    checkpoint.save_checkpoint(path, {"w": torch.arange(3)})
+
+    def crash(f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt  # killed mid-write
+
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.atomic_write(path, crash)
+    assert torch.equal(checkpoint.load_checkpoint(path)["w"], torch.arange(3))
+    assert list(tmp_path.iterdir()) == [path]  # no temporary left behind
+
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint at"):
+        checkpoint.load_checkpoint(tmp_path / "missing.pt")
+    (tmp_path / "bad.pt").write_bytes(b"garbage")
+    with pytest.raises(checkpoint.CheckpointError, match="not a readable checkpoint"):
+        checkpoint.load_checkpoint(tmp_path / "bad.pt")
+
+
+def test_checkpoint_refuses_arbitrary_objects(tmp_path):
+    torch.save({"obj": _Cfg()}, tmp_path / "evil.pt")  # would run code on an unsafe load
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.load_checkpoint(tmp_path / "evil.pt")
+
+
+# --- results ----------------------------------------------------------------------------------
+
+
+def test_recorder_writes_summary_and_metrics(tmp_path):
+    cfg = _Cfg(out=str(tmp_path))
+    rec = results.RunRecorder(cfg, "/x/chapters/ch99_demo/train.py")
+    rec.metrics(1, loss=torch.tensor(0.5), lr=0.1)
+    rec.figure("busbw", measured=0.9, expected=1.0, unit="GB/s")
+    assert rec.check("equal", "parity", measured=1e-13, expected=0.0, tolerance=1e-12)
+    assert not rec.check("slow", "timing", measured=2.0, expected=1.0, tolerance=0.1, relative=True)
+    assert rec.finish() == 0  # a failed timing check is not fatal
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary) == {"chapter", "script", "world_size", "backend", "device", "versions",
+                            "config", "figures", "checks"}
+    assert (summary["chapter"], summary["script"]) == ("ch99_demo", "train")
+    assert summary["figures"]["busbw"] == {"measured": 0.9, "expected": 1.0, "unit": "GB/s"}
+    assert [c["ok"] for c in summary["checks"]] == [True, False]
+    assert set(summary["checks"][0]) >= {"name", "kind", "measured", "expected", "tolerance", "ok"}
+    line = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert line["step"] == 1 and line["loss"] == 0.5 and line["lr"] == 0.1 and "time_s" in line
+
+
+def test_recorder_fails_on_a_failed_parity_check(tmp_path):
+    rec = results.RunRecorder(_Cfg(out=str(tmp_path)), "train.py")
+    rec.check("counted", "count", measured=3, expected=4)
+    assert rec.finish() == 1
+    with pytest.raises(ValueError):
+        rec.check("x", "vibes", 1, 1)
+
+
+def test_check_ok():
+    assert results.check_ok(1.05, 1.0, 0.1, relative=True)
+    assert not results.check_ok(1.2, 1.0, 0.1, relative=True)
+    assert not results.check_ok(float("nan"), 0.0, 1.0)
+    assert results.check_ok([1, 2], [1, 2]) and not results.check_ok(True, False)
+
+
+def test_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rec = results.RunRecorder(_Cfg(out=str(tmp_path), tensorboard=True), "train.py")
+    for step in range(3):
+        rec.metrics(step, loss=1.0 / (step + 1))
+    rec.finish()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [round(e.value, 4) for e in acc.Scalars("loss")] == [1.0, 0.5, 0.3333]
+
+
+# --- models and data --------------------------------------------------------------------------
+
+
+def test_models_shapes_and_tied_embeddings():
+    assert models.MLP(4, 8, 2, n_layers=3)(torch.randn(5, 4)).shape == (5, 2)
+    assert models.SmallCNN()(torch.randn(2, 3, 16, 16)).shape == (2, 4)
+    cfg = models.GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, d_model=8)
+    gpt = models.TinyGPT(cfg)
+    idx = torch.randint(0, 11, (2, 8))
+    targets = idx.clone()
+    targets[:, -2:] = -100
+    logits, loss = gpt(idx, targets)
+    assert logits.shape == (2, 8, 11) and loss.ndim == 0
+    assert gpt.head.weight is gpt.tok_emb.weight
+    assert models.count_params(gpt) == sum(p.numel() for p in gpt.parameters())
+    with pytest.raises(ValueError, match="not divisible"):
+        models.GPTConfig(d_model=10, n_head=4)
+
+
+def test_gpt_is_causal():
+    torch.manual_seed(0)
+    gpt = models.TinyGPT(models.GPTConfig(vocab_size=7, block_size=6, n_layer=1, n_head=1, d_model=8))
+    a = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    b = torch.tensor([[1, 2, 3, 0, 0, 0]])
+    assert torch.allclose(gpt(a)[:, :3], gpt(b)[:, :3])
+
+
+def test_data_is_deterministic_and_offline():
+    X1, Y1 = data.regression_data(seed=1)
+    X2, Y2 = data.regression_data(seed=1)
+    assert torch.equal(X1, X2) and torch.equal(Y1, Y2)
+    X, y = data.classification_data(n=64, n_classes=3)
+    assert X.shape == (64, 16) and set(y.tolist()) <= {0, 1, 2}
+    imgs, labels = data.procedural_images(n=16, size=12)
+    assert imgs.shape == (16, 3, 12, 12) and 0 <= imgs.min() and imgs.max() <= 1
+    text = data.text_corpus()
+    assert len(text) > 400_000 and "for" in text
+    tok = data.CharTokenizer.fit(text[:5000])
+    assert tok.decode(tok.encode("the loop")) == "the loop"
+    assert tok.decode(tok.encode("\u2603")) == "?"
+    x, y = data.token_windows(tok.encode(text[:5000]), block_size=16, n=4)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_tokenizer_save_load(tmp_path):
+    tok = data.CharTokenizer.fit("hello world")
+    tok.save(tmp_path / "tok.json")
+    assert data.CharTokenizer.load(tmp_path / "tok.json").chars == tok.chars
+
+
+# --- timing -----------------------------------------------------------------------------------
+
+
+def test_benchmark_protocol():
+    calls = []
+    stats = timing.benchmark(lambda: calls.append(1), warmup=2, repeats=3)
+    assert len(calls) == 5 and stats.repeats == 3 and stats.min <= stats.median <= stats.max
+    assert stats.threads == torch.get_num_threads()
+    assert timing.throughput(10, 2.0) == 5.0
+    assert timing.mfu(1e9, 1.0, 2e9) == 0.5
+    assert timing.matmul_peak_flops(n=128, repeats=2) > 0
+
+
+# --- launch helpers ---------------------------------------------------------------------------
+
+
+def _rank_sum() -> tuple[int, float]:
+    x = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(x)
+    return dist.get_rank(), x.item()
+
+
+def _rank_fails() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 broke on purpose")
+    dist.barrier()  # rank 0 waits on a dead peer: must not hang the test
+
+
+@pytest.mark.timeout(60)
+def test_run_on_ranks_results_and_failures():
+    assert launch.run_on_ranks(_rank_sum, 3) == [(0, 6.0), (1, 6.0), (2, 6.0)]
+    with pytest.raises(AssertionError, match="rank 1 broke on purpose"):
+        launch.run_on_ranks(_rank_fails, 2, timeout=30)
+
+
+SCRIPT = '''
+import sys, time
+from dataclasses import dataclass
+import torch, torch.distributed as dist
+from common.config import RunConfig, parse_config
+from common.distributed import setup_distributed, teardown_distributed
+from common.results import RunRecorder
+
+@dataclass
+class Config(RunConfig):
+    sleep: float = 0.0
+    """Seconds to sleep."""
+
+def main(cfg):
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        rec = RunRecorder(cfg, "/x/chapters/ch00_demo/hello.py", info)
+        x = torch.tensor([float(info.rank + 1)])
+        dist.all_reduce(x)
+        time.sleep(cfg.sleep)
+        n = info.world_size
+        rec.check("all-reduce sum", "parity", x.item(), n * (n + 1) / 2)
+        return rec.finish()
+    finally:
+        teardown_distributed()
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config)))
+'''
+
+
+@pytest.mark.timeout(90)
+def test_run_torchrun_and_timeout(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text(SCRIPT)
+    res = launch.run_torchrun(script, nproc=2, timeout=60)
+    assert res.returncode == 0 and res.summary["world_size"] == 2
+    assert res.check("all-reduce sum")["ok"] and res.summary["backend"] == "gloo"
+    with pytest.raises(launch.LaunchError, match="timed out"):
+        launch.run_python(script, args=["--sleep", "30"], timeout=8)
+
+
+def test_packages_import_only_torch_and_stdlib():
+    """common/ imports nothing beyond torch and the standard library at module level."""
+    import ast
+    import pathlib
+
+    allowed = set(sys.stdlib_module_names) | {"torch", "common", "__future__"}
+    for path in pathlib.Path(config.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            for name in names:
+                assert name.split(".")[0] in allowed, f"{path.name} imports {name} at module level"
+    assert os.path.basename(launch.__file__) == "launch.py"
