@@ -1,0 +1,252 @@
+"""Data parallelism by hand and with DDP, checked against one process on the global batch.
+
+Every rank holds the whole model and a shard of each global batch; after backward the ranks
+average their gradients with one all-reduce, so every replica takes the same step as one
+process that saw the whole batch. This script trains the same model three ways (one process,
+hand-written all-reduce, DDP with `no_sync` accumulation), shows the token-normalisation bug
+of uneven batches and its fix, and checks the scaled learning-rate schedule.
+
+Run:
+    python chapters/ch03_data_parallel/train.py                                  # one process
+    torchrun --standalone --nproc_per_node=2 chapters/ch03_data_parallel/train.py
+    torchrun --standalone --nproc_per_node=3 chapters/ch03_data_parallel/train.py --global-batch-size 48
+    torchrun --standalone --nproc_per_node=8 chapters/ch03_data_parallel/train.py   # 8 GPUs, NCCL
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        chapters/ch03_data_parallel/train.py                                     # two nodes
+    srun --ntasks=16 --ntasks-per-node=8 python chapters/ch03_data_parallel/train.py   # Slurm
+"""
+
+
+import copy
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common.checkpoint import save_checkpoint
+from common.config import RunConfig, parse_config
+from common.data import regression_data
+from common.distributed import setup_distributed, teardown_distributed
+from common.log import log, setup_logging
+from common.models import MLP
+from common.results import RunRecorder
+from common.seed import seed_everything
+from common.timing import Timer
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+@dataclass
+class Config(RunConfig):
+    global_batch_size: int = 48
+    """Samples per optimizer step, summed over all ranks and micro-batches."""
+    grad_accum_steps: int = 2
+    """Micro-batches each rank accumulates before the gradients are averaged and applied."""
+    base_lr: float = 0.05
+    """Learning rate at the base batch size (before the linear scaling rule)."""
+    base_batch_size: int = 24
+    """Batch size at which base_lr was tuned: lr = base_lr * global_batch_size / base_batch_size."""
+    warmup_steps: int = 5
+    """Steps of linear warm-up from lr/warmup_steps to the scaled lr."""
+    dtype: str = "float64"
+    """float64 makes every parity check exact to ~1e-12; float32 needs ~1e-6 (see the lesson)."""
+    d_in: int = 16
+    """Input features of the MLP."""
+    d_hidden: int = 64
+    """Hidden width of the MLP."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
+        for name in ("global_batch_size", "grad_accum_steps", "base_batch_size", "warmup_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def scaled_lr(step: int, cfg: Config) -> float:
+    """Linear scaling rule with linear warm-up (Goyal et al., 2017)."""
+    peak = cfg.base_lr * cfg.global_batch_size / cfg.base_batch_size
+    return peak * min(1.0, (step + 1) / cfg.warmup_steps)
+
+
+def micro_batches(x: torch.Tensor, rank: int, world_size: int, k: int) -> list[torch.Tensor]:
+    """This rank's contiguous shard of a global batch, cut into k equal micro-batches."""
+    shard = x.chunk(world_size)[rank]
+    return list(shard.chunk(k))
+
+
+def all_reduce_gradients(model: nn.Module, world_size: int) -> int:
+    """The whole of data parallelism: average every gradient over the ranks.
+    Returns the number of all-reduce calls made (one per parameter tensor)."""
+    calls = 0
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad /= world_size
+            calls += 1
+    return calls
+
+
+def make_optimizer(model: nn.Module, cfg: Config):
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.base_lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: scaled_lr(s, cfg) / cfg.base_lr)
+    return opt, sched
+
+
+def train_single(model: nn.Module, X, Y, cfg: Config) -> list[float]:
+    """The reference: one process, the whole global batch in one backward per step."""
+    opt, sched = make_optimizer(model, cfg)
+    losses = []
+    for step in range(cfg.steps):
+        loss = F.mse_loss(model(X[step]), Y[step])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def train_hand_dp(model: nn.Module, X, Y, cfg: Config, rank: int, world_size: int) -> dict:
+    """Accumulate k micro-batches locally, then one all-reduce per gradient, then step."""
+    opt, sched = make_optimizer(model, cfg)
+    k, calls, lrs = cfg.grad_accum_steps, 0, []
+    for step in range(cfg.steps):
+        opt.zero_grad()
+        for x, y in zip(micro_batches(X[step], rank, world_size, k),
+                        micro_batches(Y[step], rank, world_size, k)):
+            (F.mse_loss(model(x), y) / k).backward()  # / k: the mean over all k micro-batches
+        calls += all_reduce_gradients(model, world_size)
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return {"all_reduce_calls": calls, "lrs": lrs}
+
+
+def counting_allreduce_hook(state: dict, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default all-reduce, counting the buckets (collectives) and bytes it sends."""
+    state["calls"] += 1
+    state["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def train_ddp(model: nn.Module, X, Y, cfg: Config, info, use_no_sync: bool = True) -> dict:
+    """DDP with gradient accumulation: `no_sync` on the first k-1 micro-batches skips their
+    all-reduce; the k-th backward all-reduces the accumulated gradients."""
+    ddp = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+    counter = {"calls": 0, "bytes": 0}
+    ddp.register_comm_hook(counter, counting_allreduce_hook)
+    opt, sched = make_optimizer(ddp, cfg)
+    k, calls_per_micro = cfg.grad_accum_steps, []
+    for step in range(cfg.steps):
+        opt.zero_grad()
+        pairs = list(zip(micro_batches(X[step], info.rank, info.world_size, k),
+                         micro_batches(Y[step], info.rank, info.world_size, k)))
+        for i, (x, y) in enumerate(pairs):
+            before = counter["calls"]
+            last = i == k - 1
+            if last or not use_no_sync:
+                (F.mse_loss(ddp(x), y) / k).backward()
+            else:
+                with ddp.no_sync():
+                    (F.mse_loss(ddp(x), y) / k).backward()
+            calls_per_micro.append(counter["calls"] - before)
+        opt.step()
+        sched.step()
+    return {**counter, "calls_per_micro": calls_per_micro}
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def global_batches(cfg: Config, device: torch.device):
+    """The same global batches on every rank (steps × global_batch_size × features)."""
+    dtype = DTYPES[cfg.dtype]
+    X, Y = regression_data(cfg.steps * cfg.global_batch_size, cfg.d_in, 1, seed=cfg.seed, dtype=dtype)
+    shape = (cfg.steps, cfg.global_batch_size)
+    return X.view(*shape, cfg.d_in).to(device), Y.view(*shape, 1).to(device)
+
+
+def main(cfg: Config) -> int:
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        setup_logging(info.rank, info.world_size)
+        per_step = info.world_size * cfg.grad_accum_steps
+        if cfg.global_batch_size % per_step:
+            raise SystemExit(
+                f"error: --global-batch-size {cfg.global_batch_size} must divide into "
+                f"{info.world_size} ranks x {cfg.grad_accum_steps} micro-batches; "
+                f"use a multiple of {per_step}")
+        rec = RunRecorder(cfg, __file__, info)
+        seed_everything(cfg.seed)
+        X, Y = global_batches(cfg, info.device)
+        model = MLP(cfg.d_in, cfg.d_hidden, 1).to(info.device, DTYPES[cfg.dtype])
+        single, hand, ddp_model = (copy.deepcopy(model) for _ in range(3))
+        log.info("world %d on %s/%s: global batch %d = %d ranks x %d micro-batches x %d samples",
+                 info.world_size, info.device, info.backend, cfg.global_batch_size,
+                 info.world_size, cfg.grad_accum_steps, cfg.global_batch_size // per_step)
+
+        losses = train_single(single, X, Y, cfg)  # every rank can afford the reference here
+        with Timer(info.device) as t_hand:
+            hand_log = train_hand_dp(hand, X, Y, cfg, info.rank, info.world_size)
+        with Timer(info.device) as t_ddp:
+            ddp_log = train_ddp(ddp_model, X, Y, cfg, info)
+        for step, (loss, lr) in enumerate(zip(losses, hand_log["lrs"])):
+            if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                rec.metrics(step, loss=loss, lr=lr)
+                log.info("step %3d  loss %.5f  lr %.4f", step, loss, lr)
+
+        tol = 1e-10 if cfg.dtype == "float64" else 1e-6
+        rec.check("hand DP == one process (max |dparam|)", "parity",
+                  max_param_diff(hand, single), 0.0, tol)
+        rec.check("DDP == one process (max |dparam|)", "parity",
+                  max_param_diff(ddp_model, single), 0.0, tol)
+        rec.check("hand DP == DDP (max |dparam|)", "parity", max_param_diff(hand, ddp_model), 0.0, tol)
+
+        n_tensors = len(list(model.parameters()))
+        rec.check("hand DP all-reduce calls = steps x tensors", "count",
+                  hand_log["all_reduce_calls"], cfg.steps * n_tensors)
+        k = cfg.grad_accum_steps
+        inside = [c for i, c in enumerate(ddp_log["calls_per_micro"]) if i % k != k - 1]
+        rec.check("DDP all-reduces inside no_sync", "count", sum(inside), 0)
+        n_params = sum(p.numel() for p in model.parameters())
+        elem = torch.finfo(DTYPES[cfg.dtype]).bits // 8
+        rec.check("DDP bytes all-reduced = steps x params x bytes", "formula",
+                  ddp_log["bytes"], cfg.steps * n_params * elem)
+        lr_err = max(abs(lr - scaled_lr(s, cfg)) for s, lr in enumerate(hand_log["lrs"]))
+        rec.check("lr schedule == linear scaling x warm-up", "formula", lr_err, 0.0, 1e-12)
+
+        from chapters.ch03_data_parallel import token_loss  # imports this module's helpers
+
+        tok = token_loss.compare(cfg, info)
+        rec.check("global-token normalisation == one process", "parity", tok["global"], 0.0, tol)
+        rec.check("naive per-batch mean differs from one process", "parity", tok["naive"],
+                  f"> {100 * tol:g}", ok=tok["naive"] > 100 * tol)
+
+        rec.figure("final loss", losses[-1])
+        rec.figure("DDP buckets per step", ddp_log["calls"] / cfg.steps)
+        rec.figure("hand DP time per step", t_hand.elapsed / cfg.steps * 1e3, unit="ms")
+        rec.figure("DDP time per step", t_ddp.elapsed / cfg.steps * 1e3, unit="ms")
+        rec.figure("all-reduce calls per step, hand DP", hand_log["all_reduce_calls"] / cfg.steps,
+                   expected=n_tensors)
+        rec.figure("DDP bytes per step", ddp_log["bytes"] / cfg.steps,
+                   expected=n_params * elem, unit="bytes")
+        rec.figure("tokens per rank, first step", [c[0] for c in tok["tokens_per_rank"]])
+        if info.is_main:
+            save_checkpoint(rec.out / "final_params.pt", {
+                "single": single.state_dict(), "hand": hand.state_dict(), "ddp": ddp_model.state_dict(),
+                "losses": torch.tensor(losses), "lrs": torch.tensor(hand_log["lrs"])})
+        return rec.finish()
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config, description=__doc__)))

@@ -1,0 +1,179 @@
+"""Chapter 03: data parallelism by hand == DDP == one process on the global batch.
+
+The torchrun runs check themselves (summary.json); this module also computes the one-process
+reference with its own plain loop, so a bug shared by the script and its checks still fails,
+and runs the negative controls: broken variants that the same checks must reject.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from chapters.ch03_data_parallel import token_loss, train
+from common.checkpoint import load_checkpoint
+from common.data import regression_data
+from common.launch import run_on_ranks, run_python, run_torchrun
+from common.models import MLP
+
+SCRIPT = Path(train.__file__)
+TOL = 1e-10  # float64: the runs differ only by summation order (~1e-16)
+
+
+def reference(cfg: train.Config) -> tuple[dict, list[float]]:
+    """One process, whole global batch, SGD with the schedule written out by hand."""
+    X, Y = regression_data(cfg.steps * cfg.global_batch_size, cfg.d_in, 1, seed=cfg.seed,
+                           dtype=torch.float64)
+    torch.manual_seed(cfg.seed)
+    model = MLP(cfg.d_in, cfg.d_hidden, 1).double()
+    lrs = []
+    for step in range(cfg.steps):
+        rows = slice(step * cfg.global_batch_size, (step + 1) * cfg.global_batch_size)
+        loss = ((model(X[rows]) - Y[rows]) ** 2).mean()
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        lr = cfg.base_lr * cfg.global_batch_size / cfg.base_batch_size * min(1, (step + 1) / cfg.warmup_steps)
+        lrs.append(lr)
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), grads):
+                p -= lr * g
+    return model.state_dict(), lrs
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_runs_match_an_independent_one_process_reference(nproc, tmp_path):
+    if nproc == 1:
+        res = run_python(SCRIPT, out_dir=tmp_path, timeout=60)  # no torchrun: a world of one
+    else:
+        res = run_torchrun(SCRIPT, nproc=nproc, out_dir=tmp_path, timeout=90)
+    assert res.summary["world_size"] == nproc
+    failed = [c["name"] for c in res.summary["checks"] if not c["ok"]]
+    assert not failed, res.output[-3000:]
+    cfg = train.Config()
+    expected, lrs = reference(cfg)
+    saved = load_checkpoint(tmp_path / "final_params.pt")
+    for name in ("single", "hand", "ddp"):
+        assert max_diff(saved[name], expected) < TOL, name
+    assert torch.allclose(saved["lrs"], torch.tensor(lrs, dtype=saved["lrs"].dtype), atol=1e-12)
+    assert res.check("DDP all-reduces inside no_sync")["measured"] == 0
+    n_params = sum(t.numel() for t in expected.values())
+    assert res.check("DDP bytes all-reduced = steps x params x bytes")["measured"] == cfg.steps * n_params * 8
+
+
+def _controls() -> dict:
+    """Runs on 2 gloo ranks: each broken variant, measured by the same parity check."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = train.Config(steps=6)
+    fake = _Info(rank, world)
+    X, Y = train.global_batches(cfg, torch.device("cpu"))
+    torch.manual_seed(cfg.seed)
+    model = MLP(cfg.d_in, cfg.d_hidden, 1).double()
+    single = copy.deepcopy(model)
+    train.train_single(single, X, Y, cfg)
+    out = {}
+
+    good = copy.deepcopy(model)
+    train.train_hand_dp(good, X, Y, cfg, rank, world)
+    out["hand"] = train.max_param_diff(good, single)
+
+    # Broken 1: one gradient tensor is never all-reduced (a layer left out of the sync).
+    def skip_first(m, world_size):
+        grads = [p.grad for p in m.parameters()][1:]
+        for g in grads:
+            dist.all_reduce(g)
+            g /= world_size
+        return len(grads)
+
+    original = train.all_reduce_gradients
+    train.all_reduce_gradients = skip_first
+    try:
+        broken = copy.deepcopy(model)
+        train.train_hand_dp(broken, X, Y, cfg, rank, world)
+    finally:
+        train.all_reduce_gradients = original
+    out["skip_one_grad"] = train.max_param_diff(broken, single)
+
+    # Broken 2: accumulate k micro-batches without dividing the loss by k.
+    broken = copy.deepcopy(model)
+    opt, sched = train.make_optimizer(broken, cfg)
+    for step in range(cfg.steps):
+        opt.zero_grad()
+        for x, y in zip(train.micro_batches(X[step], rank, world, cfg.grad_accum_steps),
+                        train.micro_batches(Y[step], rank, world, cfg.grad_accum_steps)):
+            F.mse_loss(broken(x), y).backward()
+        train.all_reduce_gradients(broken, world)
+        opt.step()
+        sched.step()
+    out["no_divide_by_k"] = train.max_param_diff(broken, single)
+
+    # Broken 3: every rank trains on the same shard (forgot to shard the global batch).
+    broken = copy.deepcopy(model)
+    train.train_hand_dp(broken, X, Y, cfg, 0, world)
+    out["same_shard"] = train.max_param_diff(broken, single)
+
+    # The collective counter sees all-reduces when no_sync is left out.
+    with_sync = train.train_ddp(copy.deepcopy(model), X, Y, cfg, fake)
+    without = train.train_ddp(copy.deepcopy(model), X, Y, cfg, fake, use_no_sync=False)
+    out["calls_no_sync"], out["calls_without"] = with_sync["calls"], without["calls"]
+    out["per_micro_no_sync"] = with_sync["calls_per_micro"]
+
+    # Tokens: the fix matches one process; the naive mean does not.
+    out["tokens"] = token_loss.compare(cfg, fake)
+    return out
+
+
+class _Info:
+    """The fields of common.distributed.DistInfo the training functions read."""
+
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cpu")
+
+
+@pytest.mark.timeout(90)
+def test_negative_controls_are_rejected():
+    res = run_on_ranks(_controls, 2, timeout=60)[0]
+    assert res["hand"] < TOL
+    assert res["skip_one_grad"] > 1e3 * TOL, "a gradient left out of the all-reduce went unnoticed"
+    assert res["no_divide_by_k"] > 1e3 * TOL, "an unnormalised accumulation went unnoticed"
+    assert res["same_shard"] > 1e3 * TOL, "training on one shard everywhere went unnoticed"
+    steps, k = 6, train.Config().grad_accum_steps
+    assert res["per_micro_no_sync"] == [0, 1] * steps  # one bucket, only on the last micro-batch
+    assert res["calls_without"] == k * res["calls_no_sync"] == k * steps
+    assert res["tokens"]["global"] < TOL
+    assert res["tokens"]["naive"] > 1e3 * TOL
+    per_rank = res["tokens"]["tokens_per_rank"]  # [rank][step]
+    assert any(a != b for a, b in zip(*per_rank)), "the token demo needs uneven counts per rank"
+
+
+def test_micro_batches_partition_the_global_batch():
+    x = torch.arange(24)
+    parts = [train.micro_batches(x, r, 3, 2) for r in range(3)]
+    assert torch.equal(torch.cat([m for p in parts for m in p]), x)
+    assert all(len(m) == 4 for p in parts for m in p)
+
+
+def test_scaled_lr_formula():
+    cfg = train.Config(base_lr=0.1, base_batch_size=32, global_batch_size=128, warmup_steps=4)
+    assert [round(train.scaled_lr(s, cfg), 12) for s in range(6)] == [0.1, 0.2, 0.3, 0.4, 0.4, 0.4]
+
+
+def test_impossible_layout_is_refused_in_one_sentence(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit) as e:
+        train.main(train.Config(global_batch_size=7, out=str(tmp_path)))
+    assert "must divide into 1 ranks x 2 micro-batches" in str(e.value.code)
+    assert not dist.is_initialized()  # torn down in finally
+    with pytest.raises(SystemExit) as e:
+        train.parse_config(train.Config, ["--dtype", "float16"])
+    assert e.value.code == 2
