@@ -76,7 +76,9 @@ def check_ok(measured, expected, tolerance: float = 0.0, relative: bool = False)
 
 def _fmt(x) -> str:
     if isinstance(x, float):
-        return f"{x:.4g}" if x == 0 or 1e-3 <= abs(x) < 1e6 else f"{x:.3e}"
+        if x.is_integer() and abs(x) < 1e15:
+            return str(int(x))
+        return f"{x:.4g}" if 1e-3 <= abs(x) < 1e6 else f"{x:.3e}"
     return str(x)
 
 

@@ -358,3 +358,16 @@ def test_packages_import_only_torch_and_stdlib():
             for name in names:
                 assert name.split(".")[0] in allowed, f"{path.name} imports {name} at module level"
     assert os.path.basename(launch.__file__) == "launch.py"
+
+
+def test_data_build_writes_corpus_tokens_and_tokenizer(tmp_path):
+    import runpy
+
+    import numpy as np
+
+    build = runpy.run_path(str(results.REPO_ROOT / "data" / "build.py"))["build"]
+    paths = build(tmp_path)
+    tok = data.CharTokenizer.load(paths["tokenizer"])
+    tokens = np.fromfile(paths["tokens"], dtype=np.int16)
+    text = paths["corpus"].read_text()
+    assert len(tokens) == len(text) and tok.decode(tokens[:200]) == text[:200]

@@ -1,0 +1,117 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 03 · Data parallelism · 数据并行
+#
+# Every rank holds the whole model and a shard of the global batch. After backward, one
+# all-reduce averages the gradients, so every replica takes the step one process would take on
+# the whole batch. This notebook looks at the code, at the two quiet bugs of data-parallel
+# loops (accumulation and token normalisation), and then runs the real thing on two processes.
+# The lesson is [chapters/ch03_data_parallel/README.md](../chapters/ch03_data_parallel/README.md).
+
+# %%
+import inspect
+import json
+
+import matplotlib.pyplot as plt
+import torch
+
+from chapters.ch03_data_parallel import plots, token_loss, train
+from common.launch import run_torchrun
+from common.results import REPO_ROOT
+
+# %% [markdown]
+# ## The whole technique in ten lines
+# Sum every gradient over the ranks, divide by the number of ranks. DDP does exactly this,
+# but in buckets and overlapped with backward (chapter 08).
+
+# %%
+print(inspect.getsource(train.all_reduce_gradients))
+
+# %% [markdown]
+# ## Sharding a global batch
+# Each rank takes a contiguous shard and cuts it into `grad_accum_steps` micro-batches. Here a
+# global batch of 12 samples on 3 ranks with 2 micro-batches each:
+
+# %%
+global_batch = torch.arange(12)
+for rank in range(3):
+    print(f"rank {rank}:", [m.tolist() for m in train.micro_batches(global_batch, rank, 3, 2)])
+
+# %% [markdown]
+# Accumulating k micro-batches equals one k-times larger batch only if each micro-batch's mean
+# loss is divided by k: the gradient of the global mean is the mean of the micro-batch means.
+# The training loop that does it:
+
+# %%
+print(inspect.getsource(train.train_hand_dp))
+
+# %% [markdown]
+# ## Uneven token counts: the silent bug
+# With padded sequences, micro-batches hold different numbers of real tokens. A per-batch mean,
+# averaged by DDP, gives a token in a short micro-batch more weight than one in a long
+# micro-batch. One process would weight every token by 1/N. The figure shows the weights for
+# the first step of the course's token data on 2 ranks.
+
+# %%
+labels, counts, naive, correct = plots.token_weights(train.Config(steps=1, global_batch_size=16), 2)
+for label, n, w in zip(labels, counts, naive):
+    print(f"{label.replace(chr(10), ' '):16s} {int(n):3d} tokens   naive weight {w:.4f}   correct {correct:.4f}")
+
+# %%
+print(inspect.getsource(token_loss.train_tokens_ddp))
+
+# %% [markdown]
+# ## The linear scaling rule
+# Growing the global batch by a factor g, grow the learning rate by g, reached after a warm-up
+# (Goyal et al., 2017). The script checks that the optimizer's learning rate follows the formula.
+
+# %%
+fig, ax = plt.subplots(figsize=(6, 3))
+for batch in (256, 1024, 4096):
+    c = train.Config(base_lr=0.1, base_batch_size=256, global_batch_size=batch, warmup_steps=20)
+    ax.plot([train.scaled_lr(s, c) for s in range(40)], label=f"global batch {batch}")
+ax.set_xlabel("step")
+ax.set_ylabel("learning rate")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# ## The real run: two processes under torchrun
+# Hand-written data parallelism, DDP with `no_sync` accumulation, and one process on the
+# global batch, trained side by side; every check must say `ok`.
+
+# %%
+out_dir = REPO_ROOT / "runs" / "notebooks" / "ch03"
+result = run_torchrun(REPO_ROOT / "chapters/ch03_data_parallel/train.py", nproc=2, out_dir=out_dir)
+print(result.output[result.output.index("figure"):])
+
+# %%
+for check in result.summary["checks"]:
+    print(f"{'ok ' if check['ok'] else 'FAIL'} {check['name']}: {check['measured']}")
+
+# %%
+steps = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+plt.figure(figsize=(5, 3))
+plt.plot([s["step"] for s in steps], [s["loss"] for s in steps], marker="o")
+plt.xlabel("step")
+plt.ylabel("training loss (global batch)")
+plt.show()
+
+# %% [markdown]
+# ## Exercises
+# 1. Run the script with `--dtype float32` on 2 and 3 processes. How large do the parity
+#    differences get, and why are they not zero?
+# 2. Change `all_reduce_gradients` to skip the bias of the last layer. Which checks fail?
+# 3. Make the token loss normalise by the *local* token count times the world size. When does
+#    that match one process, and when not?

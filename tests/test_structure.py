@@ -1,0 +1,121 @@
+"""The course's shape stays true: every chapter has its parts, every script explains itself and
+refuses bad input, every README link resolves, the environment files agree."""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import runpy
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = sorted(p for p in (ROOT / "chapters").glob("ch[0-9][0-9]_*") if p.is_dir())
+SCRIPTS = sorted(p for c in CHAPTERS for p in c.glob("*.py")
+                 if 'if __name__ == "__main__":' in p.read_text())
+READMES = sorted([ROOT / "README.md", ROOT / "data" / "README.md", *(c / "README.md" for c in CHAPTERS)])
+
+
+def index_table() -> dict[str, tuple[str, str | None]]:
+    """Chapter number -> (slug, link target or None) from the top README's table."""
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        m = re.match(r"\|\s*(\d\d)\s*\|(.*?)\|", line)
+        if m:
+            link = re.search(r"\]\((chapters/ch\d\d_[a-z_]+)/?(README\.md)?\)", line)
+            slug = re.search(r"ch\d\d_([a-z_]+)", line)
+            rows[m.group(1)] = (slug.group(1) if slug else m.group(2).strip(),
+                                link.group(1) if link else None)
+    return rows
+
+
+def test_readme_lists_all_thirty_chapters_linking_exactly_the_written_ones():
+    table = index_table()
+    assert sorted(table) == [f"{i:02d}" for i in range(1, 31)]
+    written = {c.name for c in CHAPTERS}
+    linked = {Path(link).name for _, link in table.values() if link}
+    assert linked == written, "link every written chapter, and only those"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
+def test_chapter_has_every_part(chapter):
+    for part in ("README.md", "train.py", "lesson.py", "__init__.py"):
+        assert (chapter / part).is_file(), f"{chapter.name} lacks {part}"
+    assert (ROOT / "notebooks" / f"{chapter.name}.ipynb").is_file()
+    number = chapter.name[2:4]
+    assert list((ROOT / "tests").glob(f"test_ch{number}_*.py")), f"no tests for {chapter.name}"
+    heading = (chapter / "README.md").read_text().splitlines()[0]
+    assert heading.startswith(f"# Chapter {number} ") and re.search(r"[\u4e00-\u9fff]", heading), \
+        "lesson heading: '# Chapter NN · English · 中文'"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
+def test_notebook_source_defines_nothing(chapter):
+    """A notebook is a client of its chapter: functions and classes live in the scripts."""
+    tree = ast.parse((chapter / "lesson.py").read_text())
+    defined = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert not defined, f"{chapter.name}/lesson.py defines {defined}; move them into the chapter"
+
+
+def run_script(path: Path, *argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    saved = sys.argv
+    sys.argv = [str(path), *argv]
+    try:
+        with redirect_stdout(out), redirect_stderr(err), pytest.raises(SystemExit) as e:
+            runpy.run_path(str(path), run_name="__main__")
+    finally:
+        sys.argv = saved
+    return e.value.code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_script_help_and_bad_option(script):
+    code, out, _ = run_script(script, "--help")
+    assert code == 0
+    for flag in ("--seed", "--out", "--device", "--backend", "--timeout", "--steps"):
+        assert flag in out, f"--help of {script.name} lacks {flag}"
+    assert "torchrun" in out or "python" in out, "the docstring shows how to run it"
+    code, _, err = run_script(script, "--no-such-option")
+    assert code == 2 and "unrecognized arguments: --no-such-option" in err
+    assert len(err.strip().splitlines()) <= 3, "a bad option gets a short message, no traceback"
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_readme_links_resolve(readme):
+    assert readme.is_file()
+    for target in LINK.findall(readme.read_text()):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue  # web links and in-page anchors
+        path = (readme.parent / target.split("#")[0]).resolve()
+        assert path.exists(), f"{readme.relative_to(ROOT)} links to missing {target}"
+
+
+def pins(lines) -> dict[str, str]:
+    found = {}
+    for line in lines:
+        m = re.match(r"\s*-?\s*([A-Za-z0-9_.\-\[\]]+)==([^\s#]+)", line)
+        if m:
+            found[m.group(1).lower()] = m.group(2)
+    return found
+
+
+def test_environment_files_agree():
+    req = pins((ROOT / "requirements.txt").read_text().splitlines())
+    env = pins((ROOT / "environment.yml").read_text().splitlines())
+    assert req == env and req["torch"] == "2.14.1" and req["torchvision"] == "0.29.1"
+    assert "-e ." in (ROOT / "requirements.txt").read_text()
+    assert "python=3.11" in (ROOT / "environment.yml").read_text()
+
+
+def test_ci_runs_the_readme_test_command():
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    assert "./course test" in readme and "./course test" in ci
+    assert "ruff check" in ci and (ROOT / "LICENSE").is_file()
