@@ -1,0 +1,282 @@
+"""Hello, distributed: every rank reports who it is, the ranks add up one number together, and
+one timed training step of a small model is turned into a projection of how long a real model
+would take to train (6·N·D FLOPs at a measured or an assumed rate).
+
+    python chapters/ch01_overview/train.py                                   # one process
+    torchrun --standalone --nproc_per_node=2 chapters/ch01_overview/train.py # 2 processes, CPU
+    torchrun --standalone --nproc_per_node=8 chapters/ch01_overview/train.py # 8 GPUs, one node
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        chapters/ch01_overview/train.py                                      # on each of 2 nodes
+    srun --nodes=2 --ntasks-per-node=1 bash -c 'torchrun --nnodes=$SLURM_NNODES \\
+        --nproc_per_node=8 --rdzv-backend=c10d \\
+        --rdzv-endpoint=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1):29500 \\
+        chapters/ch01_overview/train.py'                                     # Slurm, 2 nodes
+
+Project another run: --project-params 70e9 --project-tokens 2e12 --project-devices 1024.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from chapters.ch01_overview import calculators as calc
+from common.checkpoint import atomic_write
+from common.config import RunConfig, parse_config
+from common.data import regression_data
+from common.distributed import DistInfo, DistributedSetupError
+from common.log import log, setup_logging
+from common.models import MLP, count_params
+from common.results import RunRecorder
+from common.seed import seed_everything
+from common.timing import benchmark, matmul_peak_flops
+
+
+@dataclass
+class Config(RunConfig):
+    batch_size: int = 128
+    """Samples in each rank's training step."""
+    d_in: int = 128
+    """Input width of the MLP whose training step is counted and timed."""
+    d_hidden: int = 256
+    """Hidden width of the MLP."""
+    d_out: int = 8
+    """Output width of the MLP."""
+    n_layers: int = 4
+    """Linear layers (with bias) in the MLP."""
+    lr: float = 1e-3
+    """Learning rate of Adam."""
+    warmup: int = 2
+    """Untimed steps before the --steps timed ones."""
+    matmul_size: int = 1024
+    """n of the n×n fp32 matmul whose FLOP/s is this device's achievable peak (MFU's denominator)."""
+    project_params: float = 7e9
+    """Parameters N of the model whose training is projected."""
+    project_tokens: float = 1e12
+    """Training tokens D of the projected run."""
+    project_devices: int = 8
+    """Devices of the projected run."""
+    peak_flops: float = 989e12
+    """Assumed peak FLOP/s per device for the projection (H100 SXM, bf16 dense: 989e12)."""
+    mfu: float = 0.4
+    """Assumed model FLOPs utilisation (fraction of peak achieved) for the projection."""
+    device_memory_gb: float = 80.0
+    """Memory per device in decimal GB (1e9 bytes), to count devices that hold the state."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("batch_size", "d_in", "d_hidden", "d_out", "n_layers", "matmul_size",
+                     "project_devices"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("lr", "project_params", "project_tokens", "peak_flops", "device_memory_gb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be at least 0, got {self.warmup}")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"--mfu is a fraction of peak in (0, 1], got {self.mfu}")
+
+
+def choose_device(local_rank: int, local_world_size: int, device: str, backend: str):
+    """CUDA + NCCL when every local rank has its own GPU, else CPU + gloo; overrides win."""
+    if device == "auto":
+        enough = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+        device = "cuda" if enough else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DistributedSetupError("--device cuda was asked for, but this machine has no CUDA GPU")
+    if device == "cuda" and local_rank >= torch.cuda.device_count():
+        raise DistributedSetupError(f"local rank {local_rank} has no GPU of its own: use fewer "
+                                    "processes per node or --device cpu")
+    dev = torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if backend == "nccl" and dev.type != "cuda":
+        raise DistributedSetupError("the nccl backend needs CUDA devices: use --backend gloo on CPU")
+    return dev, backend
+
+
+def setup_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
+    """Join the job torchrun started, or make a world of one, and return this rank's view."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (or a PyTorchJob) set these
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", 0))
+        local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
+        launcher = "torchrun"
+    else:  # plain `python train.py`: a real group of one, so collectives still work
+        rank, local_rank, world_size, local_world_size, launcher = 0, 0, 1, 1, "single"
+    dev, backend = choose_device(local_rank, local_world_size, device, backend)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # BEFORE init: NCCL binds its communicator to this device
+    timeout = datetime.timedelta(seconds=timeout_s)  # a dead peer becomes an error, not a hang
+    if not dist.is_initialized():
+        if launcher == "single":
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+        else:  # env://: MASTER_ADDR and MASTER_PORT point at the store torchrun prepared
+            dist.init_process_group(backend, init_method="env://", rank=rank,
+                                    world_size=world_size, timeout=timeout)
+    return DistInfo(rank, local_rank, world_size, local_world_size, dev, backend, launcher)
+
+
+def teardown_distributed() -> None:
+    """Destroy the default group if there is one (call it in `finally`)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank_view(info: DistInfo) -> dict:
+    """What this process knows about its place in the job."""
+    return dict(rank=info.rank, local_rank=info.local_rank, world_size=info.world_size,
+                backend=info.backend, device=str(info.device), host=socket.gethostname(),
+                pid=os.getpid(), threads=torch.get_num_threads())
+
+
+def gather_views(view: dict) -> list[dict]:
+    """Every rank's view on every rank, in rank order (one collective: all ranks call it)."""
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, view)
+    return views
+
+
+def views_table(views: list[dict]) -> str:
+    keys = list(views[0])
+    rows = [keys] + [[str(v[k]) for k in keys] for v in views]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(keys))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def all_reduce_sum(device: torch.device) -> tuple[float, float, float]:
+    """Each rank contributes rank+1; after a SUM all-reduce every rank holds 1+2+…+n = n(n+1)/2.
+    Returns (this rank's contribution, the all-reduced value, n(n+1)/2)."""
+    n = dist.get_world_size()
+    t = torch.tensor([dist.get_rank() + 1.0], dtype=torch.float64, device=device)
+    local = t.item()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return local, t.item(), n * (n + 1) / 2
+
+
+def mlp_dims(cfg: Config) -> list[int]:
+    return [cfg.d_in] + [cfg.d_hidden] * (cfg.n_layers - 1) + [cfg.d_out]
+
+
+def mlp_step_flops(dims: list[int], batch: int) -> int:
+    """Matmul FLOPs of one training step of a linear-layer MLP, as FlopCounterMode counts them:
+    2·B·in·out per layer forward, the same again for the weight gradient and for the input
+    gradient, except the first layer, whose input needs no gradient: 6·B·Σ in·out − 2·B·in₀·out₀.
+    (Bias adds, ReLUs and the optimizer's element-wise updates are not counted.)"""
+    pairs = list(zip(dims, dims[1:]))
+    return 6 * batch * sum(a * b for a, b in pairs) - 2 * batch * pairs[0][0] * pairs[0][1]
+
+
+def count_flops(fn) -> int:
+    """FLOPs of the matmul-like ops `fn()` runs, as torch.utils.flop_counter counts them."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def train_step(model, opt, x, y) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def slowest(seconds: float, device: torch.device) -> float:
+    """The largest value over ranks: a synchronous job runs at its slowest rank's pace."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def record_projection(rec: RunRecorder, cfg: Config, achieved_flops: float) -> None:
+    """Memory, FLOPs and days for the projected model, at the measured and at an assumed rate."""
+    N, D, n = cfg.project_params, cfg.project_tokens, cfg.project_devices
+    state = calc.training_state_bytes(N, "mixed_adam")
+    rec.figure("projected: bf16 weights", calc.to_gb(calc.training_state_bytes(N, "bf16_inference")), unit="GB")
+    rec.figure("projected: mixed-precision Adam state", calc.to_gb(state), unit="GB")
+    rec.figure(f"projected: devices to hold it ({cfg.device_memory_gb:g} GB each)",
+               calc.devices_to_hold(N, cfg.device_memory_gb, "mixed_adam"), unit="devices")
+    rec.figure("projected: training FLOPs 6·N·D", calc.training_flops(N, D), unit="FLOP")
+    measured = calc.time_to_train_s(N, D, n, achieved_flops, mfu=1.0)
+    assumed = calc.time_to_train_s(N, D, n, cfg.peak_flops, cfg.mfu)
+    rec.figure(f"projected: days on {n} devices at this run's rate", calc.days(measured), unit="days")
+    rec.figure(f"projected: days on {n} devices at {cfg.peak_flops:.3g} FLOP/s × MFU {cfg.mfu:g}",
+               calc.days(assumed), unit="days")
+
+
+def main(cfg: Config) -> int:
+    try:
+        info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    except DistributedSetupError as e:  # one clear line, not a traceback
+        print(f"{Path(__file__).name}: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        setup_logging(info.rank, info.world_size)
+        rec = RunRecorder(cfg, __file__, info)
+
+        # 1. Who am I? Every rank's view, gathered in rank order and printed once.
+        views = gather_views(rank_view(info))
+        log.info("%s\n", views_table(views))
+        rec.check("rank views cover ranks 0..n-1", "count",
+                  measured=[v["rank"] for v in views], expected=list(range(info.world_size)))
+        if info.is_main:
+            atomic_write(rec.out / "ranks.json", lambda f: f.write(json.dumps(views, indent=1).encode()))
+
+        # 2. One all-reduce: the ranks add up their numbers.
+        _, total, expected = all_reduce_sum(info.device)
+        rec.check("all-reduce SUM of rank+1 = n(n+1)/2", "count", measured=total, expected=expected)
+
+        # 3. One training step of a small model: count its FLOPs, then time it.
+        seed_everything(cfg.seed)  # the same initial model on every rank
+        model = MLP(cfg.d_in, cfg.d_hidden, cfg.d_out, cfg.n_layers).to(info.device)
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        x, y = (t.to(info.device) for t in regression_data(
+            cfg.batch_size, cfg.d_in, cfg.d_out, seed=cfg.seed + info.rank))  # each rank its data
+        losses = []
+
+        def step_fn():
+            losses.append(train_step(model, opt, x, y))
+
+        counted = count_flops(step_fn)
+        dims, N, B = mlp_dims(cfg), count_params(model), cfg.batch_size
+        rec.check("step FLOPs = 6·B·Σ in·out − 2·B·in₀·out₀", "formula",
+                  measured=counted, expected=mlp_step_flops(dims, B), tolerance=0)
+        rec.figure("step FLOPs counted vs plain 6·N·B", counted, expected=6 * N * B, unit="FLOP")
+
+        stats = benchmark(step_fn, warmup=cfg.warmup, repeats=cfg.steps, device=info.device)
+        for i, loss in enumerate(losses, 1):
+            if i % cfg.log_every == 0 or i == len(losses):
+                rec.metrics(i, loss=loss, lr=cfg.lr)
+        step_s = slowest(stats.median, info.device)
+        achieved = counted / step_s
+        peak = matmul_peak_flops(cfg.matmul_size, device=info.device)
+        log.info("step: %s on rank 0; slowest rank's median %.2f ms", stats, step_s * 1e3)
+        rec.figure("step time, median (slowest rank)", step_s * 1e3, unit="ms")
+        rec.figure("achieved FLOP/s per rank", achieved, unit="FLOP/s")
+        rec.figure(f"fp32 matmul peak ({cfg.matmul_size}², this device)", peak, unit="FLOP/s")
+        rec.check("MFU vs matmul peak ≤ 1", "timing", measured=achieved / peak, expected=1.0,
+                  ok=achieved <= peak)
+
+        # 4. What that means for a real model.
+        record_projection(rec, cfg, achieved)
+        return rec.finish()
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config, description=__doc__)))

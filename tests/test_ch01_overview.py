@@ -1,0 +1,253 @@
+"""Chapter 01 (why distributed training): the hello-distributed run, its all-reduce and rank
+views, the FLOP-counting formula, the memory/FLOPs/time calculators, and the inline setup."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
+
+from chapters.ch01_overview import calculators as calc
+from chapters.ch01_overview import train
+from common.config import parse_config
+from common.distributed import DistributedSetupError
+from common.launch import run_on_ranks, run_torchrun
+from common.models import MLP, count_params
+from common.results import check_ok
+
+SCRIPT = Path(train.__file__)
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+
+
+@pytest.fixture(scope="module")
+def run2(tmp_path_factory):
+    """One real `torchrun --nproc_per_node=2` launch of train.py, shared by the tests below."""
+    out = tmp_path_factory.mktemp("ch01_run2")
+    return run_torchrun(SCRIPT, nproc=2, args=["--steps", "6", "--log-every", "2"],
+                        timeout=120, out_dir=out)
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    """As if started with plain `python`: no torchrun variables, no group yet."""
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert not dist.is_initialized()
+
+
+# --- the real two-process run --------------------------------------------------------------
+
+@pytest.mark.timeout(150)
+def test_all_reduce_result_in_a_real_two_process_run(run2):
+    s = run2.summary
+    assert (s["world_size"], s["backend"], s["device"]) == (2, "gloo", "cpu")
+    check = run2.check("all-reduce SUM of rank+1 = n(n+1)/2")
+    assert check["ok"] and check["measured"] == 3 == 2 * 3 / 2 and check["tolerance"] == 0
+    assert all(c["ok"] for c in s["checks"] if c["kind"] != "timing"), s["checks"]
+
+
+@pytest.mark.timeout(150)
+def test_rank_views_cover_every_rank(run2):
+    views = json.loads((run2.out_dir / "ranks.json").read_text())
+    assert [v["rank"] for v in views] == [0, 1]
+    assert [v["local_rank"] for v in views] == [0, 1]
+    assert {v["world_size"] for v in views} == {2}
+    assert {(v["backend"], v["device"]) for v in views} == {("gloo", "cpu")}
+    assert len({v["pid"] for v in views}) == 2, "two ranks must be two processes"
+    assert all(v["host"] for v in views)
+    assert {v["threads"] for v in views} == {1}  # torchrun's OMP_NUM_THREADS=1
+    assert run2.check("rank views cover ranks 0..n-1")["ok"]
+    header = "rank  local_rank  world_size  backend  device"
+    assert header in run2.output and run2.output.count(header) == 1  # printed once, by rank 0
+
+
+@pytest.mark.timeout(150)
+def test_step_flops_of_the_run_match_the_formula_computed_here(run2):
+    cfg = run2.summary["config"]
+    dims = [cfg["d_in"]] + [cfg["d_hidden"]] * (cfg["n_layers"] - 1) + [cfg["d_out"]]
+    B = cfg["batch_size"]
+    expected = 6 * B * sum(a * b for a, b in zip(dims, dims[1:])) - 2 * B * dims[0] * dims[1]
+    check = run2.check("step FLOPs = 6·B·Σ in·out − 2·B·in₀·out₀")
+    assert check["ok"] and check["measured"] == expected == check["expected"]
+    assert check["tolerance"] == 0 and check["kind"] == "formula"
+    naive = run2.summary["figures"]["step FLOPs counted vs plain 6·N·B"]
+    assert naive["measured"] == expected and naive["expected"] != expected
+
+
+@pytest.mark.timeout(150)
+def test_projection_and_metrics_of_the_run(run2):
+    f = run2.summary["figures"]
+    assert f["projected: bf16 weights"]["measured"] == pytest.approx(14.0)
+    assert f["projected: mixed-precision Adam state"]["measured"] == pytest.approx(112.0)
+    assert f["projected: devices to hold it (80 GB each)"]["measured"] == 2
+    assert f["projected: training FLOPs 6·N·D"]["measured"] == pytest.approx(4.2e22)
+    # 4.2e22 FLOP / (8 devices · 989e12 FLOP/s · 0.4) = 1.327e7 s = 153.6 days, by hand.
+    assumed = f["projected: days on 8 devices at 9.89e+14 FLOP/s × MFU 0.4"]["measured"]
+    assert assumed == pytest.approx(4.2e22 / (8 * 989e12 * 0.4) / 86400) == pytest.approx(153.6, abs=0.05)
+    rate = f["achieved FLOP/s per rank"]["measured"]
+    measured = f["projected: days on 8 devices at this run's rate"]["measured"]
+    assert rate > 0 and measured == pytest.approx(4.2e22 / (8 * rate) / 86400)
+    lines = [json.loads(x) for x in (run2.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [2, 4, 6, 8, 9]  # 1 counted + 2 warm-up + 6 timed
+    assert all({"step", "time_s", "loss", "lr"} <= m.keys() and math.isfinite(m["loss"]) for m in lines)
+
+
+# --- the all-reduce on three ranks, with a negative control --------------------------------
+
+@pytest.mark.timeout(90)
+def test_all_reduce_on_three_ranks_and_skipped_all_reduce_is_caught():
+    results = run_on_ranks(train.all_reduce_sum, 3, torch.device("cpu"), timeout=60)
+    for rank, (local, total, expected) in enumerate(results):
+        assert local == rank + 1 and expected == 6
+        assert check_ok(total, expected, tolerance=0)
+        # Negative control: a rank that skipped the all-reduce holds its own rank+1, and the
+        # same check rejects it.
+        assert not check_ok(local, expected, tolerance=0)
+
+
+# --- FLOP counting: FlopCounterMode against the formula, computed here ---------------------
+
+def counted_step_flops(dims, batch, input_requires_grad=False):
+    torch.manual_seed(0)
+    model = MLP(dims[0], dims[1], dims[-1], len(dims) - 1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, dims[0], requires_grad=input_requires_grad)
+    y = torch.randn(batch, dims[-1])
+    with FlopCounterMode(display=False) as counter:
+        train.train_step(model, opt, x, y)
+    return counter.get_total_flops(), count_params(model)
+
+
+@pytest.mark.parametrize("dims,batch", [([16, 32, 32, 1], 8), ([7, 3], 4), ([64, 48, 48, 48, 10], 32)])
+def test_flop_counter_matches_the_formula_exactly(dims, batch):
+    counted, n_params = counted_step_flops(dims, batch)
+    # Layer by layer: forward 2·B·a·b; backward 2·B·a·b for the weight gradient and, except
+    # for the first layer (its input needs no gradient), 2·B·a·b for the input gradient.
+    by_hand = sum((4 if i == 0 else 6) * batch * a * b for i, (a, b) in enumerate(zip(dims, dims[1:])))
+    assert counted == by_hand == train.mlp_step_flops(dims, batch)
+    # Negative control: the textbook 6·N·B (N with biases) is close but not exact.
+    assert counted != 6 * n_params * batch
+    assert 0.5 < counted / (6 * n_params * batch) < 1
+    # The first-layer exception is real: an input that needs a gradient adds 2·B·in₀·out₀.
+    with_input_grad, _ = counted_step_flops(dims, batch, input_requires_grad=True)
+    assert with_input_grad == by_hand + 2 * batch * dims[0] * dims[1] != train.mlp_step_flops(dims, batch)
+
+
+def test_count_flops_counts_a_function():
+    a, b = torch.randn(5, 7), torch.randn(7, 3)
+    assert train.count_flops(lambda: a @ b) == 2 * 5 * 7 * 3
+
+
+# --- calculators against hand-worked numbers ----------------------------------------------
+
+def test_bytes_per_parameter_of_each_recipe():
+    assert calc.bytes_per_param("fp32_adam") == 4 + 4 + 4 + 4 == 16
+    assert calc.bytes_per_param("mixed_adam") == 2 + 2 + 4 + 4 + 4 == 16
+    assert calc.bytes_per_param("bf16_inference") == 2
+    assert sorted(calc.recipe_breakdown("mixed_adam").values()) == [2, 2, 4, 4, 4]
+    with pytest.raises(ValueError, match="unknown recipe 'fp8'"):
+        calc.bytes_per_param("fp8")
+
+
+def test_7b_model_memory_by_hand():
+    assert calc.training_state_bytes(7e9, "bf16_inference") == 14e9
+    assert calc.to_gb(calc.training_state_bytes(7e9, "bf16_inference")) == pytest.approx(14.0)
+    assert calc.to_gib(14e9) == pytest.approx(13.04, abs=0.005)  # 14e9 / 2**30
+    assert calc.to_gb(calc.training_state_bytes(7e9, "mixed_adam")) == pytest.approx(112.0)
+    assert calc.to_gb(calc.training_state_bytes(7e9, "fp32_adam")) == pytest.approx(112.0)
+    assert calc.to_gib(112e9) == pytest.approx(104.31, abs=0.005)
+    parts = calc.state_breakdown_gb(7e9, "mixed_adam")
+    assert parts == pytest.approx({"bf16 weights": 14, "bf16 gradients": 14,
+                                   "fp32 master weights": 28, "Adam m (fp32)": 28,
+                                   "Adam v (fp32)": 28})
+
+
+def test_devices_needed_to_hold_the_state():
+    assert calc.devices_to_hold(7e9, 80) == 2      # 112 GB / 80 GB = 1.4
+    assert calc.devices_to_hold(7e9, 24) == 5      # 112 / 24 = 4.67
+    assert calc.devices_to_hold(7e9, 112) == 1     # exactly full
+    assert calc.devices_to_hold(70e9, 80) == 14    # 1120 / 80
+    assert calc.devices_to_hold(7e9, 80, "bf16_inference") == 1
+
+
+def test_training_flops_and_time_to_train_by_hand():
+    assert calc.training_flops(7e9, 1e12) == pytest.approx(4.2e22, rel=1e-15)
+    # 1B params, 10B tokens: 6e19 FLOP; 4 devices at 1e15 FLOP/s and MFU 0.5 do 2e15 FLOP/s.
+    assert calc.time_to_train_s(1e9, 1e10, 4, 1e15, 0.5) == pytest.approx(30_000, rel=1e-12)
+    # 7B on 1T tokens, 8 H100s (989e12 bf16 dense) at MFU 0.4: 3.1648e15 FLOP/s in all,
+    # 4.2e22 / 3.1648e15 = 1.3271e7 s = 153.6 days; on one H100, 8 times longer (3.4 years).
+    t8 = calc.time_to_train_s(7e9, 1e12, 8, 989e12, 0.4)
+    assert t8 == pytest.approx(1.32710e7, rel=1e-5)
+    assert calc.days(t8) == pytest.approx(153.60, abs=0.005)
+    t1 = calc.time_to_train_s(7e9, 1e12, 1, 989e12, 0.4)
+    assert calc.days(t1) / 365 == pytest.approx(3.366, abs=0.001)
+    assert calc.time_to_train_s(7e9, 1e12, 8, 989e12 * 0.4) == pytest.approx(t8)  # mfu=1 default
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: calc.time_to_train_s(7e9, 1e12, 0, 1e15, 0.4), "n_devices must be at least 1"),
+    (lambda: calc.time_to_train_s(7e9, 1e12, 8, 1e15, 1.5), r"mfu must be in \(0, 1\]"),
+    (lambda: calc.training_flops(-1, 1e12), "n_params must be positive"),
+    (lambda: calc.devices_to_hold(7e9, 0), "device_memory_gb must be positive"),
+])
+def test_calculators_reject_impossible_inputs(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# --- the inline setup and the command line -------------------------------------------------
+
+def test_setup_falls_back_to_a_world_of_one(no_launcher):
+    info = train.setup_distributed("cpu", "auto", timeout_s=30)
+    try:
+        assert (info.rank, info.world_size, info.launcher) == (0, 1, "single")
+        assert (info.device, info.backend) == (torch.device("cpu"), "gloo")
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert train.all_reduce_sum(info.device) == (1.0, 1.0, 1.0)  # a real collective works
+    finally:
+        train.teardown_distributed()
+    assert not dist.is_initialized()
+
+
+def test_main_runs_as_one_process(no_launcher, tmp_path):
+    cfg = train.Config(out=str(tmp_path), steps=2, warmup=0, matmul_size=64)
+    assert train.main(cfg) == 0
+    assert not dist.is_initialized()  # destroyed in finally
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 1
+    assert {c["name"]: c["ok"] for c in summary["checks"] if c["kind"] != "timing"} == {
+        "rank views cover ranks 0..n-1": True, "all-reduce SUM of rank+1 = n(n+1)/2": True,
+        "step FLOPs = 6·B·Σ in·out − 2·B·in₀·out₀": True}
+
+
+def test_nccl_is_refused_on_a_cpu_only_machine(no_launcher, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only machine
+    with pytest.raises(DistributedSetupError, match="nccl backend needs CUDA"):
+        train.setup_distributed("auto", "nccl", timeout_s=10)
+    with pytest.raises(DistributedSetupError, match="no CUDA GPU"):
+        train.setup_distributed("cuda", "auto", timeout_s=10)
+    assert not dist.is_initialized()
+    assert train.main(train.Config(out=str(tmp_path), backend="nccl")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["train.py: error: the nccl backend needs CUDA devices: use --backend gloo on CPU"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--project-devices", "0"], "--project-devices must be at least 1, got 0"),
+    (["--mfu", "1.5"], "--mfu is a fraction of peak in (0, 1], got 1.5"),
+    (["--project-params=-7e9"], "--project-params must be positive, got -7000000000.0"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+])
+def test_bad_option_exits_2_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_config(train.Config, argv, description=train.__doc__)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"error: {message}" in err[-1]  # the last line says why (argparse may add usage above)
+    assert not any("Traceback" in line for line in err)
