@@ -99,9 +99,16 @@ def _add_argument(parser: argparse.ArgumentParser, f: dataclasses.Field, hint, d
     parser.add_argument(flag, help=f"{doc} (default: {shown})", **kwargs)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad option gets one line and a pointer to --help, not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser(cls: type, description: str | None = None, prog: str | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one documented flag per field of the dataclass `cls`."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog, description=description, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     docs = field_docs(cls)
@@ -119,7 +126,7 @@ def parse_config(cls: type, argv: list[str] | None = None, description: str | No
     """Parse `argv` (default: the command line) into an instance of the dataclass `cls`.
 
     Unknown options and settings the config rejects end the program with exit status 2 and
-    one line saying why (argparse's convention), not a traceback.
+    one line saying why, not a traceback.
     """
     parser = build_parser(cls, description=description)
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)

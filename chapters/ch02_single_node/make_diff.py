@@ -1,0 +1,49 @@
+"""The diff single.py → train.py in the chapter's README, between the markers
+`<!-- diff:start -->` and `<!-- diff:end -->`, generated so the lesson never shows a stale diff.
+
+    python tools/figures.py ch02     # rewrites it, with the chapter's figure (plots.py calls write_readme)
+
+tests/test_ch02_single_node.py fails when the README's block differs from `render_diff()`.
+The module docstrings (which differ in their run commands) are left out of the diff. This is a
+module, not a script: the course's scripts are training scripts with the common options.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+README = HERE / "README.md"
+START, END = "<!-- diff:start -->", "<!-- diff:end -->"
+
+
+def code_lines(path: Path) -> list[str]:
+    """The file's lines after its module docstring."""
+    text = path.read_text()
+    body = ast.parse(text).body
+    skip = body[0].end_lineno if body and isinstance(body[0], ast.Expr) else 0
+    return text.splitlines(keepends=True)[skip:]
+
+
+def render_diff(old: str = "single.py", new: str = "train.py", context: int = 1) -> str:
+    """A unified diff of the two scripts' code, as a fenced markdown block."""
+    lines = difflib.unified_diff(code_lines(HERE / old), code_lines(HERE / new),
+                                 fromfile=old, tofile=new, n=context)
+    return "```diff\n" + "".join(lines) + "```\n"
+
+
+def readme_with_diff(readme: str, diff: str) -> str:
+    """The README text with the block between the markers replaced by `diff`."""
+    head, start, rest = readme.partition(START)
+    _, end, tail = rest.partition(END)
+    if not start or not end:
+        raise ValueError(f"README.md lacks the markers {START} ... {END}")
+    return f"{head}{START}\n{diff}{END}{tail}"
+
+
+def write_readme() -> Path:
+    """Rewrite the README's diff block from the current files."""
+    README.write_text(readme_with_diff(README.read_text(), render_diff()))
+    return README

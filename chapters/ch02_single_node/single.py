@@ -1,0 +1,89 @@
+"""One process, one device, the whole global batch: the reference that the two DDP scripts of
+chapter 02 (spawn.py, train.py) must reproduce. It is train.py without the distributed lines.
+
+    python chapters/ch02_single_node/single.py                   # CPU, or the first GPU if any
+    python chapters/ch02_single_node/single.py --device cuda     # insist on a GPU
+
+One process only, by design: for torchrun (2 CPU processes, 8 GPUs, several nodes, Slurm) run
+train.py (`torchrun --standalone --nproc_per_node=2 chapters/ch02_single_node/train.py`); for
+mp.spawn run spawn.py. All three write final_params.pt, and with the same --seed and
+--global-batch-size they end with the same parameters.
+"""
+# launch: python   (./course run 02 single starts this script with python, not torchrun)
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from chapters.ch02_single_node.task import (
+    TaskConfig,
+    build_data,
+    build_model,
+    build_optimizer,
+    global_batch_indices,
+    train_step,
+)
+from common.checkpoint import save_checkpoint
+from common.config import parse_config
+from common.distributed import DistInfo
+from common.log import log, setup_logging
+from common.results import RunRecorder
+from common.timing import Timer
+
+
+@dataclass
+class Config(TaskConfig):
+    """single.py takes the shared task options only."""
+
+
+def one_process(device: str = "auto") -> DistInfo:
+    """This process's view of a 'job' of one: rank 0 of 1, on the first GPU if there is one."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but this machine has no CUDA GPU")
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=dev,
+                    backend="none", launcher="single")
+
+
+def train(cfg: Config, info: DistInfo, script_file: str = __file__) -> int:
+    """The recipe: build, train for cfg.steps, record, save."""
+    setup_logging(info.rank, info.world_size)
+    rec = RunRecorder(cfg, script_file, info)
+    X, Y = build_data(cfg, info.device)
+    model = build_model(cfg, info.device)
+    opt = build_optimizer(model, cfg)
+    step_times = []
+    for step in range(cfg.steps):
+        idx = global_batch_indices(step, cfg.global_batch_size, cfg.n_samples)
+        if step == 0:
+            distinct = idx.unique().numel()
+        with Timer(info.device) as timer:
+            loss = train_step(model, opt, X[idx], Y[idx])
+        step_times.append(timer.elapsed)
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            log.info("step %3d  loss %.6f", step, loss.item())
+            rec.metrics(step, loss=loss, lr=cfg.lr)
+    final = model.state_dict()
+    save_checkpoint(rec.out / "final_params.pt", final)
+    rec.figure("final loss", measured=loss.item(), unit="MSE")
+    rec.figure("step time (median)", measured=statistics.median(step_times) * 1e3, unit="ms")
+    rec.check("distinct samples per global batch", "count", measured=distinct,
+              expected=cfg.global_batch_size)
+    return rec.finish()
+
+
+def main(cfg: Config) -> int:
+    info = one_process(cfg.device)
+    return train(cfg, info)
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config, description=__doc__)))

@@ -1,0 +1,96 @@
+"""DDP started by torch.multiprocessing.spawn instead of torchrun: this script starts its own
+processes, hands each its rank as an argument, and sets the rendezvous address itself. The
+training is train.py's, line for line; only the launcher differs.
+
+    python chapters/ch02_single_node/spawn.py --nprocs 2                 # 2 processes, CPU (gloo)
+    python chapters/ch02_single_node/spawn.py --nprocs 8 --device cuda   # 8 GPUs, one node (NCCL)
+    python chapters/ch02_single_node/spawn.py --nprocs 1                 # world of one
+
+Start it with plain `python`, never with torchrun (it would spawn nprocs processes per torchrun
+rank). mp.spawn starts processes on this machine only: for torchrun, several nodes or Slurm use
+train.py (`torchrun --standalone --nproc_per_node=2 chapters/ch02_single_node/train.py`; its
+docstring has the multi-node and `srun` commands).
+"""
+# launch: python   (./course run 02 spawn starts this script with python, not torchrun)
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from chapters.ch02_single_node.task import TaskConfig, check_batch_divides
+from chapters.ch02_single_node.train import choose_device, teardown_distributed, train
+from common.config import parse_config
+from common.distributed import DistInfo, free_port
+from common.log import log, setup_logging
+
+
+@dataclass
+class Config(TaskConfig):
+    """spawn.py's options: the shared task's plus how many processes to start."""
+
+    nprocs: int = 2
+    """Processes to start on this machine (one per GPU on a GPU machine)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.nprocs < 1:
+            raise ValueError(f"--nprocs must be at least 1, got {self.nprocs}")
+        check_batch_divides(self.global_batch_size, self.nprocs)
+
+
+def set_rendezvous_address() -> str:
+    """Where rank 0 will host the process group's key-value store: this machine, on a port the
+    OS says is free now (a fixed 29500 collides with any other job on the machine). The
+    spawned processes inherit these variables; init_method='env://' reads them."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
+    return f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+
+
+def setup_distributed(rank: int, world_size: int, device: str = "auto", backend: str = "auto",
+                      timeout_s: float = 300.0) -> DistInfo:
+    """Join the group as `rank` of `world_size`: the rank comes from mp.spawn, not from the
+    environment. One machine, so the local rank is the rank."""
+    dev, backend = choose_device(rank, world_size, device, backend)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # BEFORE init: NCCL binds its communicator to this device
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return DistInfo(rank, rank, world_size, world_size, dev, backend, "mp.spawn")
+
+
+def run_rank(rank: int, cfg: Config) -> None:
+    """What every spawned process runs; mp.spawn passes the rank as the first argument."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.nprocs))  # as torchrun limits threads
+    info = setup_distributed(rank, cfg.nprocs, cfg.device, cfg.backend, cfg.timeout)
+    try:
+        status = train(cfg, info, script_file=__file__)
+    finally:
+        teardown_distributed()
+    if status:
+        sys.exit(status)  # the parent's mp.spawn raises ProcessExitedException
+
+
+def main(cfg: Config) -> int:
+    setup_logging()
+    address = set_rendezvous_address()
+    log.info("spawning %d processes, rendezvous at %s", cfg.nprocs, address)
+    try:
+        # The worker must be importable by name: spawned processes re-import this file as a
+        # module (its main guard keeps them from spawning again) and look run_rank up in it.
+        mp.spawn(run_rank, args=(cfg,), nprocs=cfg.nprocs, join=True)
+    except mp.ProcessExitedException as e:
+        log.error("rank %d exited with status %s", e.error_index, e.exit_code)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config, description=__doc__)))
