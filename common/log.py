@@ -14,10 +14,22 @@ from collections.abc import Iterable, Iterator
 log = logging.getLogger("course")
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stdout` is when a line is logged (Jupyter and pytest swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def setup_logging(rank: int = 0, world_size: int = 1, all_ranks: bool = False) -> logging.Logger:
     """Configure the course logger for this rank and return it."""
     prefix = f"[rank {rank}] " if world_size > 1 and (all_ranks or rank != 0) else ""
-    handler = logging.StreamHandler(sys.stdout)
+    handler = _StdoutHandler()
     handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
     log.handlers[:] = [handler]
     log.propagate = False

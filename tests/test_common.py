@@ -371,3 +371,31 @@ def test_data_build_writes_corpus_tokens_and_tokenizer(tmp_path):
     tokens = np.fromfile(paths["tokens"], dtype=np.int16)
     text = paths["corpus"].read_text()
     assert len(tokens) == len(text) and tok.decode(tokens[:200]) == text[:200]
+
+
+# --- log --------------------------------------------------------------------------------------
+
+
+def test_logging_is_rank_aware(capsys):
+    from common import log as course_log
+
+    course_log.setup_logging(rank=1, world_size=2)
+    course_log.log.info("hidden")
+    course_log.log.warning("shown")
+    course_log.setup_logging(rank=1, world_size=2, all_ranks=True)
+    course_log.log.info("everyone")
+    course_log.setup_logging(rank=0, world_size=2)
+    course_log.log.info("main")
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["[rank 1] shown", "[rank 1] everyone", "main"]
+
+
+def test_progress_logs_plain_lines_off_a_terminal(capsys):
+    from common import log as course_log
+
+    course_log.setup_logging(rank=0, world_size=1)
+    assert list(course_log.progress(range(25), total=25, desc="train", every=10)) == list(range(25))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["train 10/25", "train 20/25", "train 25/25"]
+    assert list(course_log.progress(range(3), enabled=False)) == [0, 1, 2]
+    assert capsys.readouterr().out == ""
