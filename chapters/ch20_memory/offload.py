@@ -1,0 +1,214 @@
+"""CPU offload: keep optimizer state (and parameters) in host memory, train exactly the same.
+
+ZeRO-Offload keeps the optimizer's master weights and Adam moments on the host and runs the
+optimizer step there; FSDP2's CPUOffloadPolicy keeps the parameter shards, their gradients and
+so the optimizer state on the host too. This script trains the same model on device, with a
+hand-written optimizer offload and with FSDP2 with and without CPU offload, checks the trained
+parameters agree, checks every tensor sits where its policy says, and records the per-rank
+memory formula. On a machine without CUDA host and device are the same memory: nothing moves.
+
+Run:
+    python chapters/ch20_memory/offload.py                                      # one process
+    torchrun --standalone --nproc_per_node=2 chapters/ch20_memory/offload.py
+    torchrun --standalone --nproc_per_node=8 chapters/ch20_memory/offload.py \\
+        --d-model 1024 --d-ff 4096 --tokens 4096 --dtype float32               # 8 GPUs, NCCL
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        chapters/ch20_memory/offload.py                                         # two nodes
+    srun --ntasks=16 --ntasks-per-node=8 python chapters/ch20_memory/offload.py  # Slurm
+"""
+
+import copy
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+from chapters.ch03_data_parallel.train import all_reduce_gradients
+from chapters.ch20_memory.recompute import ResidualMLP
+from common.config import RunConfig, parse_config
+from common.data import regression_data
+from common.distributed import setup_distributed, teardown_distributed
+from common.log import log, setup_logging
+from common.results import RunRecorder
+from common.seed import seed_everything
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+HOST = torch.device("cpu")
+
+
+@dataclass
+class Config(RunConfig):
+    steps: int = 5
+    """Adam steps per training variant."""
+    d_model: int = 32
+    """Width of the residual stream."""
+    d_ff: int = 128
+    """Hidden width of each feed-forward block."""
+    n_layers: int = 4
+    """Number of feed-forward blocks (FSDP2 shards each one as a unit)."""
+    tokens: int = 64
+    """Tokens per rank per step."""
+    lr: float = 1e-2
+    """Learning rate of Adam."""
+    dtype: str = "float64"
+    """float64 makes the parity checks exact; float32 works the same way."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
+        for name in ("d_model", "d_ff", "n_layers", "tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def shard(t: torch.Tensor, info) -> torch.Tensor:
+    return t.chunk(info.world_size)[info.rank]
+
+
+def train_on_device(model, X, Y, cfg: Config, info):
+    """The reference: data parallel (chapter 03's all-reduce) with Adam on the device."""
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    for step in range(cfg.steps):
+        opt.zero_grad()
+        F.mse_loss(model(shard(X[step], info)), shard(Y[step], info)).backward()
+        all_reduce_gradients(model, info.world_size)
+        opt.step()
+    return model, opt
+
+
+def train_zero_offload(model, X, Y, cfg: Config, info, copy_back: bool = True):
+    """ZeRO-Offload by hand: master weights and Adam moments live on the host; each step
+    copies gradients device→host, steps there, copies the weights host→device."""
+    master = [p.detach().to(HOST, copy=True) for p in model.parameters()]  # copy: even on CPU
+    opt = torch.optim.Adam(master, lr=cfg.lr)
+    for step in range(cfg.steps):
+        model.zero_grad()
+        F.mse_loss(model(shard(X[step], info)), shard(Y[step], info)).backward()
+        all_reduce_gradients(model, info.world_size)
+        for p, m in zip(model.parameters(), master):
+            m.grad = p.grad.to(HOST, copy=True)
+        opt.step()
+        if copy_back:  # the negative control forgets this: the device model never learns
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), master):
+                    p.copy_(m)
+    return model, opt
+
+
+def shard_model(model, info, offload: bool):
+    """FSDP2: each block is one unit (all-gathered for its forward/backward), then the root."""
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
+    for block in model.blocks:  # pin_memory needs CUDA; it only speeds up the copies
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    return fully_shard(model, mesh=mesh, offload_policy=policy)
+
+
+def train_fsdp(model, X, Y, cfg: Config, info):
+    """FSDP2 training; the input goes to the compute device even when parameters are on the host."""
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    for step in range(cfg.steps):
+        opt.zero_grad()
+        F.mse_loss(model(shard(X[step], info)), shard(Y[step], info)).backward()
+        opt.step()
+    return model, opt
+
+
+def full_params(model) -> list[torch.Tensor]:
+    """Whole parameters on every rank (FSDP2's are DTensors: all-gather them)."""
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            for p in model.parameters()]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def training_state(model, opt) -> list[torch.Tensor]:
+    """This rank's persistent training state: parameters, gradients, Adam's two moments."""
+    params = [local(p) for p in opt.param_groups[0]["params"]]
+    grads = [local(p.grad) for p in opt.param_groups[0]["params"]]
+    moments = [local(s[k]) for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return params + grads + moments
+
+
+def misplaced(tensors: list[torch.Tensor], device_type: str) -> int:
+    return sum(t.device.type != device_type for t in tensors)
+
+
+def per_rank_bytes(psi: int, elem: int, world: int) -> dict[str, tuple[int, int]]:
+    """(device, host) bytes per rank of parameters, gradients and Adam's two moments (4Ψ
+    elements of `elem` bytes). FSDP2 also all-gathers one unit at a time on the device."""
+    full = 4 * psi * elem
+    return {"DDP on device": (full, 0),
+            "ZeRO-Offload by hand": (2 * psi * elem, full),  # device: weights+grads; host: all 4
+            "FSDP2 on device": (full // world, 0),
+            "FSDP2 + CPUOffloadPolicy": (0, full // world)}
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a, b))
+
+
+def main(cfg: Config) -> int:
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        setup_logging(info.rank, info.world_size)
+        rec = RunRecorder(cfg, __file__, info)
+        seed_everything(cfg.seed)
+        dtype, n = DTYPES[cfg.dtype], cfg.tokens * info.world_size
+        base = ResidualMLP(cfg.d_model, cfg.d_ff, cfg.n_layers).to(info.device, dtype)
+        X, Y = regression_data(cfg.steps * n, cfg.d_model, cfg.d_model, seed=cfg.seed, dtype=dtype)
+        X, Y = X.view(cfg.steps, n, -1).to(info.device), Y.view(cfg.steps, n, -1).to(info.device)
+        log.info("world %d on %s/%s, host %s: %d blocks %dx%d, Adam, %d steps", info.world_size,
+                 info.device, info.backend, HOST, cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.steps)
+        if info.device == HOST:
+            log.info("device and host are the same memory here: offload moves nothing; the "
+                     "checks below test the bookkeeping and the numbers, the savings are GPU figures")
+
+        ref, ref_opt = train_on_device(copy.deepcopy(base), X, Y, cfg, info)
+        hand, hand_opt = train_zero_offload(copy.deepcopy(base), X, Y, cfg, info)
+        fsdp, fsdp_opt = train_fsdp(shard_model(copy.deepcopy(base), info, False), X, Y, cfg, info)
+        off, off_opt = train_fsdp(shard_model(copy.deepcopy(base), info, True), X, Y, cfg, info)
+
+        # Adam on the host and on a GPU may round differently: 1e-12 in float64, 1e-5 in float32.
+        tol = 1e-12 if cfg.dtype == "float64" else 1e-5
+        reference, dev = full_params(ref), info.device.type
+        rec.check("ZeRO-Offload by hand == on device (max |dparam|)", "parity",
+                  max_diff(full_params(hand), reference), 0.0, tol)
+        rec.check("FSDP2 on device == DDP on device (max |dparam|)", "parity",
+                  max_diff(full_params(fsdp), reference), 0.0, tol)
+        rec.check("FSDP2 + CPU offload == FSDP2 on device (max |dparam|)", "parity",
+                  max_diff(full_params(off), full_params(fsdp)), 0.0, tol)
+
+        rec.check("hand offload: master weights, grads, Adam state not on host", "count",
+                  misplaced(training_state(hand, hand_opt), HOST.type), 0)
+        rec.check("hand offload: working weights not on device", "count",
+                  misplaced(list(hand.parameters()), dev), 0)
+        rec.check("FSDP2 on device: state not on device", "count",
+                  misplaced(training_state(fsdp, fsdp_opt), dev), 0)
+        rec.check("FSDP2 + offload: params, grads, Adam state not on host", "count",
+                  misplaced(training_state(off, off_opt), HOST.type), 0)
+
+        psi, elem = sum(p.numel() for p in base.parameters()), torch.finfo(dtype).bits // 8
+        state = training_state(off, off_opt)
+        held = torch.tensor([sum(t.numel() * t.element_size() for t in state)], device=info.device)
+        rec.figure("FSDP2 + offload: host bytes, this rank", held.item(),
+                   4 * psi * elem / info.world_size, unit="bytes")
+        torch.distributed.all_reduce(held)
+        rec.check("FSDP2 + offload: host bytes summed over ranks = 4 x params x bytes", "formula",
+                  held.item(), 4 * psi * elem)
+        for name, (device_bytes, host_bytes) in per_rank_bytes(psi, elem, info.world_size).items():
+            rec.figure(f"formula: per rank on device, {name}", device_bytes, unit="bytes")
+            rec.figure(f"formula: per rank on host, {name}", host_bytes, unit="bytes")
+        return rec.finish()
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config, description=__doc__)))

@@ -1,0 +1,197 @@
+"""Activation recomputation in data-parallel training: what autograd keeps, what it costs.
+
+A forward pass keeps activations alive until backward; recomputation keeps fewer and reruns
+part of the forward in backward instead. This script trains a stack of transformer feed-forward
+blocks on every rank's shard with no, selective and full recomputation (by hand and with
+torch.utils.checkpoint), counts the bytes held for backward beside the formula, checks that
+gradients and trained parameters are bit-for-bit those of no recomputation, and times the cost.
+
+Run:
+    python chapters/ch20_memory/train.py                                        # one process
+    torchrun --standalone --nproc_per_node=2 chapters/ch20_memory/train.py
+    torchrun --standalone --nproc_per_node=8 chapters/ch20_memory/train.py \\
+        --d-model 1024 --d-ff 4096 --tokens 8192 --dtype float32                # 8 GPUs, NCCL
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        chapters/ch20_memory/train.py                                           # two nodes
+    srun --ntasks=16 --ntasks-per-node=8 python chapters/ch20_memory/train.py   # Slurm
+"""
+
+import copy
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from chapters.ch03_data_parallel.train import all_reduce_gradients
+from chapters.ch20_memory.recompute import (
+    STRATEGIES,
+    ResidualMLP,
+    StorageCensus,
+    predicted_saved_bytes,
+    run_block,
+    saved_tensor_bytes,
+)
+from common.config import RunConfig, parse_config
+from common.data import regression_data
+from common.distributed import setup_distributed, teardown_distributed
+from common.log import log, setup_logging
+from common.results import RunRecorder
+from common.seed import seed_everything
+from common.timing import benchmark
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+@dataclass
+class Config(RunConfig):
+    steps: int = 10
+    """Optimizer steps of data-parallel training per strategy."""
+    d_model: int = 32
+    """Width of the residual stream (the block input and output)."""
+    d_ff: int = 128
+    """Hidden width of each feed-forward block (4 x d_model in GPT-2)."""
+    n_layers: int = 4
+    """Number of feed-forward blocks."""
+    tokens: int = 64
+    """Tokens per rank per step (micro_batch_size x sequence length, flattened)."""
+    lr: float = 0.05
+    """Learning rate of SGD."""
+    dtype: str = "float64"
+    """float64 or float32; recomputation reruns the same ops, so parity is exact in both."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
+        for name in ("d_model", "d_ff", "n_layers", "tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def loss_fn(model: ResidualMLP, x: torch.Tensor, y: torch.Tensor, strategy: str) -> torch.Tensor:
+    """Mean squared error of the block stack run under `strategy`."""
+    for block in model.blocks:
+        x = run_block(block, x, strategy)
+    return F.mse_loss(x, y)
+
+
+def measure_saved(model: ResidualMLP, x, y, strategy: str) -> dict:
+    """One forward+backward: bytes saved for backward (hooks), bytes alive after forward
+    (storage census) and the gradients."""
+    model.zero_grad()
+    with saved_tensor_bytes(exclude=[*model.parameters(), x, y]) as saved:
+        loss = loss_fn(model, x, y, strategy)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    census = StorageCensus()
+    with census:
+        loss = loss_fn(model, x, y, strategy)
+    live = census.live_bytes(exclude=[loss, *model.parameters()])
+    del loss  # frees the graph and everything it kept
+    return {"saved": sum(saved.values()), "live": live, "grads": grads}
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a, b))
+
+
+def train_data_parallel(model: ResidualMLP, X, Y, cfg: Config, info, strategy: str) -> list:
+    """Chapter 03's loop with recomputation inside: each rank its shard, gradients
+    all-reduced, SGD. Returns the trained parameters and rank 0's losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    losses = []
+    for step in range(cfg.steps):
+        x, y = X[step].chunk(info.world_size)[info.rank], Y[step].chunk(info.world_size)[info.rank]
+        opt.zero_grad()
+        loss = loss_fn(model, x, y, strategy)
+        loss.backward()
+        all_reduce_gradients(model, info.world_size)
+        opt.step()
+        losses.append(loss.item())
+    return [p.detach().clone() for p in model.parameters()], losses
+
+
+def step_time_ms(model: ResidualMLP, x, y, strategy: str, device) -> float:
+    """Median time of one forward+backward (reported, never asserted)."""
+    return benchmark(lambda: loss_fn(model, x, y, strategy).backward(), warmup=2, repeats=7,
+                     device=device).median * 1e3
+
+
+def recompute_flop_ratio(strategy: str) -> float:
+    """Matmul FLOPs with recomputation over without: forward 1, backward 2, full recomputation
+    reruns the forward (+1); the selective policies rerun no matmul."""
+    return 4 / 3 if strategy in ("full", "torch_full") else 1.0
+
+
+def cuda_peak_bytes(model: ResidualMLP, x, y, strategy: str) -> int:
+    """Peak bytes the CUDA caching allocator handed out during one forward+backward."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss_fn(model, x, y, strategy).backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def main(cfg: Config) -> int:
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        setup_logging(info.rank, info.world_size)
+        rec = RunRecorder(cfg, __file__, info)
+        seed_everything(cfg.seed)
+        dtype, n = DTYPES[cfg.dtype], cfg.tokens * info.world_size
+        model = ResidualMLP(cfg.d_model, cfg.d_ff, cfg.n_layers).to(info.device, dtype)
+        X, Y = regression_data(cfg.steps * n, cfg.d_model, cfg.d_model, seed=cfg.seed, dtype=dtype)
+        X, Y = X.view(cfg.steps, n, -1).to(info.device), Y.view(cfg.steps, n, -1).to(info.device)
+        x, y = X[0].chunk(info.world_size)[info.rank], Y[0].chunk(info.world_size)[info.rank]
+        elem = torch.finfo(dtype).bits // 8
+        log.info("world %d on %s/%s: %d blocks %dx%d, %d tokens per rank, %s",
+                 info.world_size, info.device, info.backend, cfg.n_layers, cfg.d_model, cfg.d_ff,
+                 cfg.tokens, cfg.dtype)
+
+        results = {s: measure_saved(model, x, y, s) for s in STRATEGIES}
+        reference = results["none"]["grads"]
+        for s, r in results.items():
+            expected = predicted_saved_bytes(s, cfg.tokens, cfg.d_model, cfg.d_ff, cfg.n_layers, elem)
+            rec.figure(f"saved for backward, {s}", r["saved"], expected, unit="bytes")
+            rec.check(f"saved bytes (hooks) = formula, {s}", "formula", r["saved"], expected)
+            rec.check(f"live bytes (census) = formula, {s}", "formula", r["live"], expected)
+            if s != "none":
+                rec.check(f"gradients {s} == none (max |dgrad|)", "parity",
+                          max_diff(r["grads"], reference), 0.0, 0.0)
+
+        trained = {s: train_data_parallel(copy.deepcopy(model), X, Y, cfg, info, s)[0]
+                   for s in STRATEGIES if s != "none"}
+        trained["none"], losses = train_data_parallel(copy.deepcopy(model), X, Y, cfg, info, "none")
+        for s in STRATEGIES[1:]:
+            rec.check(f"DP training {s} == none (max |dparam|)", "parity",
+                      max_diff(trained[s], trained["none"]), 0.0, 0.0)
+        for step, loss in enumerate(losses):
+            if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                rec.metrics(step, loss=loss, lr=cfg.lr)
+                log.info("step %3d  loss %.5f (no recomputation, rank 0's shard)", step, loss)
+
+        base_ms = None
+        for s in STRATEGIES:
+            ms = step_time_ms(copy.deepcopy(model), x, y, s, info.device)
+            base_ms = base_ms or ms
+            rec.figure(f"step time, {s}", ms, unit="ms")
+            rec.figure(f"step time / none, {s}", ms / base_ms, recompute_flop_ratio(s))
+        if info.device.type == "cuda":
+            for s in STRATEGIES:
+                rec.figure(f"CUDA peak allocated, {s}", cuda_peak_bytes(model, x, y, s), unit="bytes")
+            stats = torch.cuda.memory_stats()
+            rec.figure("CUDA reserved - allocated (fragmentation)",
+                       stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"],
+                       unit="bytes")
+        else:
+            log.info("CPU run: there is no caching-allocator statistic to read; the storage "
+                     "census is what torch.cuda.memory_allocated would show on a GPU.")
+        return rec.finish()
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config, description=__doc__)))
