@@ -1,0 +1,120 @@
+"""The same training with DeepSpeed's ZeRO stages, checked against plain DDP + Adam.
+
+DeepSpeed implements ZeRO as a training engine configured by a JSON file: the stage is one
+number in it. This script builds that config (printed at the start), trains train.py's tiny GPT
+with each stage and compares the parameters with DDP + Adam; a broken run (every rank fed the
+same shard) must fail the same comparison. Needs `pip install deepspeed==0.19.8` (CPU works; the
+first run compiles a small communication op, about a minute, cached in ~/.cache/torch_extensions).
+
+Run:
+    torchrun --standalone --nproc_per_node=2 chapters/ch06_hybrid_zero/deepspeed_zero.py
+    torchrun --standalone --nproc_per_node=3 chapters/ch06_hybrid_zero/deepspeed_zero.py --stages 3
+    torchrun --standalone --nproc_per_node=8 chapters/ch06_hybrid_zero/deepspeed_zero.py   # 8 GPUs
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        chapters/ch06_hybrid_zero/deepspeed_zero.py --global-batch-size 48
+    srun --ntasks=16 --ntasks-per-node=8 python chapters/ch06_hybrid_zero/deepspeed_zero.py --global-batch-size 48
+(DeepSpeed's own launcher, `deepspeed --num_gpus=8 deepspeed_zero.py`, sets the same variables.)
+"""
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from chapters.ch06_hybrid_zero import train
+from common.config import parse_config
+from common.distributed import setup_distributed, teardown_distributed
+from common.log import log, setup_logging
+from common.results import RunRecorder
+
+
+@dataclass
+class Config(train.Config):
+    stages: list[int] = field(default_factory=lambda: [1, 2, 3])
+    """DeepSpeed ZeRO stages to train, one after another."""
+    dtype: str = "float32"
+    """float32 (ZeRO-3 refuses float64); parity within lr/100 (see the lesson)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.stages or any(s not in (0, 1, 2, 3) for s in self.stages):
+            raise ValueError(f"--stages must be among 0 1 2 3, got {self.stages}")
+        if self.dtype == "float64" and 3 in self.stages:
+            raise ValueError("DeepSpeed ZeRO-3 accepts only float32, float16 and bfloat16 parameters")
+
+
+def ds_config(stage: int, micro_batch_size: int) -> dict:
+    """DeepSpeed's JSON config: the whole of ZeRO is the "zero_optimization" block."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # DeepSpeed 0.19 clips to norm 1.0 unless told otherwise
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_scatter": True,        # stages 1-2: reduce-scatter, not all-reduce, the gradients
+            "contiguous_gradients": True,  # copy gradients into one buffer as they arrive
+            "overlap_comm": False,         # True overlaps the reduction with backward (GPUs)
+        },
+        "zero_allow_untested_optimizer": True,  # we pass torch.optim.Adam, not DeepSpeed's
+        "steps_per_print": 10**9,
+    }
+
+
+def train_deepspeed(stage: int, cfg: Config, X, Y, vocab: int, info, data_rank: int) -> dict:
+    """Train with one ZeRO stage; return the whole parameters. `data_rank` picks the shard
+    (the negative control passes 0 on every rank)."""
+    import deepspeed
+
+    model = train.build_model(cfg, vocab, info.device)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    config = ds_config(stage, cfg.global_batch_size // info.world_size)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    for x, y in zip(X, Y):
+        _, loss = engine(x.chunk(info.world_size)[data_rank], y.chunk(info.world_size)[data_rank])
+        engine.backward(loss)  # the engine reduces (stage 1-2: reduce-scatters) the gradients
+        engine.step()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):  # whole again
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def main(cfg: Config) -> int:
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        setup_logging(info.rank, info.world_size)
+        if cfg.global_batch_size % info.world_size:
+            raise SystemExit(f"error: --global-batch-size {cfg.global_batch_size} must divide "
+                             f"into {info.world_size} ranks")
+        os.environ.setdefault("LOCAL_RANK", str(info.local_rank))  # DeepSpeed asserts it is set
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=info.backend)  # reuses our process group
+        rec = RunRecorder(cfg, __file__, info)
+        X, Y, vocab = train.global_batches(cfg, info.device)
+        log.info("DeepSpeed %s, config for stage %d:\n%s", deepspeed.__version__, cfg.stages[-1],
+                 json.dumps(ds_config(cfg.stages[-1], cfg.global_batch_size // info.world_size), indent=2))
+        model, opt = train.make_stage(0, train.build_model(cfg, vocab, info.device), cfg, info)
+        losses = train.train_steps(model, opt, X, Y, info.rank, info.world_size)
+        for step, loss in enumerate(losses):
+            rec.metrics(step, loss=loss, lr=cfg.lr)
+        reference = train.full_parameters(model, opt)
+        tol = train.parity_tolerance(cfg)
+        for stage in cfg.stages:
+            got = train_deepspeed(stage, cfg, X, Y, vocab, info, info.rank)
+            rec.check(f"DeepSpeed ZeRO-{stage} == DDP + Adam (max |dparam|)", "parity",
+                      train.max_diff(got, reference), 0.0, tol)
+        if info.world_size > 1:  # negative control: the same check must reject unsharded data
+            got = train_deepspeed(cfg.stages[-1], cfg, X, Y, vocab, info, 0)
+            diff = train.max_diff(got, reference)
+            rec.check(f"negative control: ZeRO-{cfg.stages[-1]} on one shard differs", "parity",
+                      diff, f"> {10 * tol:g}", ok=diff > 10 * tol)
+        rec.figure("final loss", losses[-1])
+        return rec.finish()
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config, description=__doc__)))
