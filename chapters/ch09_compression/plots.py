@@ -1,0 +1,67 @@
+"""Figures for the chapter 09 lesson (regenerate with `python tools/figures.py ch09`).
+
+They are drawn from a real run: train.py on two CPU processes, every method.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from common.checkpoint import load_checkpoint
+from common.launch import run_torchrun
+
+STYLE = {"dense": ("black", "-"), "fp16": ("grey", ":"), "bf16": ("silver", ":"),
+         "topk": ("tab:blue", "-"), "topk_no_ef": ("tab:blue", "--"), "qsgd": ("tab:green", "-"),
+         "signsgd": ("tab:red", "-"), "signsgd_no_ef": ("tab:red", "--"),
+         "powersgd": ("tab:purple", "-"), "powersgd_builtin": ("tab:purple", ":")}
+
+
+def draw(curves: dict, summary: dict, fig_dir: Path) -> list[Path]:
+    """Loss curves of every method and the compression ratio beside the final loss."""
+    import matplotlib.pyplot as plt
+
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for method, losses in curves.items():
+        colour, line = STYLE.get(method, ("tab:orange", "-"))
+        width = 3 if method == "dense" else 1.4  # under the others: they track it
+        ax.plot(range(1, len(losses) + 1), list(losses), line, color=colour, label=method,
+                linewidth=width, zorder=1 if method == "dense" else 2)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (whole data set)")
+    ax.set_title("Compressed gradients, 2 ranks: dashed = without error feedback")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    paths = [fig_dir / "loss_curves.png"]
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+
+    figs = summary["figures"]
+    methods = list(curves)
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ratios = [figs[f"compression ratio {m}"]["measured"] for m in methods]
+    finals = [figs[f"final loss {m}"]["measured"] for m in methods]
+    ax.scatter(ratios, finals, c=[STYLE.get(m, ("tab:orange",))[0] for m in methods])
+    for m, r, f in zip(methods, ratios, finals):
+        below = m in ("bf16", "powersgd_builtin")  # same ratio as fp16 / powersgd
+        ax.annotate(m, (r, f), xytext=(4, -9 if below else 3), textcoords="offset points", fontsize=7)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("compression ratio (bytes dense / bytes sent)")
+    ax.set_ylabel("final loss")
+    ax.set_title("What each method saves and what it costs")
+    fig.tight_layout()
+    paths.append(fig_dir / "ratio_vs_loss.png")
+    fig.savefig(paths[1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def make_figures(fig_dir: Path) -> list[Path]:
+    script = Path(__file__).with_name("train.py")
+    with tempfile.TemporaryDirectory() as out:
+        result = run_torchrun(script, nproc=2, out_dir=out, timeout=180)
+        curves = load_checkpoint(Path(out) / "curves.pt")
+        return draw(curves, result.summary, fig_dir)

@@ -1,0 +1,232 @@
+"""Gradient compression as DDP communication hooks: Top-K, QSGD, SignSGD, PowerSGD, fp16/bf16.
+
+The same model trains once per method from the same weights and data; each hook sends a
+compressed payload with a real collective and counts its bytes, so the script can check every
+method's bytes per step against its compression-ratio formula and its final loss against
+uncompressed training. Top-K and SignSGD also train without error feedback, the negative control.
+
+Run:
+    python chapters/ch09_compression/train.py                                    # one process
+    torchrun --standalone --nproc_per_node=2 chapters/ch09_compression/train.py
+    torchrun --standalone --nproc_per_node=3 chapters/ch09_compression/train.py --global-batch-size 66
+    torchrun --standalone --nproc_per_node=8 chapters/ch09_compression/train.py  # 8 GPUs, NCCL
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        chapters/ch09_compression/train.py                                       # two nodes
+    srun --ntasks=16 --ntasks-per-node=8 python chapters/ch09_compression/train.py   # Slurm
+"""
+
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from chapters.ch09_compression import hooks
+from common.checkpoint import save_checkpoint
+from common.config import RunConfig, parse_config
+from common.data import regression_data
+from common.distributed import setup_distributed, teardown_distributed
+from common.log import log, setup_logging
+from common.models import MLP
+from common.results import RunRecorder
+from common.seed import seed_everything
+
+# method -> (hook, error feedback); the "_no_ef" variants are the negative controls.
+METHODS = {
+    "dense": (hooks.dense_hook, False),
+    "fp16": (hooks.fp16_hook, False),
+    "bf16": (hooks.bf16_hook, False),
+    "topk": (hooks.topk_hook, True),
+    "topk_no_ef": (hooks.topk_hook, False),
+    "qsgd": (hooks.qsgd_hook, False),
+    "signsgd": (hooks.signsgd_hook, True),
+    "signsgd_no_ef": (hooks.signsgd_hook, False),
+    "powersgd": (hooks.powersgd_hook, True),
+    "powersgd_builtin": (psgd.powerSGD_hook, True),
+}
+CONTROLS = ("topk_no_ef", "signsgd_no_ef")
+
+
+@dataclass
+class Config(RunConfig):
+    steps: int = 80
+    """Optimizer steps per method."""
+    methods: tuple[str, ...] = tuple(METHODS)
+    """Methods to train (dense is always trained: it is the reference)."""
+    global_batch_size: int = 64
+    """Samples per step, split evenly over the ranks."""
+    lr: float = 0.05
+    """Learning rate of SGD."""
+    momentum: float = 0.0
+    """Momentum of SGD (error feedback with momentum needs a smaller lr)."""
+    density: float = 0.01
+    """Top-K: fraction of the coordinates each rank sends."""
+    levels: int = 16
+    """QSGD: quantisation levels s (1..127; int8 holds the signed level)."""
+    chunk: int = 256
+    """QSGD: coordinates sharing one norm (smaller = lower variance, more norms to send)."""
+    rank: int = 1
+    """PowerSGD: rank of the low-rank approximation."""
+    loss_tolerance: float = 0.4
+    """A method converges if its final loss is within this fraction of dense training's."""
+    qsgd_draws: int = 2000
+    """QSGD unbiasedness test: quantisations averaged."""
+    d_hidden: int = 64
+    """Hidden width of the MLP (16 inputs, 1 output, 3 layers)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        unknown = sorted(set(self.methods) - set(METHODS))
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}: choose from {list(METHODS)}")
+        if not 0 < self.density <= 1:
+            raise ValueError(f"--density must be in (0, 1], got {self.density}")
+        if not 1 <= self.levels <= 127:
+            raise ValueError(f"--levels must be between 1 and 127 to fit int8, got {self.levels}")
+        if self.global_batch_size < 1 or self.chunk < 1 or self.rank < 1 or self.qsgd_draws < 1:
+            raise ValueError("--global-batch-size, --chunk, --rank and --qsgd-draws must be at least 1")
+
+
+def hook_state(method: str, cfg: Config, bucket_cap_mb: float):
+    """The state object each hook keeps between steps (torch's PowerSGDState for the built-in)."""
+    if method == "powersgd_builtin":
+        # EF and warm start need 2 plain all-reduce steps first (DDP rebuilds its buckets).
+        return psgd.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.rank,
+                                  start_powerSGD_iter=2, random_seed=cfg.seed)
+    return hooks.HookState(density=cfg.density, levels=cfg.levels, chunk=cfg.chunk, rank=cfg.rank,
+                           error_feedback=METHODS[method][1], seed=cfg.seed)
+
+
+def step_batch(step: int, X: torch.Tensor, Y: torch.Tensor, cfg: Config, rank: int, world: int):
+    """This rank's shard of step `step`'s global batch (the same draw on every rank)."""
+    g = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
+    rows = torch.randperm(len(X), generator=g)[:cfg.global_batch_size].chunk(world)[rank]
+    return X[rows.to(X.device)], Y[rows.to(X.device)]
+
+
+def train_method(method: str, model: nn.Module, X, Y, cfg: Config, info) -> dict:
+    """Train a copy of `model` with DDP and the method's hook: loss curve, bytes, step time."""
+    model = copy.deepcopy(model)
+    # One bucket holds the whole tiny model, so a formula for one bucket is a formula per step.
+    ddp = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+              bucket_cap_mb=100)
+    state = hook_state(method, cfg, 100)
+    ddp.register_comm_hook(state, METHODS[method][0])
+    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    losses, step_s = [], 0.0
+    for step in range(cfg.steps):
+        x, y = step_batch(step, X, Y, cfg, info.rank, info.world_size)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        F.mse_loss(ddp(x), y).backward()  # the hook runs here, inside backward
+        opt.step()
+        if info.device.type == "cuda":
+            torch.cuda.synchronize()
+        step_s += time.perf_counter() - t0
+        with torch.no_grad():
+            losses.append(F.mse_loss(model(X), Y).item())  # the whole data set, same on every rank
+    if method == "powersgd_builtin":
+        sent = state.total_numel_after_compression * X.element_size()  # torch's own count
+        before = state.total_numel_before_compression * X.element_size()
+        bytes_per_step, ratio = None, before / sent
+    else:
+        bytes_per_step = state.bytes_sent / cfg.steps
+        ratio = None
+    return {"losses": losses, "bytes_per_step": bytes_per_step, "ratio": ratio,
+            "step_ms": 1e3 * step_s / cfg.steps, "replica_gap": replica_gap(model)}
+
+
+def replica_gap(model: nn.Module) -> float:
+    """Largest difference of a parameter between this rank and rank 0 (0: replicas in sync)."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    gap = (flat - ref).abs().max()
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    return gap.item()
+
+
+def qsgd_unbiasedness(v: torch.Tensor, levels: int, chunk: int, draws: int, seed: int,
+                      stochastic: bool = True, confidence: float = 20.0) -> tuple[float, float]:
+    """Average `draws` quantisations of v: (||mean − v||², bound). QSGD's variance bound
+    E||Q(v) − v||² ≤ min(d/s², √d/s)·||v||² (d = chunk) shrinks by 1/draws for the mean of
+    independent draws; by Markov's inequality an unbiased quantiser exceeds `confidence` times
+    that with probability ≤ 1/confidence. A biased one keeps its bias, whatever `draws`."""
+    g = torch.Generator(v.device).manual_seed(seed)
+    total = torch.zeros_like(v)
+    for _ in range(draws):
+        q, norms = hooks.qsgd_quantize(v, levels, chunk, g, stochastic=stochastic)
+        total += hooks.qsgd_dequantize(q, norms, levels, v.numel())
+    err2 = ((total / draws - v) ** 2).sum().item()
+    variance = min(chunk / levels**2, math.sqrt(chunk) / levels) * (v**2).sum().item()
+    return err2, confidence * variance / draws
+
+
+def main(cfg: Config) -> int:
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        setup_logging(info.rank, info.world_size)
+        if cfg.global_batch_size % info.world_size:
+            raise SystemExit(f"error: --global-batch-size {cfg.global_batch_size} does not split "
+                             f"evenly over {info.world_size} ranks; use a multiple of {info.world_size}")
+        rec = RunRecorder(cfg, __file__, info)
+        seed_everything(cfg.seed)
+        X, Y = (t.to(info.device) for t in regression_data(512, 16, 1, seed=cfg.seed))
+        model = MLP(16, cfg.d_hidden, 1).to(info.device)
+        shapes = [p.shape for p in model.parameters()]
+        n_params = sum(math.prod(s) for s in shapes)
+        methods = ["dense"] + [m for m in cfg.methods if m != "dense"]
+        log.info("world %d on %s/%s: %d parameters in one bucket, %d steps per method",
+                 info.world_size, info.device, info.backend, n_params, cfg.steps)
+
+        runs = {m: train_method(m, model, X, Y, cfg, info) for m in methods}
+        for step in range(0, cfg.steps, cfg.log_every):
+            rec.metrics(step, loss=runs["dense"]["losses"][step], lr=cfg.lr,
+                        **{f"loss_{m}": r["losses"][step] for m, r in runs.items()})
+
+        dense_loss, dense_bytes = runs["dense"]["losses"][-1], 4 * n_params
+        log.info("\n%-17s %12s %8s %10s %8s", "method", "bytes/step", "ratio", "final loss", "ms/step")
+        for m, r in runs.items():
+            ratio = r["ratio"] or dense_bytes / r["bytes_per_step"]
+            sent = "-" if r["bytes_per_step"] is None else f"{r['bytes_per_step']:.0f}"
+            log.info("%-17s %12s %8.1f %10.4f %8.2f", m, sent, ratio,
+                     r["losses"][-1], r["step_ms"])
+            expected = hooks.expected_bytes(m, shapes, hook_state("dense", cfg, 0))
+            rec.figure(f"compression ratio {m}", ratio, expected=dense_bytes / expected)
+            rec.figure(f"final loss {m}", r["losses"][-1])
+            rec.figure(f"step time {m}", r["step_ms"], unit="ms")
+            if r["bytes_per_step"] is not None:
+                rec.check(f"bytes/step {m} = formula", "formula", r["bytes_per_step"], expected)
+            bound = dense_loss * (1 + cfg.loss_tolerance)
+            if m in CONTROLS:
+                rec.check(f"{m} misses dense loss (negative control)", "parity", r["losses"][-1],
+                          f"> {bound:.4g}", ok=r["losses"][-1] > bound)
+            elif m != "dense":
+                rec.check(f"{m} final loss <= dense x {1 + cfg.loss_tolerance:g}", "parity",
+                          r["losses"][-1], f"<= {bound:.4g}", ok=r["losses"][-1] <= bound)
+        rec.check("replicas identical after every method", "parity",
+                  max(r["replica_gap"] for r in runs.values()), 0.0, 0.0)
+
+        v = torch.randn(1000, generator=torch.Generator().manual_seed(cfg.seed)).to(info.device)
+        err2, bound = qsgd_unbiasedness(v, cfg.levels, cfg.chunk, cfg.qsgd_draws, cfg.seed)
+        rec.check("QSGD unbiased: ||mean of draws - v||^2 <= bound", "formula", err2, f"<= {bound:.3g}",
+                  ok=err2 <= bound)
+        err2, _ = qsgd_unbiasedness(v, cfg.levels, cfg.chunk, cfg.qsgd_draws, cfg.seed, stochastic=False)
+        rec.check("round-to-nearest QSGD fails it (negative control)", "formula", err2, f"> {bound:.3g}",
+                  ok=err2 > bound)
+        if info.is_main:
+            save_checkpoint(rec.out / "curves.pt", {m: torch.tensor(r["losses"]) for m, r in runs.items()})
+        return rec.finish()
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config, description=__doc__)))
