@@ -1,0 +1,222 @@
+"""Chapter 16: global-norm clipping over FSDP2 shards, agreed step skipping, bf16 accumulation.
+
+The torchrun run checks itself (summary.json); this module also trains its own one-process
+reference with a plain loop, checks the sharded norm on 3 ranks (uneven shards) against an
+unsharded model, proves a poisoned step leaves weights and Adam state bitwise untouched, and
+runs the negative controls (a shard-local norm, a rank deciding alone, Kahan without its carry).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from chapters.ch16_stability import precision, train
+from common.checkpoint import load_checkpoint
+from common.data import regression_data
+from common.launch import run_on_ranks, run_torchrun
+from common.models import MLP
+
+SCRIPT = Path(train.__file__)
+
+
+def reference(cfg: train.Config) -> dict:
+    """One process, whole batch, Adam after torch's clip, the known bad steps left out."""
+    X, Y = regression_data(cfg.steps * cfg.global_batch_size, cfg.d_in, 1, seed=cfg.seed,
+                           dtype=torch.float64)
+    torch.manual_seed(cfg.seed)
+    model = MLP(cfg.d_in, cfg.d_hidden, 1).double()
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    for step in range(cfg.steps):
+        if step in (cfg.poison_step, cfg.spike_step):
+            continue
+        rows = slice(step * cfg.global_batch_size, (step + 1) * cfg.global_batch_size)
+        ((model(X[rows]) - Y[rows]) ** 2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+@pytest.mark.timeout(150)
+def test_two_ranks_match_an_independent_reference(tmp_path):
+    res = run_torchrun(SCRIPT, nproc=2, out_dir=tmp_path, timeout=120)
+    failed = [c["name"] for c in res.summary["checks"] if not c["ok"]]
+    assert not failed, res.output[-3000:]
+    cfg = train.Config()
+    assert res.check("poisoned steps skipped")["measured"] == [cfg.poison_step]
+    assert res.check("spikes detected")["measured"] == [cfg.spike_step]
+    assert res.check("Adam steps taken = steps - skipped")["measured"] == cfg.steps - 2
+    saved = load_checkpoint(tmp_path / "final_params.pt")
+    expected = reference(cfg)
+    assert max((saved["fsdp"][k] - v).abs().max().item() for k, v in expected.items()) < 1e-10
+    assert (saved["hand_norm"] - saved["torch_norm"]).abs().max() < 1e-12
+    assert (saved["hand_norm"] > cfg.max_norm).any(), "clipping never acted: the test proves nothing"
+
+
+def _sharded_checks() -> dict:
+    """On gloo ranks: norms and clipped gradients of FSDP2 shards vs one unsharded model;
+    a poisoned step skipped bitwise; the negative controls."""
+    from torch.distributed.tensor import DTensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    info = _Info(rank, world)
+    cfg = train.Config(steps=10, poison_step=5, spike_step=-1, global_batch_size=12, max_norm=0.05)
+    X, Y = regression_data(cfg.steps * cfg.global_batch_size, cfg.d_in, 1, dtype=torch.float64)
+    X, Y = X.view(cfg.steps, cfg.global_batch_size, -1), Y.view(cfg.steps, cfg.global_batch_size, 1)
+    torch.manual_seed(0)
+    plain = MLP(cfg.d_in, cfg.d_hidden, 1).double()
+    fsdp = train.fully_shard_model(copy.deepcopy(plain), info)
+    F.mse_loss(plain(X[0]), Y[0]).backward()
+    F.mse_loss(fsdp(X[0].chunk(world)[rank]), Y[0].chunk(world)[rank]).backward()
+    params = list(fsdp.parameters())
+    out = {"shard_sizes": [train.local_shard(p).numel() for p in params],
+           "all_dtensor": all(isinstance(p.grad, DTensor) for p in params)}
+    ref_norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in plain.parameters()])).item()
+    out["ref_norm"] = ref_norm
+    out["hand_norm"] = train.global_grad_norm(params).item()
+    out["local_only_norm"] = train.global_grad_norm(params, sharded=False).item()  # broken
+    saved = [train.local_shard(p.grad).clone() for p in params]
+    train.clip_by_global_norm(params, cfg.max_norm)
+    hand_clipped = [p.grad.full_tensor() for p in params]
+    for p, g in zip(params, saved):
+        train.local_shard(p.grad).copy_(g)
+    out["torch_norm"] = torch.nn.utils.clip_grad_norm_(params, cfg.max_norm).full_tensor().item()
+    torch_clipped = [p.grad.full_tensor() for p in params]
+    for p, g in zip(params, saved):
+        train.local_shard(p.grad).copy_(g)
+    train.clip_by_global_norm(params, cfg.max_norm, sharded=False)  # broken: local norm
+    local_clipped = [p.grad.full_tensor() for p in params]
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), cfg.max_norm)
+    ref_clipped = [p.grad for p in plain.parameters()]
+    diff = lambda a, b: max((x - y).abs().max().item() for x, y in zip(a, b))  # noqa: E731
+    out["hand_vs_ref"], out["torch_vs_ref"] = diff(hand_clipped, ref_clipped), diff(torch_clipped, ref_clipped)
+    out["local_vs_ref"] = diff(local_clipped, ref_clipped)
+
+    # A NaN in rank 1's batch at step 5: skipped on every rank, state bitwise unchanged.
+    out["poison"] = _poisoned_run(cfg, X, Y, plain, info)
+    # Broken: each rank looks only at its own loss and nobody agrees. Running that step would
+    # hang (rank 0 enters clip_grad_norm_'s collectives alone), so the check compares decisions.
+    model = train.fully_shard_model(copy.deepcopy(plain), info)
+    x, y = train.make_batch(X, Y, cfg.poison_step, cfg, rank, world)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    params = list(model.parameters())
+    out["decision_local_loss"] = not torch.isfinite(loss).item()
+    out["decision_agreed"] = train.all_ranks_agree(train.step_is_bad(loss, params), x.device)
+    out["grad_shard_finite"] = bool(torch.isfinite(train.local_grad_sq_norm(params)))
+    return out
+
+
+def _poisoned_run(cfg, X, Y, plain, info) -> dict:
+    model = train.fully_shard_model(copy.deepcopy(plain), info)
+    for p in model.parameters():
+        p.grad = None
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    log = train.train(model, opt, X, Y, cfg, info.rank, info.world_size, True, range(cfg.poison_step))
+    before = train.snapshot(model, opt)
+    train.train(model, opt, X, Y, cfg, info.rank, info.world_size, True,
+                range(cfg.poison_step, cfg.poison_step + 1), log)
+    after = train.snapshot(model, opt)
+    train.train(model, opt, X, Y, cfg, info.rank, info.world_size, True,
+                range(cfg.poison_step + 1, cfg.steps), log)
+    end = train.snapshot(model, opt)
+    return {"skipped": log["skipped_bad"], "n_state": len(before),
+            "untouched": len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after)),
+            "moved_after": any(not torch.equal(a, b) for a, b in zip(after, end)),
+            "finite_after": all(math.isfinite(v) for v in log["loss"]) and all(torch.isfinite(t).all() for t in end),
+            "adam_step": [float(s["step"]) for s in opt.state.values()]}
+
+
+class _Info:
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
+
+
+@pytest.mark.timeout(120)
+def test_sharded_norm_clipping_and_skipping_on_three_uneven_ranks():
+    results = run_on_ranks(_sharded_checks, 3, timeout=100)
+    sizes = [r["shard_sizes"] for r in results]
+    assert len({tuple(s) for s in sizes}) > 1, "shards should be uneven on 3 ranks"
+    for r in results:
+        assert r["all_dtensor"]
+        assert r["hand_norm"] == pytest.approx(r["ref_norm"], rel=1e-12, abs=0)
+        assert r["torch_norm"] == pytest.approx(r["ref_norm"], rel=1e-12, abs=0)
+        assert r["ref_norm"] > 0.05, "clipping must act for the clipped-gradient check to mean anything"
+        assert r["hand_vs_ref"] < 1e-14 and r["torch_vs_ref"] < 1e-14
+        # Negative control: a norm from the local shard only is smaller and the check rejects it.
+        assert abs(r["local_only_norm"] - r["ref_norm"]) > 1e-3 * r["ref_norm"]
+        assert r["local_vs_ref"] > 1e-6
+        p = r["poison"]
+        assert p["skipped"] == [5] and p["untouched"] and p["n_state"] == 4 * 6
+        assert p["moved_after"] and p["finite_after"]
+        assert p["adam_step"] == [9.0] * 6  # 10 steps, 1 skipped
+    # Negative control: deciding on the local loss alone, only the poisoned rank would skip,
+    # while the others (whose gradient shards the reduce-scatter filled with NaN) would step.
+    local = [r["decision_local_loss"] for r in results]
+    assert local == [False, True, False], "a rank deciding alone went unnoticed"
+    assert all(r["decision_agreed"] for r in results)
+    assert not any(r["grad_shard_finite"] for r in results)
+
+
+def test_bf16_emulation_matches_torch():
+    g = torch.Generator().manual_seed(3)
+    xs = (torch.rand(500, generator=g) * 1e-2).bfloat16()
+    s = torch.zeros((), dtype=torch.bfloat16)
+    for x in xs:
+        s = s + x
+    assert s.item() == precision.naive_sum(xs.float().tolist())
+    for v in (1.0 + 2**-9, 3.14159, 1e-3, 65537.0):
+        assert precision.round_bf16(v) == torch.tensor(v).bfloat16().item()
+
+
+def test_bf16_running_sum_stagnates_where_the_formula_says():
+    v, n = 2.0**-10, 100_000
+    assert precision.naive_sum([v] * n) == precision.stagnation_point(v) == 2**8 * v
+    assert precision.naive_sum([v] * n, precision.round_fp32) == n * v  # exact in fp32
+
+
+def test_accumulation_fixes_bring_the_error_down_within_their_bounds():
+    errors = precision.accumulation_errors(100_000, seed=1)
+    naive = errors["bf16 naive"]
+    assert naive["rel_error"] > 0.9 and naive["sum"] == naive["stagnation"]
+    for name, e in errors.items():
+        assert e["rel_error"] <= e["bound"], name
+        if name != "bf16 naive":
+            assert e["rel_error"] < naive["rel_error"] / 100, name
+    # Negative control: Kahan without its compensation is the naive sum again.
+    values = torch.rand(20_000, generator=torch.Generator().manual_seed(1)).mul(1e-3).bfloat16().float().tolist()
+    exact = math.fsum(values)
+    broken = precision.kahan_sum(values, compensate=False)
+    assert broken == precision.naive_sum(values)
+    assert abs(broken - exact) / exact > naive["rel_error"] / 100 * 10
+    assert abs(precision.kahan_sum(values) - exact) / exact < 2 * precision.U_BF16
+
+
+def test_fp32_master_weights_keep_updates_below_half_an_ulp():
+    d = precision.master_weight_demo(1.0, 1e-3, 1000)
+    assert 1e-3 < d["half_ulp"] == 2**-8
+    assert d["bf16 weight"] == 1.0  # every update rounded away
+    assert abs(d["fp32 master"] - d["expected"]) < 1e-3
+    assert d["bf16 copy of master"] == 2.0
+    control = precision.master_weight_demo(1.0, 5e-3, 10)  # above half an ulp: bf16 moves
+    assert control["bf16 weight"] > 1.0
+
+
+def test_fp16_overflows_and_underflows_where_bf16_does_not():
+    d = precision.fp16_range_demo()
+    assert d["fp16 grad"] == 0.0 and d["fp16 scaled grad / scale"] == pytest.approx(1e-8, rel=1e-3)
+    assert math.isinf(d["fp16 of big"]) and math.isfinite(d["bf16 of big"])
+
+
+def test_impossible_settings_are_refused():
+    for argv in (["--max-norm", "0"], ["--spike-factor", "0.5"], ["--sum-terms", "1"]):
+        with pytest.raises(SystemExit) as e:
+            train.parse_config(train.Config, argv)
+        assert e.value.code == 2
