@@ -96,7 +96,8 @@ def _add_argument(parser: argparse.ArgumentParser, f: dataclasses.Field, hint, d
     else:
         kwargs["type"] = hint
     shown = default if default != "" else "''"
-    parser.add_argument(flag, help=f"{doc} (default: {shown})", **kwargs)
+    help_text = f"{doc} (default: {shown})".replace("%", "%%")  # argparse %-formats help
+    parser.add_argument(flag, help=help_text, **kwargs)
 
 
 class _Parser(argparse.ArgumentParser):

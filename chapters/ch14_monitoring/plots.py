@@ -1,0 +1,66 @@
+"""Figures for the chapter 14 lesson (regenerate with `python tools/figures.py ch14`).
+
+They come from a real run: three CPU ranks under torchrun, rank 1 slowed by 30 ms per step.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from chapters.ch14_monitoring import monitor, train
+from common.checkpoint import load_checkpoint
+from common.launch import run_torchrun
+
+
+def straggler_figure(times: dict, found: dict, path: Path) -> Path:
+    """Per-rank compute and all-reduce wait per step, with each rank's straggler threshold."""
+    import matplotlib.pyplot as plt
+
+    compute, wait = times["compute"] * 1e3, times["wait"] * 1e3
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    for r in range(compute.shape[0]):
+        tag = " (flagged)" if r in found["flagged"] else ""
+        line, = axes[0].plot(compute[r], label=f"rank {r}{tag}")
+        axes[0].axhline(found["thresholds"][r] * 1e3, ls=":", color=line.get_color())
+        axes[1].plot(wait[r], label=f"rank {r}")
+    axes[0].set_title("compute until the all-reduce (dotted: threshold)")
+    axes[1].set_title("wait inside the all-reduce")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("ms (log scale)")
+    axes[0].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def dashboard_figure(lines: list[dict], path: Path) -> Path:
+    """The four scalars a training dashboard shows first, as metrics.jsonl recorded them."""
+    import matplotlib.pyplot as plt
+
+    steps = [line["step"] for line in lines]
+    fig, axes = plt.subplots(1, 4, figsize=(12, 2.8))
+    for ax, key in zip(axes, ("loss", "lr", "grad_norm", "samples_per_s")):
+        ax.plot(steps, [line[key] for line in lines], marker=".")
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def make_figures(fig_dir: Path) -> list[Path]:
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ch14-") as tmp:
+        run_torchrun(Path(train.__file__), nproc=3, out_dir=tmp, timeout=180,
+                     args=["--slow-rank", "1", "--slow-ms", "30", "--no-wandb"])
+        times = load_checkpoint(Path(tmp) / "step_times.pt")
+        lines = [json.loads(t) for t in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    found = monitor.find_stragglers(times["compute"].tolist())
+    return [straggler_figure(times, found, fig_dir / "straggler.png"),
+            dashboard_figure(lines, fig_dir / "dashboard.png")]

@@ -1,0 +1,163 @@
+"""Chapter 14: what a run logs can be read back, follows its schema, and finds the straggler.
+
+Two real torchrun launches: one with rank 1 slowed on purpose (its logs are read back with
+TensorBoard's own EventAccumulator and from the offline W&B run file, and compared with
+metrics.jsonl), one with nobody slowed. The validator and the detector also face negative
+controls: broken lines must be rejected, noise and single hiccups must not be flagged.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from chapters.ch14_monitoring import monitor, train
+from common.checkpoint import load_checkpoint
+from common.launch import run_torchrun
+from common.log import setup_logging
+
+SCRIPT = Path(train.__file__)
+GOOD = {"step": 3, "time_s": 0.5, "loss": 0.25, "lr": 0.01, "grad_norm": 1.5, "samples_per_s": 900.0,
+        "step_time_s": 0.05, "mfu": 0.001, "compute_s": [0.01, 0.03], "wait_s": [0.02, 0.0]}
+
+
+@pytest.fixture(scope="module")
+def slowed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("slowed")
+    return run_torchrun(SCRIPT, nproc=2, args=["--slow-rank", "1", "--slow-ms", "30"], out_dir=out,
+                        timeout=120)
+
+
+def jsonl(out: Path) -> list[dict]:
+    return [json.loads(t) for t in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(150)
+def test_slowed_rank_is_flagged_and_the_others_are_not(slowed):
+    failed = [c["name"] for c in slowed.summary["checks"] if not c["ok"]]
+    assert not failed, slowed.output[-3000:]
+    assert slowed.check("stragglers flagged (median/MAD of compute times)")["measured"] == [1]
+    times = load_checkpoint(slowed.out_dir / "step_times.pt")
+    assert list(times["compute"].shape) == [2, train.Config().steps]
+    # The sleep makes rank 1's compute at least 30 ms every step: no clock noise can undo that.
+    assert times["compute"][1].min().item() >= 0.030
+    # The test's own reading of the gathered times, through the detector: rank 1 only.
+    assert monitor.find_stragglers(times["compute"].tolist())["flagged"] == [1]
+    # Whole step times hide the straggler: the all-reduce makes everybody as slow as rank 1.
+    assert times["whole"][0].median().item() >= 0.030
+
+
+@pytest.mark.timeout(150)
+def test_tensorboard_events_hold_the_logged_scalars(slowed):
+    lines = jsonl(slowed.out_dir)
+    scalars = monitor.read_tensorboard_scalars(slowed.out_dir / "tb")  # TensorBoard's EventAccumulator
+    for tag in ("loss", "lr", "grad_norm", "samples_per_s"):
+        assert [s for s, _ in scalars[tag]] == [line["step"] for line in lines], tag
+        for (_, value), line in zip(scalars[tag], lines):
+            assert value == pytest.approx(line[tag], rel=1e-6), tag  # events store float32
+
+
+@pytest.mark.timeout(150)
+def test_offline_wandb_run_holds_the_logged_history(slowed):
+    run_file = monitor.wandb_run_file(slowed.out_dir)
+    assert run_file.parent.name.startswith("offline-run-")  # offline: nothing was sent
+    assert run_file.read_bytes()[:4] == b":W&B"
+    history = monitor.read_wandb_history(slowed.out_dir)
+    lines = jsonl(slowed.out_dir)
+    assert [h["_step"] for h in history] == [line["step"] for line in lines]
+    for h, line in zip(history, lines):
+        for key in ("loss", "lr", "grad_norm", "samples_per_s", "mfu"):
+            assert h[key] == line[key], key  # the same Python floats, exactly
+    kinds = {r.WhichOneof("record_type") for r in monitor.read_wandb_records(run_file)}
+    assert {"run", "history", "exit"} <= kinds
+
+
+@pytest.mark.timeout(150)
+def test_every_metrics_line_follows_the_schema(slowed):
+    lines = (slowed.out_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == len(range(0, 40, 2)) + 1  # every log_every steps and the last
+    assert monitor.validate_file(slowed.out_dir / "metrics.jsonl") == {}
+    for line in map(json.loads, lines):
+        assert set(monitor.METRICS_SCHEMA) <= set(line)
+        assert len(line["compute_s"]) == len(line["wait_s"]) == 2  # one entry per rank
+
+
+def test_the_validator_rejects_broken_lines():
+    assert monitor.validate_line(json.dumps(GOOD)) == []
+    assert monitor.validate_line(json.dumps({**GOOD, "extra": "fine"})) == []
+    missing = {k: v for k, v in GOOD.items() if k != "grad_norm"}
+    assert monitor.validate_line(json.dumps(missing)) == ["missing key 'grad_norm'"]
+    for key, bad in [("loss", "0.25"), ("step", 3.0), ("step", True), ("loss", "nan"),
+                     ("lr", None), ("compute_s", [0.1, "x"]), ("wait_s", 0.1), ("compute_s", [])]:
+        errors = monitor.validate_line(json.dumps({**GOOD, key: bad}))
+        assert len(errors) == 1 and repr(key) in errors[0], (key, bad, errors)
+    assert monitor.validate_line("{not json") and monitor.validate_line("[1, 2]")
+
+
+def test_detector_is_robust_to_noise_and_hiccups():
+    def ranks(n, base, slow=None, extra=0.0):
+        # deterministic "noise": ±10% around base, one 100 ms hiccup on every rank at step 7
+        rows = [[base * (1 + 0.1 * ((r * 7 + t * 3) % 5 - 2) / 2) + (0.1 if t == 7 else 0.0)
+                 for t in range(30)] for r in range(n)]
+        if slow is not None:
+            rows[slow] = [t + extra for t in rows[slow]]
+        return rows
+
+    for n in (2, 3, 8):
+        assert monitor.find_stragglers(ranks(n, 0.002))["flagged"] == [], n
+        assert monitor.find_stragglers(ranks(n, 0.002, slow=n - 1, extra=0.03))["flagged"] == [n - 1], n
+    # 10% slower on a 100 ms step: below the default factor, and within the ±10% noise the MAD
+    # measures, so a lower factor alone does not flag it; trusting smaller gaps (z = 1) does.
+    rows = ranks(4, 0.1, slow=2, extra=0.01)
+    assert monitor.find_stragglers(rows)["flagged"] == []
+    assert monitor.find_stragglers(rows, factor=1.05)["flagged"] == []
+    assert monitor.find_stragglers(rows, factor=1.05, z=1.0)["flagged"] == [2]
+    # One rank with wild noise (a single long hiccup every third step) is not a straggler.
+    noisy = ranks(3, 0.002)
+    noisy[0] = [t + (0.05 if i % 3 == 0 else 0.0) for i, t in enumerate(noisy[0])]
+    assert monitor.find_stragglers(noisy)["flagged"] == []
+    assert monitor.find_stragglers([[0.01, 0.02]])["flagged"] == []  # a world of one
+
+
+@pytest.mark.timeout(150)
+def test_no_slowed_rank_nobody_is_flagged(tmp_path):
+    res = run_torchrun(SCRIPT, nproc=2, args=["--no-wandb", "--no-tensorboard"], out_dir=tmp_path,
+                       timeout=120)
+    assert res.check("stragglers flagged (median/MAD of compute times)")["measured"] == []
+    assert not (tmp_path / "wandb").exists() and not (tmp_path / "tb").exists()
+    assert monitor.validate_file(tmp_path / "metrics.jsonl") == {}
+
+
+def test_missing_wandb_is_one_line_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
+    for var in ("WANDB_MODE", "WANDB_DIR", "WANDB_SILENT"):
+        monkeypatch.delenv(var, raising=False)
+    setup_logging(0, 1)
+    assert monitor.wandb_offline_init(tmp_path, {}) is None
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "wandb is not installed" in out[0]
+
+
+def test_bad_input_is_refused_in_one_sentence(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit) as e:
+        train.main(train.Config(slow_rank=3, out=str(tmp_path), wandb=False, tensorboard=False))
+    assert "--slow-rank 3 does not exist in a world of 1 ranks" in str(e.value.code)
+    assert not dist.is_initialized()  # torn down in finally
+    for argv in (["--slow-ms", "-1"], ["--straggler-factor", "1"], ["--slow-rank", "-2"]):
+        with pytest.raises(SystemExit) as e:
+            train.parse_config(train.Config, argv)
+        assert e.value.code == 2
+
+
+def test_learning_rate_warms_up_then_decays_to_ten_percent():
+    cfg = train.Config(lr=0.1, warmup_steps=4, steps=20)
+    lrs = [train.learning_rate(s, cfg) for s in range(20)]
+    assert lrs[:4] == pytest.approx([0.025, 0.05, 0.075, 0.1])
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    assert train.learning_rate(cfg.steps, cfg) == pytest.approx(0.01)
