@@ -1,0 +1,72 @@
+"""Figures for the chapter 11 lesson (regenerate with `python tools/figures.py ch11`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from chapters.ch11_data_loading.benchmark import Config, run_grid
+from chapters.ch11_data_loading.sampling import ShardSampler, epoch_shards
+
+
+def shard_layout(n: int = 11, world_size: int = 4, drop_last: bool = False, epochs: int = 2):
+    """For each epoch, the rank that reads each position of the padded (or trimmed) list."""
+    rows = []
+    for epoch in range(epochs):
+        shards = epoch_shards(lambda r: ShardSampler(n, world_size, r, drop_last=drop_last),
+                              world_size, epoch)
+        flat = [(i, r) for pos in range(len(shards[0])) for r, s in enumerate(shards) for i in [s[pos]]]
+        rows.append(flat)
+    return rows
+
+
+def make_figures(fig_dir: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    torch.set_num_threads(1)
+    rows = run_grid(Config(workers=[0, 1, 2], items=128, repeats=3), torch.device("cpu"))
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for pin, marker in ((False, "o"), (True, "s")):
+        pts = [(r["workers"], r["samples_s"]) for r in rows if r["workers"] != "cache" and r["pin"] == pin]
+        ax.plot(*zip(*pts), marker=marker, label=f"pin_memory={pin}")
+    cached = next(r["samples_s"] for r in rows if r["workers"] == "cache")
+    ax.axhline(cached, ls="--", color="grey", label="cached items, 0 workers")
+    ax.set_yscale("log")
+    ax.set_xticks(sorted({r["workers"] for r in rows if r["workers"] != "cache"}))
+    ax.set_xlabel("num_workers")
+    ax.set_ylabel("samples/s (median of 3 epochs)")
+    ax.set_title("DataLoader throughput, 2-core CPU, no CUDA")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(fig_dir / "loader_throughput.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    for drop_last, name in ((False, "shards_padded.png"), (True, "shards_drop_last.png")):
+        layout = shard_layout(drop_last=drop_last)
+        fig, ax = plt.subplots(figsize=(6.5, 1.9))
+        colours = plt.get_cmap("tab10")
+        for epoch, flat in enumerate(layout):
+            seen = set()
+            for pos, (i, r) in enumerate(flat):
+                repeat = i in seen
+                seen.add(i)
+                ax.add_patch(plt.Rectangle((pos, -epoch - 0.45), 0.9, 0.9, color=colours(r),
+                                           hatch="//" if repeat else None, fill=True, alpha=0.85))
+                ax.text(pos + 0.45, -epoch, str(i), ha="center", va="center", fontsize=8,
+                        color="white" if not repeat else "black")
+        ax.set_xlim(0, 12)
+        ax.set_ylim(-len(layout) + 0.4, 0.6)
+        ax.set_yticks([-e for e in range(len(layout))], [f"epoch {e}" for e in range(len(layout))])
+        ax.set_xticks([])
+        mode = "drop_last=True: the tail is dropped" if drop_last else "padding: the head repeats (hatched)"
+        ax.set_title(f"11 items on 4 ranks (colour = rank), {mode}", fontsize=9)
+        fig.tight_layout()
+        paths.append(fig_dir / name)
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
