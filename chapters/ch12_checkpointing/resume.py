@@ -1,0 +1,244 @@
+"""Full training-state checkpoints: save everything, resume bit for bit, survive a crash mid-save.
+
+A resumable checkpoint holds the model, the optimizer (Adam's moments), the scheduler, every RNG
+state (dropout) and the data position (epoch, batch); leave out one and the resumed run drifts.
+Each save is atomic (temporary file, fsync, rename), so a save killed halfway leaves the previous
+checkpoint loadable and only a `.tmp` file behind, which the next start detects and removes.
+
+Run (one process by design: train.py shows the sharded, multi-rank checkpoint):
+    python chapters/ch12_checkpointing/resume.py                       # save, resume, compare
+    python chapters/ch12_checkpointing/resume.py --ckpt-dir /tmp/ck --save-every 4   # resumes if /tmp/ck has one
+    CH12_KILL_SAVE_AT_STEP=8 python chapters/ch12_checkpointing/resume.py --ckpt-dir /tmp/ck --save-every 4
+    torchrun, GPUs, several nodes, Slurm (srun): not needed here; each rank of a real job saves
+    its own RNG state and data position the same way (train.py saves the sharded part with DCP).
+"""
+# launch: python
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.checkpoint import atomic_write, load_checkpoint, save_checkpoint
+from common.config import RunConfig, parse_config
+from common.data import regression_data
+from common.distributed import setup_distributed, teardown_distributed
+from common.log import log, setup_logging
+from common.results import RunRecorder
+from common.seed import capture_rng_state, restore_rng_state, seed_everything
+
+KILL_AFTER_BYTES = 4096  # the test hook kills the writer after this many bytes of a save
+
+
+@dataclass
+class Config(RunConfig):
+    steps: int = 24
+    """Optimizer steps of the whole run (crosses an epoch boundary with the defaults)."""
+    stop_at: int = 10
+    """Step at which the demonstration saves, 'dies' and resumes in fresh objects."""
+    ckpt_dir: str = ""
+    """Folder of step_NNNNNN.pt checkpoints; when set, resume from its latest complete one."""
+    save_every: int = 0
+    """With --ckpt-dir: save every this many steps (0: never)."""
+    naive_save: bool = False
+    """With --ckpt-dir: torch.save straight over latest.pt, not atomically (the broken variant)."""
+    batch_size: int = 16
+    """Samples per step."""
+    n_samples: int = 256
+    """Samples in the data set (an epoch is n_samples / batch_size steps)."""
+    dropout: float = 0.2
+    """Dropout probability: makes the RNG state part of the training state."""
+    lr: float = 3e-3
+    """Peak learning rate of AdamW (cosine schedule over --steps)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.stop_at < self.steps:
+            raise ValueError(f"--stop-at must lie strictly between 0 and --steps={self.steps}")
+        if self.n_samples % self.batch_size:
+            raise ValueError("--n-samples must be a multiple of --batch-size")
+
+
+def build(cfg: Config, device: torch.device | str = "cpu"):
+    """Model with dropout, AdamW and a cosine schedule, from the seed (as a fresh process would)."""
+    torch.manual_seed(cfg.seed)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(cfg.dropout),
+                          nn.Linear(64, 64), nn.ReLU(), nn.Dropout(cfg.dropout), nn.Linear(64, 1)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.steps)
+    return model, opt, sched
+
+
+def batch_at(cfg: Config, X, Y, epoch: int, index: int):
+    """The data position (epoch, index) names the batch: each epoch has its own shuffle."""
+    order = torch.randperm(len(X), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+    rows = order[index * cfg.batch_size:(index + 1) * cfg.batch_size]
+    return X[rows], Y[rows]
+
+
+def train(cfg: Config, run: dict, X, Y, until: int) -> list[float]:
+    """Train from run["step"] to `until`; returns the losses. `run` is the training state."""
+    model, opt, sched, pos = run["model"], run["opt"], run["sched"], run["data"]
+    per_epoch, losses = cfg.n_samples // cfg.batch_size, []
+    while run["step"] < until:
+        x, y = batch_at(cfg, X, Y, pos["epoch"], pos["index"])
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        pos["index"] += 1
+        if pos["index"] == per_epoch:
+            pos["epoch"], pos["index"] = pos["epoch"] + 1, 0
+        run["step"] += 1
+    return losses
+
+
+def new_run(cfg: Config, device: torch.device | str = "cpu") -> dict:
+    model, opt, sched = build(cfg, device)
+    return {"model": model, "opt": opt, "sched": sched, "data": {"epoch": 0, "index": 0}, "step": 0}
+
+
+def training_state(run: dict) -> dict:
+    """Everything a bit-exact resume needs, as tensors and plain values (weights_only-loadable)."""
+    return {"model": run["model"].state_dict(), "optimizer": run["opt"].state_dict(),
+            "scheduler": run["sched"].state_dict(), "rng": capture_rng_state(),
+            "data": dict(run["data"]), "step": run["step"]}
+
+
+def restore(run: dict, state: dict, rng: bool = True, data: bool = True) -> None:
+    """Load a training state into freshly built objects (rng/data=False: the broken variants)."""
+    run["model"].load_state_dict(state["model"])
+    run["opt"].load_state_dict(state["optimizer"])
+    run["sched"].load_state_dict(state["scheduler"])
+    run["step"] = state["step"]
+    if rng:
+        restore_rng_state(state["rng"])
+    if data:
+        run["data"] = dict(state["data"])
+
+
+def _writer(state: dict, step: int):
+    """torch.save into the file; the test hook CH12_KILL_SAVE_AT_STEP=step SIGKILLs this process
+    after KILL_AFTER_BYTES bytes of that step's save, a deterministic point inside the write."""
+    kill = os.environ.get("CH12_KILL_SAVE_AT_STEP") == str(step)
+
+    def write(f) -> None:
+        class Hooked:
+            written = 0
+
+            def write(self, b) -> int:
+                if kill and self.written + len(b) > KILL_AFTER_BYTES:
+                    f.write(bytes(b)[:KILL_AFTER_BYTES - self.written])
+                    f.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                self.written += len(b)
+                return f.write(b)
+
+            def flush(self) -> None:
+                f.flush()
+
+        torch.save(state, Hooked())
+    return write
+
+
+def save_training_state(ckpt_dir: Path, state: dict, naive: bool = False) -> Path:
+    """Atomic: step_NNNNNN.pt appears whole or not at all. Naive: overwrite latest.pt in place."""
+    write = _writer(state, state["step"])
+    if naive:
+        path = ckpt_dir / "latest.pt"
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            write(f)
+        return path
+    return atomic_write(ckpt_dir / f"step_{state['step']:06d}.pt", write)
+
+
+def latest_checkpoint(ckpt_dir: Path, clean: bool = True) -> tuple[Path | None, list[Path]]:
+    """The newest complete checkpoint, and the incomplete saves (.tmp files) found (and removed)."""
+    incomplete = sorted(ckpt_dir.glob(".*.tmp"))
+    if clean:
+        for p in incomplete:
+            p.unlink()
+    complete = sorted(ckpt_dir.glob("step_*.pt"))
+    return (complete[-1] if complete else None), incomplete
+
+
+def run_with_checkpoints(cfg: Config, X, Y, rec: RunRecorder) -> dict:
+    """The real-job loop: resume from the latest complete checkpoint if any, save every k steps."""
+    ckpt_dir, run = Path(cfg.ckpt_dir), new_run(cfg, X.device)
+    path, incomplete = latest_checkpoint(ckpt_dir)
+    for p in incomplete:
+        log.info("removed an incomplete save: %s", p.name)
+    if path is not None:
+        restore(run, load_checkpoint(path, map_location=X.device))
+        log.info("resumed from %s at step %d", path.name, run["step"])
+    first, losses = run["step"], []
+    while run["step"] < cfg.steps:
+        k = cfg.save_every or cfg.steps
+        losses += train(cfg, run, X, Y, min(cfg.steps, (run["step"] // k + 1) * k))
+        if cfg.save_every and run["step"] % cfg.save_every == 0:
+            save_training_state(ckpt_dir, training_state(run), naive=cfg.naive_save)
+            log.info("saved step %d", run["step"])
+    rec.figure("resumed from step", first)
+    rec.figure("incomplete saves found and removed", len(incomplete))
+    return {"first_step": first, "losses": losses}
+
+
+def resume_demo(cfg: Config, X, Y, rec: RunRecorder) -> dict:
+    """Uninterrupted run vs. save at --stop-at, rebuild everything, load, continue."""
+    seed_everything(cfg.seed)
+    whole = new_run(cfg, X.device)
+    reference = train(cfg, whole, X, Y, cfg.steps)
+    seed_everything(cfg.seed)
+    first = new_run(cfg, X.device)
+    head = train(cfg, first, X, Y, cfg.stop_at)
+    path = save_training_state(rec.out / "ckpt", training_state(first))
+    tails = {}
+    for name, rng, data in (("full", True, True), ("no RNG", False, True), ("no data position", True, False)):
+        seed_everything(cfg.seed + 1)  # a new process: other RNG states, fresh objects
+        run = new_run(cfg, X.device)
+        restore(run, load_checkpoint(path, map_location=X.device), rng=rng, data=data)
+        tails[name] = train(cfg, run, X, Y, cfg.steps)
+    for name, tail in tails.items():
+        same = head + tail == reference
+        kind = "parity"
+        if name == "full":
+            rec.check("resumed losses == uninterrupted (bit for bit)", kind, same, True)
+        else:
+            rec.check(f"resume without {name.removeprefix('no ')} == uninterrupted (must not)", kind, same, False)
+    rec.figure("checkpoint file size", path.stat().st_size, unit="bytes")
+    return {"first_step": 0, "losses": head + tails["full"], "reference": reference}
+
+
+def main(cfg: Config) -> int:
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        setup_logging(info.rank, info.world_size)
+        if info.world_size > 1:
+            raise SystemExit("error: resume.py is one process; start it with python "
+                             "(train.py is the multi-rank, sharded checkpoint)")
+        rec = RunRecorder(cfg, __file__, info)
+        X, Y = (t.to(info.device) for t in regression_data(cfg.n_samples, 16, 1, seed=cfg.seed))
+        if cfg.ckpt_dir:
+            out = run_with_checkpoints(cfg, X, Y, rec)
+        else:
+            out = resume_demo(cfg, X, Y, rec)
+        for i, loss in enumerate(out["losses"]):
+            rec.metrics(out["first_step"] + i, loss=loss)
+        log.info("losses from step %d: %s", out["first_step"], " ".join(f"{v:.4f}" for v in out["losses"]))
+        save_checkpoint(rec.out / "losses.pt", {"first_step": out["first_step"],
+                                                "losses": torch.tensor(out["losses"], dtype=torch.float64)})
+        return rec.finish()
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config, description=__doc__)))
