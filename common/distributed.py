@@ -26,6 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# torch 2.14 renamed the tensor forms of all-gather and reduce-scatter (all_gather_into_tensor,
+# reduce_scatter_tensor); older releases (2.11 on the lent GPU machines) have only the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class DistInfo:

@@ -21,10 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# torch 2.14 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (same
-# arguments); older releases, such as the 2.11 of some GPU images, only have the old names.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from common.distributed import all_gather_single, reduce_scatter_single  # torch 2.11 and 2.14 names
 
 
 def shard_size(numel: int, world_size: int) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from chapters.ch06_hybrid_zero.zero import all_gather_single
+from common.distributed import all_gather_single
 
 
 def quantize_blockwise(x: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:

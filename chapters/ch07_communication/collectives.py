@@ -13,10 +13,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# torch 2.14 renamed the tensor forms (all_gather_into_tensor -> all_gather_single,
-# reduce_scatter_tensor -> reduce_scatter_single); torch 2.11 only has the old names.
-library_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-library_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from common.distributed import all_gather_single, reduce_scatter_single
+
+# The library's tensor forms, under torch 2.14's names (all_gather_into_tensor and
+# reduce_scatter_tensor before); common.distributed picks whichever this torch has.
+library_all_gather = all_gather_single
+library_reduce_scatter = reduce_scatter_single
 
 
 class P2P:

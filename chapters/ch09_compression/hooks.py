@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-# torch 2.14 deprecates all_gather_into_tensor for all_gather_single; older versions lack the new name.
-gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+from common.distributed import all_gather_single as gather  # all_gather_into_tensor before 2.14
 
 
 @dataclass
