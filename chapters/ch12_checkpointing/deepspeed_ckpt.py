@@ -1,0 +1,170 @@
+"""A DeepSpeed ZeRO checkpoint: the files `engine.save_checkpoint` writes, and back to a plain state dict.
+
+Each ZeRO stage trains a tiny MLP a few steps, saves with `engine.save_checkpoint(dir, tag)`,
+lists the files (one model file, one optimizer partition per rank; ZeRO-3 one model file per rank)
+and converts them with DeepSpeed's own `zero_to_fp32` on rank 0: the plain state dict must equal
+the engine's whole parameters at save time, and differ from the initial ones (negative control).
+Needs `pip install deepspeed==0.19.8` (CPU works; the first run compiles a small op, then cached).
+
+Run:
+    torchrun --standalone --nproc_per_node=2 chapters/ch12_checkpointing/deepspeed_ckpt.py
+    torchrun --standalone --nproc_per_node=3 chapters/ch12_checkpointing/deepspeed_ckpt.py --stages 3
+    torchrun --standalone --nproc_per_node=8 chapters/ch12_checkpointing/deepspeed_ckpt.py --d-hidden 4096  # 8 GPUs
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        chapters/ch12_checkpointing/deepspeed_ckpt.py --out /shared/fs/ch12ds   # --out on a shared file system
+    srun --ntasks=16 --ntasks-per-node=8 python chapters/ch12_checkpointing/deepspeed_ckpt.py --out /shared/fs/ch12ds
+"""
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from common.checkpoint import save_checkpoint
+from common.config import RunConfig, parse_config
+from common.data import regression_data
+from common.distributed import setup_distributed, teardown_distributed
+from common.log import log, setup_logging
+from common.models import MLP
+from common.results import RunRecorder
+from common.seed import seed_everything
+
+
+@dataclass
+class Config(RunConfig):
+    steps: int = 3
+    """Training steps before the save."""
+    stages: list[int] = field(default_factory=lambda: [2, 3])
+    """DeepSpeed ZeRO stages to save and convert, one after another (zero_to_fp32 reads 1, 2 and 3)."""
+    d_in: int = 16
+    """Input features of the MLP."""
+    d_hidden: int = 33
+    """Hidden width of the MLP (odd: the flat partitions are uneven and padded)."""
+    batch_size: int = 8
+    """Samples per step, on every rank."""
+    lr: float = 1e-2
+    """Adam learning rate."""
+    tag: str = "step3"
+    """Checkpoint tag: the sub-folder of the save directory (DeepSpeed's default is global_step<N>)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.stages or any(s not in (1, 2, 3) for s in self.stages):
+            raise ValueError(f"--stages must be among 1 2 3, got {self.stages}")
+        if not self.tag or "/" in self.tag:
+            raise ValueError("--tag must be a non-empty folder name without '/'")
+
+
+def ds_config(stage: int, micro_batch_size: int) -> dict:
+    """DeepSpeed's JSON config (as in chapter 06): float32, no clipping, our torch optimizer."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # DeepSpeed 0.19 clips to norm 1.0 unless told otherwise
+        "zero_optimization": {"stage": stage, "overlap_comm": False},
+        "zero_allow_untested_optimizer": True,  # torch.optim.Adam: cpu_adam is not built
+        "steps_per_print": 10**9,
+    }
+
+
+def whole_parameters(engine, stage: int) -> dict:
+    """The engine's full parameters on every rank (ZeRO-3 gathers its shards; a collective)."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+        return {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+
+
+def train_engine(stage: int, cfg: Config, info):
+    """A fresh engine trained cfg.steps steps on this rank's shard; return it and the initial params."""
+    import deepspeed
+
+    seed_everything(cfg.seed)
+    model = MLP(cfg.d_in, cfg.d_hidden, 1).to(info.device)
+    initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, cfg.batch_size))
+    X, Y = regression_data(cfg.batch_size * info.world_size * cfg.steps, cfg.d_in, 1, seed=cfg.seed,
+                           dtype=torch.float32)
+    for x, y in zip(X.chunk(cfg.steps), Y.chunk(cfg.steps)):
+        x, y = x.chunk(info.world_size)[info.rank], y.chunk(info.world_size)[info.rank]
+        loss = F.mse_loss(engine(x.to(info.device)), y.to(info.device))
+        engine.backward(loss)  # ZeRO reduce-scatters the gradients
+        engine.step()          # each rank updates its partition of the fp32 master weights
+    return engine, initial
+
+
+def list_checkpoint(save_dir: Path) -> list[str]:
+    """Every file under the save directory, relative to it (what you would copy or upload)."""
+    return sorted(str(p.relative_to(save_dir)) for p in save_dir.rglob("*") if p.is_file())
+
+
+def convert(save_dir: Path, tag: str) -> dict:
+    """DeepSpeed's own conversion: concatenate the partitions into one plain fp32 state dict."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(save_dir), tag=tag)
+
+
+def module_numel(save_dir: Path, tag: str) -> int:
+    """Elements of the weights in rank 0's model file: whole under ZeRO-1/2, empty placeholders under ZeRO-3."""
+    name = "mp_rank_00_model_states.pt"
+    path = save_dir / tag / name if (save_dir / tag / name).exists() else save_dir / tag / f"zero_pp_rank_0_{name}"
+    state = torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed pickles its config
+    return sum(t.numel() for t in state["module"].values())
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """Largest |a - b| over matching tensors (inf if the names differ)."""
+    if set(a) != set(b):
+        return float("inf")
+    return max((a[n].double() - b[n].double()).abs().max().item() for n in a)
+
+
+def main(cfg: Config) -> int:
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        setup_logging(info.rank, info.world_size)
+        os.environ.setdefault("LOCAL_RANK", str(info.local_rank))  # DeepSpeed asserts it is set
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=info.backend)  # reuses our process group
+        rec = RunRecorder(cfg, __file__, info)
+        for stage in cfg.stages:
+            engine, initial = train_engine(stage, cfg, info)
+            saved = whole_parameters(engine, stage)        # what the checkpoint must hold
+            save_dir = rec.out / f"zero{stage}"
+            engine.save_checkpoint(str(save_dir), tag=cfg.tag)  # a collective: every rank writes
+            dist.barrier()                                  # all partitions on disk before reading
+            files = list_checkpoint(save_dir)
+            log.info("ZeRO-%d checkpoint %s:\n  %s", stage, save_dir, "\n  ".join(files))
+            rec.figure(f"ZeRO-{stage} files", files)
+            optim = [f for f in files if f.endswith("optim_states.pt")]
+            rec.check(f"ZeRO-{stage}: one optimizer partition file per rank", "count",
+                      len(optim), info.world_size)
+            if info.is_main:
+                save_checkpoint(rec.out / f"zero{stage}_params.pt", saved)  # for the tests
+                plain = convert(save_dir, cfg.tag)
+                rec.figure(f"ZeRO-{stage} converted tensors", len(plain), len(saved))
+                whole = sum(t.numel() for t in saved.values())
+                rec.check(f"ZeRO-{stage}: weight elements in rank 0's model file", "count",
+                          module_numel(save_dir, cfg.tag), 0 if stage == 3 else whole)
+                rec.check(f"ZeRO-{stage}: zero_to_fp32 state dict == engine parameters at save",
+                          "parity", max_diff(plain, saved), 0.0, 0.0)
+                diff = max_diff(plain, initial)
+                rec.check(f"negative control: ZeRO-{stage} converted != initial parameters", "parity",
+                          diff, "> 0", ok=0 < diff < float("inf"))
+            dist.barrier()
+            engine.destroy()
+        return rec.finish()
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config, description=__doc__)))
