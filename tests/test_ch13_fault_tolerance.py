@@ -3,13 +3,20 @@
 The faulted torchrun run is compared with an undisturbed run this module computes itself (plain
 loop, one process playing both ranks), so a bug shared by the script and its checks still fails.
 The negative controls resume without the optimizer state, the RNG state or the data position and
-must land elsewhere.
+must land elsewhere. Two torchrun agents with `--nnodes=1:2` lose one node and the survivor
+finishes at world 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +27,8 @@ from chapters.ch13_fault_tolerance import hang, train
 from common.checkpoint import load_checkpoint
 from common.config import parse_config
 from common.data import regression_data
-from common.launch import run_on_ranks, run_torchrun
+from common.distributed import free_port
+from common.launch import REPO_ROOT, run_on_ranks, run_torchrun
 from common.models import MLP
 
 SCRIPT, HANG = Path(train.__file__), Path(hang.__file__)
@@ -78,6 +86,84 @@ def test_killed_rank_restarts_and_resumes_to_the_same_parameters(tmp_path):
     assert saved["restarts"] == 1 and saved["start"] == 5
     expected = undisturbed_reference(train.Config())
     assert max_diff(saved["model"], expected) <= 1e-12  # bitwise in practice (0.0 measured)
+
+
+def _metric_lines(path: Path) -> list[dict]:
+    """The complete lines of metrics.jsonl so far (the writer may be mid-line)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines(keepends=True)
+            if line.endswith("\n")]
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun starts its workers in their own
+    sessions, so killing the agent's process group would leave the worker running)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, i = [pid], 0
+    while i < len(tree):
+        tree += children.get(tree[i], [])
+        i += 1
+    for p in tree:  # collected first: a killed parent's children are re-parented at once
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _start_node(out: Path, port: int, is_host: bool, log_file: Path) -> subprocess.Popen:
+    """One torchrun agent ("node") of an elastic 1:2 job, in its own session. Node A hosts
+    the c10d store (it must outlive node B); short keep-alive and last-call timeouts make the
+    survivor give up on the dead node in seconds instead of ~50 s."""
+    conf = (f"is_host={int(is_host)},last_call_timeout=10,keep_alive_interval=2,"
+            "keep_alive_max_attempt=3")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
+           "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+           "--rdzv-id=ch13test", f"--rdzv-conf={conf}", str(SCRIPT), "--out", str(out),
+           "--device", "cpu", "--steps", "30", "--step-seconds", "0.3", "--log-every", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    with open(log_file, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                start_new_session=True)
+
+
+@pytest.mark.timeout(240)
+def test_elastic_run_survives_losing_a_node(tmp_path):
+    out, port = tmp_path / "run", free_port()
+    logs = {n: tmp_path / f"node{n}.log" for n in "AB"}
+    nodes = {"A": _start_node(out, port, True, logs["A"])}
+    nodes["B"] = _start_node(out, port, False, logs["B"])
+    try:
+        deadline, before = time.monotonic() + 120, []
+        while not any(m["step"] >= 7 and m["world"] == 2 for m in before):  # past checkpoint 5
+            assert time.monotonic() < deadline, "the 2-node world never got to step 7"
+            assert nodes["A"].poll() is None and nodes["B"].poll() is None, "a node ended early"
+            time.sleep(0.2)
+            before = _metric_lines(out / "metrics.jsonl")
+        assert {m["world"] for m in before} == {2}
+        _kill_tree(nodes["B"].pid)  # node B loses power: its agent and its worker
+        assert nodes["A"].wait(timeout=150) == 0, logs["A"].read_text()[-6000:]
+    finally:
+        for proc in nodes.values():
+            _kill_tree(proc.pid)
+            proc.wait()
+    log_a = logs["A"].read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 1
+    assert summary["figures"]["restarts (TORCHELASTIC_RESTART_COUNT)"]["measured"] >= 1
+    start = summary["figures"]["resumed from step"]["measured"]
+    assert start >= 5 and start % 5 == 0, start  # a committed checkpoint of the world of 2
+    after = _metric_lines(out / "metrics.jsonl")  # rewritten by the survivor's new rank 0
+    assert after[0]["step"] == start and after[-1]["step"] == 29
+    assert {m["world"] for m in after} == {1}, log_a[-3000:]
+    assert "world 1 on cpu/gloo" in log_a and f"resumed from step {start}" in log_a
 
 
 class _Info:

@@ -179,7 +179,8 @@ def train(cfg: Config, info, ckpt_dir: Path, rec=None, stop_at: int | None = Non
         losses.append(loss.item())
         time.sleep(cfg.step_seconds)
         if rec is not None and (step % cfg.log_every == 0 or step == cfg.steps - 1):
-            rec.metrics(step, loss=loss.item(), lr=cfg.lr, restart=restart_count())
+            rec.metrics(step, loss=loss.item(), lr=cfg.lr, restart=restart_count(),
+                        world=info.world_size)
             log.info("step %3d  loss %.5f (rank 0's shard)", step, loss.item())
         if (step + 1) % cfg.ckpt_every == 0 or step == cfg.steps - 1:
             save_state(ckpt_dir, step + 1, {
