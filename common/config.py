@@ -59,6 +59,13 @@ class RunConfig:
             raise ValueError(f"--log-every must be at least 1, got {self.log_every}")
 
 
+def require_at_least_one(cfg, *names: str) -> None:
+    """For `__post_init__`: refuse the first named field below 1 with "--flag must be at least 1"."""
+    for name in names:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+
+
 def field_docs(cls: type) -> dict[str, str]:
     """Map each dataclass field to the string literal written below it, through the MRO."""
     docs: dict[str, str] = {}

@@ -399,3 +399,11 @@ def test_progress_logs_plain_lines_off_a_terminal(capsys):
     assert [line.split(" (")[0] for line in lines] == ["train 10/25", "train 20/25", "train 25/25"]
     assert list(course_log.progress(range(3), enabled=False)) == [0, 1, 2]
     assert capsys.readouterr().out == ""
+
+
+def test_require_at_least_one_names_the_flag():
+    cfg = _Cfg(steps=3)
+    config.require_at_least_one(cfg, "steps", "log_every")
+    cfg.log_every = 0
+    with pytest.raises(ValueError, match="^--log-every must be at least 1$"):
+        config.require_at_least_one(cfg, "steps", "log_every")

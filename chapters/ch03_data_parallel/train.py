@@ -29,7 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import save_checkpoint
-from common.config import RunConfig, parse_config
+from common.config import RunConfig, parse_config, require_at_least_one
 from common.data import regression_data
 from common.distributed import setup_distributed, teardown_distributed
 from common.log import log, setup_logging
@@ -64,9 +64,7 @@ class Config(RunConfig):
         super().__post_init__()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
-        for name in ("global_batch_size", "grad_accum_steps", "base_batch_size", "warmup_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        require_at_least_one(self, "global_batch_size", "grad_accum_steps", "base_batch_size", "warmup_steps")
 
 
 def scaled_lr(step: int, cfg: Config) -> float:

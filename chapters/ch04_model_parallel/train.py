@@ -34,7 +34,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from chapters.ch04_model_parallel.schedule import bubble_formula
 from common.checkpoint import save_checkpoint
-from common.config import RunConfig, parse_config
+from common.config import RunConfig, parse_config, require_at_least_one
 from common.data import regression_data
 from common.distributed import setup_distributed, teardown_distributed
 from common.log import log, setup_logging
@@ -72,9 +72,7 @@ class Config(RunConfig):
         super().__post_init__()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
-        for name in ("batch_size", "micro_batches", "n_layers", "time_batch", "time_repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        require_at_least_one(self, "batch_size", "micro_batches", "n_layers", "time_batch", "time_repeats")
         if self.batch_size % self.micro_batches:
             raise ValueError(f"--micro-batches {self.micro_batches} does not divide "
                              f"--batch-size {self.batch_size} into equal micro-batches")

@@ -39,7 +39,7 @@ from chapters.ch05_tensor_parallel.tp_layers import (
     tp_layout_error,
 )
 from common.checkpoint import save_checkpoint
-from common.config import RunConfig, parse_config
+from common.config import RunConfig, parse_config, require_at_least_one
 from common.distributed import setup_distributed, teardown_distributed
 from common.log import log, setup_logging
 from common.results import RunRecorder
@@ -76,9 +76,7 @@ class Config(RunConfig):
         super().__post_init__()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
-        for name in ("batch_size", "seq_len", "d_model", "n_heads", "ffn_mult", "n_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        require_at_least_one(self, "batch_size", "seq_len", "d_model", "n_heads", "ffn_mult", "n_layers")
         if self.d_model % self.n_heads:
             raise ValueError(f"--d-model {self.d_model} is not divisible by --n-heads {self.n_heads}")
         if not 0.0 <= self.dropout < 1.0:

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from chapters.ch11_data_loading.datasets import AugmentedImages, CachedDataset
-from common.config import RunConfig, parse_config
+from common.config import RunConfig, parse_config, require_at_least_one
 from common.distributed import setup_distributed, teardown_distributed
 from common.log import log, setup_logging
 from common.results import RunRecorder
@@ -59,9 +59,7 @@ class Config(RunConfig):
         super().__post_init__()
         if not self.workers or min(self.workers) < 0:
             raise ValueError("--workers must list worker counts of at least 0")
-        for name in ("items", "batch_size", "image_size", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        require_at_least_one(self, "items", "batch_size", "image_size", "repeats")
         if self.work < 0 or self.warmup < 0 or self.compute_ms < 0:
             raise ValueError("--work, --warmup and --compute-ms must not be negative")
 

@@ -29,7 +29,7 @@ from chapters.ch03_data_parallel.train import all_reduce_gradients
 from chapters.ch11_data_loading.datasets import TokenWindows, ensure_tokens, read_tokens
 from chapters.ch11_data_loading.sampling import ShardSampler, check_shards, epoch_shards
 from common.checkpoint import save_checkpoint
-from common.config import RunConfig, parse_config
+from common.config import RunConfig, parse_config, require_at_least_one
 from common.distributed import setup_distributed, teardown_distributed
 from common.log import log, setup_logging
 from common.results import REPO_ROOT, RunRecorder
@@ -59,9 +59,7 @@ class Config(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("epochs", "block_size", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        require_at_least_one(self, "epochs", "block_size", "batch_size")
         if self.windows < 0 or self.num_workers < 0:
             raise ValueError("--windows and --num-workers must not be negative")
 

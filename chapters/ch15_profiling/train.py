@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from chapters.ch01_overview.train import count_flops, mlp_step_flops  # taught in chapter 01
 from chapters.ch15_profiling import compiled
 from chapters.ch15_profiling.trace_breakdown import breakdown, load_trace
-from common.config import RunConfig, parse_config
+from common.config import RunConfig, parse_config, require_at_least_one
 from common.data import regression_data
 from common.distributed import setup_distributed, teardown_distributed
 from common.log import log, setup_logging
@@ -70,9 +70,7 @@ class Config(RunConfig):
         super().__post_init__()
         if not 1 <= self.profile_steps <= 20:
             raise ValueError(f"--profile-steps must be between 1 and 20, got {self.profile_steps}")
-        for name in ("batch_size", "d_in", "d_hidden", "n_layers", "matmul_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        require_at_least_one(self, "batch_size", "d_in", "d_hidden", "n_layers", "matmul_size")
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ from chapters.ch17_pipeline_balance.schedules import (
     torch_order,
 )
 from common.checkpoint import save_checkpoint
-from common.config import RunConfig, parse_config
+from common.config import RunConfig, parse_config, require_at_least_one
 from common.data import regression_data
 from common.distributed import setup_distributed, teardown_distributed
 from common.log import log, setup_logging
@@ -81,9 +81,7 @@ class Config(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("batch_size", "micro_batches", "d_model", "chunks", "time_batch", "time_repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        require_at_least_one(self, "batch_size", "micro_batches", "d_model", "chunks", "time_batch", "time_repeats")
         if self.batch_size % self.micro_batches or self.time_batch % self.micro_batches:
             raise ValueError(f"--micro-batches {self.micro_batches} does not divide --batch-size "
                              f"{self.batch_size} and --time-batch {self.time_batch} into equal micro-batches")

@@ -32,7 +32,7 @@ from chapters.ch20_memory.recompute import (
     run_block,
     saved_tensor_bytes,
 )
-from common.config import RunConfig, parse_config
+from common.config import RunConfig, parse_config, require_at_least_one
 from common.data import regression_data
 from common.distributed import setup_distributed, teardown_distributed
 from common.log import log, setup_logging
@@ -64,9 +64,7 @@ class Config(RunConfig):
         super().__post_init__()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
-        for name in ("d_model", "d_ff", "n_layers", "tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        require_at_least_one(self, "d_model", "d_ff", "n_layers", "tokens")
 
 
 def loss_fn(model: ResidualMLP, x: torch.Tensor, y: torch.Tensor, strategy: str) -> torch.Tensor:
