@@ -110,31 +110,57 @@ def read_launch_env(env: dict[str, str] | None = None) -> dict:
                 master_addr="127.0.0.1", master_port=0, launcher="single")
 
 
+def _slurm_gpus_allocated(env) -> bool:
+    """Did Slurm give this job GPUs (--gpus, --gpus-per-node, --gpus-per-task, --gres=gpu)?"""
+    return any(env.get(k, "") not in ("", "0") for k in
+               ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_PER_TASK"))
+
+
 def choose_device_and_backend(
-    local_rank: int, local_world_size: int, device: str = "auto", backend: str = "auto"
+    local_rank: int, local_world_size: int, device: str = "auto", backend: str = "auto",
+    gpu_count: int | None = None, env: dict[str, str] | None = None,
 ) -> tuple[torch.device, str]:
-    """CUDA + NCCL when each local rank has a GPU, else CPU + gloo; explicit choices win."""
-    if device == "auto":
-        enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
-        device = "cuda" if enough_gpus else "cpu"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise DistributedSetupError("--device cuda was asked for, but this machine has no CUDA GPU")
-        if local_rank >= torch.cuda.device_count():
-            raise DistributedSetupError(
-                f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} GPUs for "
-                f"{local_world_size} processes on this node (use fewer processes or --device cpu)")
-        dev = torch.device("cuda", local_rank)
-    elif device == "cpu":
-        dev = torch.device("cpu")
-    else:
+    """CUDA + NCCL when each local rank has a GPU, else CPU + gloo; explicit choices win.
+
+    - One GPU per local rank: rank r uses `cuda:r`.
+    - `srun` with one GPU bound to each task (`--gpus-per-task=1`): every task sees one GPU,
+      `cuda:0`, its own.
+    - GPUs asked for (`--device cuda`, or Slurm allocated them) but none visible: an error, not a
+      silent run on the CPU.
+    - Fewer GPUs than local ranks: an error under `auto`; with `--device cuda --backend gloo` the
+      ranks share the GPUs (gloo takes CUDA tensors for all-reduce and broadcast only; NCCL
+      refuses two ranks on one GPU).
+    `gpu_count` and `env` default to this machine's; tests pass their own.
+    """
+    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
+    env = os.environ if env is None else env
+    slurm_task = "SLURM_PROCID" in env and "RANK" not in env  # srun started this rank itself
+    if device not in ("auto", "cpu", "cuda"):
         raise DistributedSetupError(f"unknown device {device!r}: use auto, cpu or cuda")
+    if backend not in ("auto", "gloo", "nccl", "mpi", "ucc", "xccl"):
+        raise DistributedSetupError(f"unknown backend {backend!r}: use auto, gloo or nccl")
+    if device != "cpu" and gpus == 0 and (device == "cuda" or _slurm_gpus_allocated(env)):
+        asked = "--device cuda" if device == "cuda" else "Slurm allocated GPUs to this job"
+        raise DistributedSetupError(
+            f"{asked}, but torch sees no CUDA GPU (a CPU-only build of torch, or "
+            f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '')!r}); use --device cpu to run on the CPU")
+    if device == "cpu" or (device == "auto" and gpus == 0):
+        dev = torch.device("cpu")
+    elif gpus >= local_world_size:
+        dev = torch.device("cuda", local_rank)
+    elif gpus == 1 and slurm_task:
+        dev = torch.device("cuda", 0)  # Slurm bound one GPU to each task: each sees its own cuda:0
+    elif device == "cuda" and backend == "gloo":
+        dev = torch.device("cuda", local_rank % gpus)  # ranks share GPUs, which gloo allows
+    else:
+        raise DistributedSetupError(
+            f"{local_world_size} processes on this node but {gpus} GPU(s): start one process per "
+            f"GPU (--nproc_per_node={gpus}), or share them with --device cuda --backend gloo "
+            f"(all-reduce and broadcast only), or run on the CPU with --device cpu")
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if backend == "nccl" and dev.type != "cuda":
         raise DistributedSetupError("the nccl backend needs CUDA devices: use --backend gloo on CPU")
-    if backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
-        raise DistributedSetupError(f"unknown backend {backend!r}: use auto, gloo or nccl")
     return dev, backend
 
 
@@ -170,6 +196,88 @@ def setup_distributed(device: str = "auto", backend: str = "auto", timeout_s: fl
     return DistInfo(rank=launch["rank"], local_rank=launch["local_rank"],
                     world_size=launch["world_size"], local_world_size=launch["local_world_size"],
                     device=dev, backend=backend, launcher=launch["launcher"])
+
+
+def comm_device(group=None) -> torch.device:
+    """Where a tensor handed to a collective must live: the current CUDA device under NCCL
+    (it takes CUDA tensors only), the CPU under gloo (whose CUDA support stops at all-reduce
+    and broadcast)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _number_tensor(value) -> tuple[torch.Tensor, bool]:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"expected one number, got a tensor of shape {tuple(value.shape)}")
+        is_int = not (value.is_floating_point() or value.is_complex())
+        value = value.detach().item()
+    else:
+        is_int = isinstance(value, int)
+    dtype = torch.int64 if is_int else torch.float64
+    return torch.tensor([value], dtype=dtype, device=comm_device()), is_int
+
+
+def _as_number(t: torch.Tensor, is_int: bool):
+    return int(t.item()) if is_int else float(t.item())
+
+
+_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def reduce_number(value, op: str = "sum", group=None):
+    """Agree on one number across the ranks: the sum, max or min of every rank's `value`
+    (a Python number or a one-element tensor), returned to every rank as a Python number.
+    The tensor lives on `comm_device()`, so the same call works on gloo and on NCCL.
+
+        worst = reduce_number(max_diff, "max")      # a parity check every rank agrees on
+        sent = reduce_number(bytes_sent, "sum")     # a count over the world
+    """
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, not {op!r}")
+    t, is_int = _number_tensor(value)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, _OPS[op]), group=group)
+    return _as_number(t, is_int)
+
+
+def broadcast_number(value, src: int = 0, group=None):
+    """Every rank gets rank `src`'s `value` (e.g. the loss the main rank computed)."""
+    t, is_int = _number_tensor(value)
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast(t, src=src, group=group)
+    return _as_number(t, is_int)
+
+
+def gather_numbers(value, group=None) -> list:
+    """Every rank's `value`, in rank order, on every rank (per-rank step times, per-rank diffs)."""
+    t, is_int = _number_tensor(value)
+    if not (dist.is_available() and dist.is_initialized()):
+        return [_as_number(t, is_int)]
+    out = torch.empty(dist.get_world_size(group), dtype=t.dtype, device=t.device)
+    all_gather_single(out, t, group=group)
+    return [_as_number(x, is_int) for x in out]
+
+
+def trainable_params(params) -> list[torch.nn.Parameter]:
+    """Parameters that need a gradient, each once (tied weights are one parameter).
+    (Used by the hand-written wrappers of chapters 06 and 08.)"""
+    seen, out = set(), []
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def broadcast_from_rank0(module: torch.nn.Module, group=None) -> None:
+    """Every rank starts from rank 0's parameters and buffers, frozen ones too, as DDP does when
+    it wraps a model (taught in chapter 08; used by chapter 06's ZeRO wrappers)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t, src=src, group=group)
 
 
 def teardown_distributed() -> None:

@@ -6,12 +6,19 @@ Every script records what it measured beside what theory predicts:
     rec.metrics(step, loss=..., lr=...)                        # one JSON line per logged step
     rec.figure("busbw", measured=0.9, expected=1.0, unit="GB/s")
     rec.check("hand DP == DDP", "parity", measured=max_diff, expected=0.0, tolerance=1e-12)
+    rec.check("naive mean is off", "parity", measured=err, expected=1e-8, compare=">")
     return rec.finish()                                         # exit status: 1 if a check failed
 
 summary.json: {chapter, script, world_size, backend, device, versions, config, figures, checks};
-each check is {name, kind, measured, expected, tolerance, ok} with kind one of parity, formula,
-count, timing. Timing checks are reported, never fatal: wall clocks on a shared machine are noisy.
-Only rank 0 writes; every rank may call the methods.
+each check is {name, kind, measured, expected, compare, tolerance, relative, ok} with kind one of
+parity, formula, count, timing. A check is decided by `compare`: "==" (|measured − expected| ≤
+tolerance, × |expected| when relative), "<", "<=", ">", ">=" against the number `expected`, or
+"between" with `expected = [low, high]` (inclusive): the bound that decided it is always in the
+file. Timing checks are reported, never fatal: wall clocks on a shared machine are noisy.
+
+Every rank records; at `finish()` the ranks exchange their verdicts, so a check that failed on
+any rank fails in rank 0's summary (with `failed_on_ranks`) and every rank exits with the same
+status. Only rank 0 writes.
 """
 
 from __future__ import annotations
@@ -21,9 +28,11 @@ import math
 import platform
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from common.checkpoint import atomic_write
 from common.config import config_dict
@@ -31,6 +40,7 @@ from common.log import log
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHECK_KINDS = ("parity", "formula", "count", "timing")
+COMPARES = ("==", "<", "<=", ">", ">=", "between")
 
 
 def default_out_dir(script_file: str) -> Path:
@@ -62,16 +72,41 @@ def _plain(x):
     return x
 
 
-def check_ok(measured, expected, tolerance: float = 0.0, relative: bool = False) -> bool:
-    """|measured − expected| ≤ tolerance (× |expected| when relative); equality for non-numbers."""
-    numbers = (int, float)
-    if isinstance(measured, numbers) and isinstance(expected, numbers) \
-            and not isinstance(measured, bool) and not isinstance(expected, bool):
-        if not (math.isfinite(measured) and math.isfinite(expected)):
-            return False
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_ok(measured, expected, tolerance: float = 0.0, relative: bool = False,
+             compare: str = "==") -> bool:
+    """Decide a check. "==": |measured − expected| ≤ tolerance (× |expected| when relative), or
+    equality for non-numbers; "<", "<=", ">", ">=": measured against the bound `expected`;
+    "between": low ≤ measured ≤ high for `expected = [low, high]`. Non-finite numbers fail."""
+    if compare not in COMPARES:
+        raise ValueError(f"compare must be one of {COMPARES}, not {compare!r}")
+    if compare == "==" and not (_is_number(measured) and _is_number(expected)):
+        return measured == expected
+    bounds = expected if compare == "between" else [expected]
+    if compare == "between" and (not isinstance(expected, (list, tuple)) or len(expected) != 2):
+        raise ValueError("compare='between' needs expected=[low, high]")
+    if not all(_is_number(b) for b in [measured, *bounds]):
+        raise ValueError(f"compare={compare!r} needs numbers, got {measured!r} and {expected!r}")
+    if not all(math.isfinite(b) for b in [measured, *bounds]):
+        return False
+    if compare == "==":
         bound = tolerance * abs(expected) if relative else tolerance
         return abs(measured - expected) <= bound
-    return measured == expected
+    if compare == "between":
+        return bounds[0] <= measured <= bounds[1]
+    return {"<": measured < expected, "<=": measured <= expected,
+            ">": measured > expected, ">=": measured >= expected}[compare]
+
+
+def expected_text(check: dict) -> str:
+    """How a check's expectation reads in the table: "0", "> 0.01", "in [0.1, 0.5]"."""
+    compare, expected = check.get("compare", "=="), check["expected"]
+    if compare == "between":
+        return f"in [{_fmt(expected[0])}, {_fmt(expected[1])}]"
+    return _fmt(expected) if compare == "==" else f"{compare} {_fmt(expected)}"
 
 
 def _fmt(x) -> str:
@@ -121,17 +156,43 @@ class RunRecorder:
         self.figures[name] = {"measured": _plain(measured), "expected": _plain(expected), "unit": unit}
 
     def check(self, name: str, kind: str, measured, expected, tolerance: float = 0.0,
-              relative: bool = False, ok: bool | None = None) -> bool:
-        """Record a check and return whether it passed."""
+              relative: bool = False, compare: str = "==") -> bool:
+        """Record a check and return whether it passed on this rank (see `check_ok`)."""
         if kind not in CHECK_KINDS:
             raise ValueError(f"check kind must be one of {CHECK_KINDS}, not {kind!r}")
         measured, expected = _plain(measured), _plain(expected)
-        if ok is None:
-            ok = check_ok(measured, expected, tolerance, relative)
+        ok = check_ok(measured, expected, tolerance, relative, compare)
         self.checks.append({"name": name, "kind": kind, "measured": measured,
-                            "expected": expected, "tolerance": tolerance,
+                            "expected": expected, "compare": compare, "tolerance": tolerance,
                             "relative": relative, "ok": bool(ok)})
         return bool(ok)
+
+    def _merge_ranks(self) -> None:
+        """Fold every rank's verdicts into this rank's checks (a collective: every rank calls
+        `finish`). A check that failed anywhere fails here, naming the ranks; a check recorded
+        only on another rank is added with its rank."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        mine = [(c["name"], c["ok"], c) for c in self.checks]
+        everyone: list = [None] * dist.get_world_size()
+        try:
+            dist.all_gather_object(everyone, mine)
+        except Exception as e:  # a peer is gone: report this rank's view, and say so
+            warnings.warn(f"could not gather the other ranks' checks ({e}); summary is rank "
+                          f"{dist.get_rank()}'s view only", stacklevel=2)
+            return
+        for rank, theirs in enumerate(everyone):
+            seen: dict[str, int] = {}
+            for name, ok, check in theirs:
+                k = seen[name] = seen.get(name, -1) + 1  # k-th check of that name on that rank
+                same = [c for c in self.checks if c["name"] == name]
+                if k < len(same):
+                    if not ok:
+                        same[k]["ok"] = False
+                        same[k].setdefault("failed_on_ranks", []).append(rank)
+                elif rank != dist.get_rank():
+                    self.checks.append({**check, "rank": rank,
+                                        **({} if ok else {"failed_on_ranks": [rank]})})
 
     def summary(self) -> dict:
         info = self.info
@@ -153,8 +214,9 @@ class RunRecorder:
         rows += [(n, f["unit"], _fmt(f["expected"]) if f["expected"] is not None else "-",
                   _fmt(f["measured"]), "", "") for n, f in self.figures.items()]
         rows += [("check", "kind", "expected", "measured", "tolerance", "ok")]
-        rows += [(c["name"], c["kind"], _fmt(c["expected"]), _fmt(c["measured"]),
-                  _fmt(c["tolerance"]) + (" rel" if c["relative"] else ""),
+        rows += [(c["name"], c["kind"], expected_text(c), _fmt(c["measured"]),
+                  (_fmt(c["tolerance"]) + (" rel" if c["relative"] else ""))
+                  if c.get("compare", "==") == "==" else "",
                   "ok" if c["ok"] else ("FAIL" if c["kind"] != "timing" else "slow"))
                  for c in self.checks]
         widths = [max(len(str(r[i])) for r in rows) for i in range(6)]
@@ -164,7 +226,9 @@ class RunRecorder:
             log.info("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
 
     def finish(self) -> int:
-        """Write summary.json, print the table; return 1 if a fatal check failed, else 0."""
+        """Gather every rank's verdicts, write summary.json, print the table; return 1 on every
+        rank if a fatal check failed on any rank, else 0. Every rank must call it."""
+        self._merge_ranks()
         failed = self.failed()
         if self.is_main:
             text = json.dumps(self.summary(), indent=2)

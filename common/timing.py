@@ -82,6 +82,48 @@ def matmul_peak_flops(n: int = 1024, dtype: torch.dtype = torch.float32,
     return 2 * n**3 / stats.min
 
 
+# Dense (no sparsity) peak FLOP/s from NVIDIA's datasheets, per dtype. PaLM's MFU divides by this
+# theoretical peak; a measured small matmul is launch-bound on a GPU and moves from run to run.
+# Matched in order against torch.cuda.get_device_name(): the first pattern found in the name wins.
+DATASHEET_PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    ("B200", {"bfloat16": 2250, "float16": 2250, "float32": 80}),
+    ("H200", {"bfloat16": 989, "float16": 989, "float32": 67}),
+    ("H100 PCIe", {"bfloat16": 756, "float16": 756, "float32": 51}),
+    ("H100 NVL", {"bfloat16": 835, "float16": 835, "float32": 60}),
+    ("H100", {"bfloat16": 989, "float16": 989, "float32": 67}),   # SXM5
+    ("A100", {"bfloat16": 312, "float16": 312, "float32": 19.5}),
+    ("L40S", {"bfloat16": 362, "float16": 362, "float32": 91.6}),
+    ("L4", {"bfloat16": 121, "float16": 121, "float32": 30.3}),
+    ("V100", {"float16": 125, "float32": 15.7}),
+]
+
+
+def datasheet_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
+    """The datasheet's dense peak FLOP/s of a GPU named `device_name` for `dtype`, or None."""
+    key = str(dtype).removeprefix("torch.")
+    for pattern, peaks in DATASHEET_PEAK_TFLOPS:
+        if pattern in device_name:
+            return peaks[key] * 1e12 if key in peaks else None
+    return None
+
+
+def peak_flops(device: torch.device | str, dtype: torch.dtype = torch.float32,
+               matmul_size: int = 1024) -> tuple[float, str]:
+    """The denominator of MFU and where it came from: the datasheet peak on a known GPU;
+    otherwise (a CPU, an unlisted GPU) the best of a few n×n matmuls at the current thread count,
+    labelled as measured: an optimistic-for-the-code, noisy stand-in (it varied 1.6× between runs
+    on a shared 2-core CPU), not a peak the hardware promises."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = datasheet_peak_flops(name, dtype)
+        if peak is not None:
+            return peak, f"datasheet, {name}, {str(dtype).removeprefix('torch.')}"
+    measured = matmul_peak_flops(matmul_size, dtype=dtype, device=device)
+    return measured, (f"measured {matmul_size}x{matmul_size} matmul, {torch.get_num_threads()} "
+                      f"thread(s), {device.type}")
+
+
 def mfu(model_flops_per_step: float, step_seconds: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: the FLOPs the model needs per step over what the device
     could do in that time at peak."""

@@ -53,6 +53,75 @@ def test_choose_device_and_backend_on_cpu():
         distributed.choose_device_and_backend(0, 1, device="tpu")
 
 
+def test_device_choice_on_gpu_machines_and_slurm():
+    """The choices a GPU machine makes, decided from a stated GPU count and environment."""
+    choose = distributed.choose_device_and_backend
+    cuda = torch.device
+    assert choose(3, 8, gpu_count=8, env={}) == (cuda("cuda", 3), "nccl")
+    # srun --gpus-per-task=1: every task sees one GPU, its own
+    slurm = {"SLURM_PROCID": "5", "SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": "5"}
+    assert choose(5, 8, gpu_count=1, env=slurm) == (cuda("cuda", 0), "nccl")
+    # GPUs asked for, none visible: an error, not a silent CPU run
+    for env, device in (({"SLURM_PROCID": "0", "SLURM_GPUS_ON_NODE": "4"}, "auto"), ({}, "cuda")):
+        with pytest.raises(distributed.DistributedSetupError, match="sees no CUDA GPU"):
+            choose(0, 4, device=device, gpu_count=0, env=env)
+    # fewer GPUs than ranks under torchrun: refused under auto and NCCL, shared under gloo
+    with pytest.raises(distributed.DistributedSetupError, match="2 GPU"):
+        choose(0, 4, gpu_count=2, env={"RANK": "0"})
+    with pytest.raises(distributed.DistributedSetupError, match="--backend gloo"):
+        choose(1, 2, device="cuda", gpu_count=1, env={"RANK": "1"})
+    assert choose(1, 2, device="cuda", backend="gloo", gpu_count=1, env={}) == (cuda("cuda", 0), "gloo")
+    assert choose(1, 2, device="cpu", gpu_count=8, env={}) == (cuda("cpu"), "gloo")
+    assert choose(0, 2, gpu_count=0, env={}) == (cuda("cpu"), "gloo")
+
+
+def _agreed_numbers() -> dict:
+    rank = dist.get_rank()
+    return {
+        "device": distributed.comm_device().type,
+        "sum": distributed.reduce_number(rank + 1, "sum"),
+        "max": distributed.reduce_number(torch.tensor(0.5 * rank), "max"),
+        "min": distributed.reduce_number(float(rank), "min"),
+        "bcast": distributed.broadcast_number(10.0 + rank, src=1),
+        "gather": distributed.gather_numbers(rank * 2),
+    }
+
+
+@pytest.mark.timeout(60)
+def test_numbers_agreed_across_ranks():
+    got = launch.run_on_ranks(_agreed_numbers, 3)
+    for r in got:
+        assert r == {"device": "cpu", "sum": 6, "max": 1.0, "min": 0.0, "bcast": 11.0,
+                     "gather": [0, 2, 4]}
+        assert isinstance(r["sum"], int) and isinstance(r["max"], float)
+    with pytest.raises(ValueError, match="op must be one of"):
+        distributed.reduce_number(1, "mean")
+
+
+def _checks_across_ranks(out: str) -> int:
+    cfg = _Cfg(out=out)
+    rec = results.RunRecorder(cfg, "/x/chapters/ch99_demo/train.py",
+                              distributed.DistInfo(dist.get_rank(), dist.get_rank(), 2, 2,
+                                                   torch.device("cpu"), "gloo", "torchrun"))
+    rank = dist.get_rank()
+    rec.check("same on all ranks", "parity", 0.0, 0.0)
+    rec.check("fails on rank 1 only", "parity", float(rank), 0.0)  # rank 0 alone would pass
+    if rank == 1:
+        rec.check("recorded by rank 1 only", "count", 3, 3)
+    return rec.finish()
+
+
+@pytest.mark.timeout(60)
+def test_summary_holds_every_ranks_verdict(tmp_path):
+    codes = launch.run_on_ranks(_checks_across_ranks, 2, str(tmp_path))
+    assert codes == [1, 1]  # every rank exits with the same status
+    checks = {c["name"]: c for c in json.loads((tmp_path / "summary.json").read_text())["checks"]}
+    assert checks["same on all ranks"]["ok"] and "failed_on_ranks" not in checks["same on all ranks"]
+    assert not checks["fails on rank 1 only"]["ok"]
+    assert checks["fails on rank 1 only"]["failed_on_ranks"] == [1]
+    assert checks["recorded by rank 1 only"]["rank"] == 1 and checks["recorded by rank 1 only"]["ok"]
+
+
 def test_setup_single_process_world(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
@@ -113,6 +182,45 @@ def test_config_rejects_bad_input_with_exit_2(capsys):
     err = capsys.readouterr().err
     assert "--lr must be positive" in err and "unrecognized arguments: --no-such-flag" in err
     assert "Traceback" not in err
+
+
+def _validate(cfg, world_size):
+    config.check_global_batch(cfg.steps * 4, world_size)
+
+
+def test_validate_runs_at_the_launch_world_size(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert config.parse_config(_Cfg, ["--steps", "3"], validate=_validate).steps == 3  # 12 / 3
+    with pytest.raises(SystemExit) as e:
+        config.parse_config(_Cfg, ["--steps", "2"], validate=_validate)  # 8 / 3
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--global-batch-size 8 must divide into 3 ranks; use a multiple of 3" in err
+    assert "world size 3" in err and "Traceback" not in err
+    monkeypatch.setenv("RANK", "1")  # other ranks exit as well, without repeating the line
+    with pytest.raises(SystemExit):
+        config.parse_config(_Cfg, ["--steps", "2"], validate=_validate)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="into 4 ranks x 2 micro-batches; use a multiple of 8"):
+        config.check_global_batch(12, 4, micro_batches=2)
+
+
+def test_precheck_answers_help_and_refuses_in_one_process(tmp_path):
+    import subprocess
+
+    precheck = results.REPO_ROOT / "tools" / "precheck.py"
+    script = results.REPO_ROOT / "chapters" / "ch03_data_parallel" / "train.py"
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(precheck), str(script), *args],
+                              capture_output=True, text=True, timeout=120)
+
+    assert run("2").returncode == 0
+    helped = run("2", "--help")
+    assert helped.returncode == 10 and helped.stdout.count("usage: train.py") == 1
+    typo = run("2", "--bogus")
+    assert typo.returncode == 2 and typo.stderr.count("\n") == 1 and "--bogus" in typo.stderr
 
 
 def test_config_requires_documented_fields():
@@ -181,7 +289,8 @@ def test_recorder_writes_summary_and_metrics(tmp_path):
     assert (summary["chapter"], summary["script"]) == ("ch99_demo", "train")
     assert summary["figures"]["busbw"] == {"measured": 0.9, "expected": 1.0, "unit": "GB/s"}
     assert [c["ok"] for c in summary["checks"]] == [True, False]
-    assert set(summary["checks"][0]) >= {"name", "kind", "measured", "expected", "tolerance", "ok"}
+    assert set(summary["checks"][0]) >= {"name", "kind", "measured", "expected", "compare",
+                                         "tolerance", "ok"}
     line = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert line["step"] == 1 and line["loss"] == 0.5 and line["lr"] == 0.1 and "time_s" in line
 
@@ -195,6 +304,13 @@ def test_recorder_fails_on_a_failed_parity_check(tmp_path):
 
 
 def test_check_ok():
+    assert results.check_ok(2.0, 1.0, compare=">") and not results.check_ok(1.0, 1.0, compare=">")
+    assert results.check_ok(1.0, 1.0, compare="<=") and not results.check_ok(1.0, 1.0, compare="<")
+    assert results.check_ok(0.5, [0.0, 1.0], compare="between")
+    assert not results.check_ok(1.5, [0.0, 1.0], compare="between")
+    assert not results.check_ok(float("inf"), 0.0, compare=">")
+    with pytest.raises(ValueError, match="needs numbers"):
+        results.check_ok(1.0, "> 0", compare=">")
     assert results.check_ok(1.05, 1.0, 0.1, relative=True)
     assert not results.check_ok(1.2, 1.0, 0.1, relative=True)
     assert not results.check_ok(float("nan"), 0.0, 1.0)
@@ -275,6 +391,17 @@ def test_benchmark_protocol():
     assert timing.throughput(10, 2.0) == 5.0
     assert timing.mfu(1e9, 1.0, 2e9) == 0.5
     assert timing.matmul_peak_flops(n=128, repeats=2) > 0
+
+
+def test_peak_flops_datasheet_on_gpus_measured_on_cpu():
+    assert timing.datasheet_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
+    assert timing.datasheet_peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert timing.datasheet_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5e12
+    assert timing.datasheet_peak_flops("NVIDIA L4", torch.bfloat16) == 121e12
+    assert timing.datasheet_peak_flops("Tesla V100-SXM2-32GB", torch.bfloat16) is None
+    assert timing.datasheet_peak_flops("Some Future GPU", torch.float32) is None
+    peak, source = timing.peak_flops("cpu", torch.float32, matmul_size=128)
+    assert peak > 0 and source.startswith("measured 128x128 matmul")
 
 
 # --- launch helpers ---------------------------------------------------------------------------
