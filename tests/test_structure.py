@@ -53,6 +53,41 @@ def test_chapter_has_every_part(chapter):
         "lesson heading: '# Chapter NN · English · 中文'"
 
 
+def lesson_sections(text: str) -> dict[str, str]:
+    """'## Heading' -> the text under it."""
+    parts = re.split(r"^## (.+)$", text, flags=re.MULTILINE)
+    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
+def test_lesson_opens_with_objectives_needs_and_time(chapter):
+    """Before the first section: 'What you will learn' (three to five objectives), then what it
+    needs and how long it takes to read and to run."""
+    head = (chapter / "README.md").read_text().split("\n## ", 1)[0]
+    assert "**What you will learn**" in head, f"{chapter.name}: no 'What you will learn' block"
+    after = head.split("**What you will learn**", 1)[1]
+    objectives = re.findall(r"^>?\s*[-*] ", after.split("**Needs:**")[0], flags=re.MULTILINE)
+    assert 3 <= len(objectives) <= 5, f"{chapter.name}: {len(objectives)} objectives, want 3-5"
+    needs = re.search(r"\*\*Needs:\*\*(.+)", head)
+    time = re.search(r"\*\*Time:\*\*(.+)", head)
+    assert needs and time, f"{chapter.name}: say what it needs (**Needs:**) and how long (**Time:**)"
+    assert re.search(r"\d+\s*min", time.group(1)), f"{chapter.name}: **Time:** in minutes"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
+def test_every_exercise_has_a_hint_and_an_answer(chapter):
+    exercises = lesson_sections((chapter / "README.md").read_text()).get("Exercises")
+    assert exercises, f"{chapter.name} has no '## Exercises' section"
+    numbered = re.findall(r"^(\d+)\. ", exercises, flags=re.MULTILINE)
+    hints = re.findall(r"<summary>\s*Hint", exercises)
+    answers = re.findall(r"<summary>\s*Answer", exercises)
+    assert numbered, f"{chapter.name}: no numbered exercises"
+    assert len(hints) == len(answers) == len(numbered), (
+        f"{chapter.name}: {len(numbered)} exercises, {len(hints)} hints, {len(answers)} answers "
+        "(each exercise: <details><summary>Hint</summary>...</details> and "
+        "<details><summary>Answer</summary>...</details>)")
+
+
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
 def test_notebook_source_defines_nothing(chapter):
     """A notebook is a client of its chapter: functions and classes live in the scripts."""
