@@ -102,8 +102,11 @@ def _command_texts(path: Path) -> list[str]:
     """Candidate commands: fenced code lines and inline `code` spans of a Markdown lesson; the
     docstring lines of a script."""
     if path.suffix == ".py":
-        module_doc = script_module(path).__doc__ or ""
-        return _logical_lines(module_doc)
+        out = []
+        for line in _logical_lines(script_module(path).__doc__ or ""):
+            spans = re.findall(r"`([^`]*)`", line)  # a command quoted inside a sentence
+            out += spans if spans else [line]
+        return out
     text, cmds, fenced = path.read_text(), [], False
     block: list[str] = []
     for line in text.splitlines():
@@ -113,8 +116,8 @@ def _command_texts(path: Path) -> list[str]:
                 block = []
             fenced = not fenced
             continue
-        if fenced:
-            block.append(line)
+        if fenced:  # a commented-out alternative ("# srun torchrun ...") is a command too
+            block.append(re.sub(r"^(\s*)#(?![!A-Z])\s?", r"\1", line))
         else:
             cmds += re.findall(r"`([^`]*(?:chapters/ch\d\d|\./course run)[^`]*)`", line)
     return cmds
