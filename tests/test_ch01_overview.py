@@ -22,7 +22,10 @@ from common.results import check_ok
 
 SCRIPT = Path(train.__file__)
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+               "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_NTASKS",
+               "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NODELIST",
+               "SLURM_NODELIST", "SLURM_JOB_ID", "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS",
+               "SLURM_STEP_GPUS", "SLURM_GPUS_PER_TASK")
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +93,12 @@ def test_projection_and_metrics_of_the_run(run2):
     # 4.2e22 FLOP / (8 devices · 989e12 FLOP/s · 0.4) = 1.327e7 s = 153.6 days, by hand.
     assumed = f["projected: days on 8 devices at 9.89e+14 FLOP/s × MFU 0.4"]["measured"]
     assert assumed == pytest.approx(4.2e22 / (8 * 989e12 * 0.4) / 86400) == pytest.approx(153.6, abs=0.05)
+    # MFU: against the datasheet peak on a known GPU, a measured matmul on a CPU (labelled so).
+    assert f["peak FLOP/s is"]["measured"] == ("measured matmul" if run2.summary["device"] == "cpu"
+                                               else "datasheet")
+    mfu = f["MFU (achieved / peak)"]["measured"]
+    assert mfu == pytest.approx(f["achieved FLOP/s per rank"]["measured"] / f["peak FLOP/s per rank"]["measured"])
+    assert run2.check("MFU <= 1")["kind"] == "timing"  # reported, never fatal
     rate = f["achieved FLOP/s per rank"]["measured"]
     measured = f["projected: days on 8 devices at this run's rate"]["measured"]
     assert rate > 0 and measured == pytest.approx(4.2e22 / (8 * rate) / 86400)
@@ -227,15 +236,120 @@ def test_main_runs_as_one_process(no_launcher, tmp_path):
 
 
 def test_nccl_is_refused_on_a_cpu_only_machine(no_launcher, monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # a CPU-only machine
     with pytest.raises(DistributedSetupError, match="nccl backend needs CUDA"):
         train.setup_distributed("auto", "nccl", timeout_s=10)
-    with pytest.raises(DistributedSetupError, match="no CUDA GPU"):
+    with pytest.raises(DistributedSetupError, match="--device cuda, but torch sees no CUDA GPU"):
         train.setup_distributed("cuda", "auto", timeout_s=10)
     assert not dist.is_initialized()
     assert train.main(train.Config(out=str(tmp_path), backend="nccl")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["train.py: error: the nccl backend needs CUDA devices: use --backend gloo on CPU"]
+
+
+# --- the inline setup agrees with common.distributed (chapters 03+ use that one) ------------
+
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8",
+            "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
+SRUN = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+        "SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "42"}
+ENVS = {
+    "plain python": {},
+    "torchrun": TORCHRUN,
+    "srun, no GPUs": SRUN,
+    "srun, one GPU per task": {**SRUN, "SLURM_GPUS_PER_TASK": "1", "SLURM_STEP_GPUS": "1"},
+    "srun, GPUs per node": {**SRUN, "SLURM_NTASKS_PER_NODE": "8", "SLURM_GPUS_ON_NODE": "8"},
+    "srun torchrun": {**SRUN, **TORCHRUN, "SLURM_GPUS_ON_NODE": "8"},
+}
+
+
+@pytest.mark.parametrize("name", list(ENVS))
+def test_inline_launch_reading_agrees_with_common(name):
+    from common.distributed import read_launch_env
+
+    env = ENVS[name]
+    theirs = read_launch_env(env)
+    mine = train.read_launch(env)
+    assert mine == {k: theirs[k] for k in mine}, name
+    assert mine["launcher"] == {"plain python": "single", "torchrun": "torchrun",
+                                "srun torchrun": "torchrun"}.get(name, "slurm")
+
+
+def _decide(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except DistributedSetupError as e:
+        return f"refused: {e}"
+
+
+@pytest.mark.parametrize("name", list(ENVS))
+def test_inline_device_choice_agrees_with_common(name):
+    """Every combination of GPUs visible, local layout and overrides: the same device and
+    backend, or the same refusal, as common.distributed.choose_device_and_backend."""
+    from common.distributed import choose_device_and_backend
+
+    env, seen = ENVS[name], set()
+    for gpus in (0, 1, 2, 8):
+        for local_rank, local_world in ((0, 1), (1, 2), (3, 8), (7, 8)):
+            for device in ("auto", "cpu", "cuda"):
+                for backend in ("auto", "gloo", "nccl"):
+                    args = (local_rank, local_world, device, backend)
+                    mine = _decide(train.choose_device, *args, gpu_count=gpus, env=env)
+                    theirs = _decide(choose_device_and_backend, *args, gpu_count=gpus, env=env)
+                    assert mine == theirs, (name, gpus, args)
+                    seen.add(str(mine))
+    assert any(s.startswith("refused") for s in seen) and any("cuda" in s for s in seen)
+
+
+def _old_choice(local_rank, local_world, device="auto", backend="auto", gpu_count=0, env=None):
+    """The rule this chapter had before: CUDA only if every local rank has a GPU, else the CPU."""
+    if device == "auto":
+        device = "cuda" if gpu_count >= local_world else "cpu"
+    dev = torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
+    return dev, ("nccl" if dev.type == "cuda" else "gloo") if backend == "auto" else backend
+
+
+def test_the_agreement_check_rejects_the_old_rule():
+    """Negative control: the old rule silently ran srun's one-GPU-per-task ranks on the CPU,
+    and the comparison with common's choice catches it."""
+    from common.distributed import choose_device_and_backend
+
+    env = ENVS["srun, one GPU per task"]
+    assert _old_choice(5, 8, gpu_count=1, env=env) == (torch.device("cpu"), "gloo")
+    assert _old_choice(5, 8, gpu_count=1, env=env) != choose_device_and_backend(5, 8, gpu_count=1, env=env)
+
+
+def test_srun_with_one_gpu_per_task_and_missing_gpus():
+    one_per_task = ENVS["srun, one GPU per task"]
+    # Slurm bound one GPU to each of 8 tasks on the node: each task's cuda:0 is its own.
+    assert train.choose_device(5, 8, gpu_count=1, env=one_per_task) == (torch.device("cuda", 0), "nccl")
+    # ... and the same 8 local ranks under torchrun with one GPU would collide: refused.
+    with pytest.raises(DistributedSetupError, match="8 processes on this node but 1 GPU"):
+        train.choose_device(5, 8, gpu_count=1, env=TORCHRUN)
+    # Slurm allocated GPUs but torch sees none (a CPU-only torch): loud, not a silent CPU run.
+    with pytest.raises(DistributedSetupError, match="Slurm allocated GPUs to this job, but torch sees no"):
+        train.choose_device(0, 8, gpu_count=0, env=one_per_task)
+    assert train.choose_device(0, 8, "cpu", gpu_count=0, env=one_per_task) == (torch.device("cpu"), "gloo")
+    # Two ranks sharing one GPU: only gloo allows it.
+    assert train.choose_device(1, 2, "cuda", "gloo", gpu_count=1, env={}) == (torch.device("cuda", 0), "gloo")
+
+
+def test_setup_reads_an_srun_launch_of_one_task(monkeypatch):
+    """srun starting the rank itself (no torchrun): rank 0 hosts the store, the group forms."""
+    from common.distributed import free_port
+
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for k, v in {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
+                 "SLURM_TASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": "localhost",
+                 "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    info = train.setup_distributed("cpu", "auto", timeout_s=30)
+    try:
+        assert (info.launcher, info.rank, info.world_size, info.device) == ("slurm", 0, 1, torch.device("cpu"))
+        assert train.all_reduce_sum(info.device) == (1.0, 1.0, 1.0)
+    finally:
+        train.teardown_distributed()
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -251,3 +365,25 @@ def test_bad_option_exits_2_with_one_line(argv, message, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert f"error: {message}" in err[-1]  # the last line says why (argparse may add usage above)
     assert not any("Traceback" in line for line in err)
+
+
+# --- the exercises' numbers ----------------------------------------------------------------
+
+def test_exercise_answers():
+    # 1. 70B: 1120 GB of mixed-precision Adam state -> 14 GPUs of 80 GB; at 8 B/param, 560 GB -> 7.
+    assert calc.devices_to_hold(70e9, 80) == 14
+    assert math.ceil(70e9 * 8 / 80e9) == 7
+    # 2. Llama 3 405B on 15T tokens: 6ND = 3.645e25 (Meta: 3.8e25 for 15.6T tokens);
+    #    16,384 H100s at MFU 0.4: 65.1 days.
+    assert calc.training_flops(405e9, 15e12) == pytest.approx(3.645e25)
+    assert calc.training_flops(405e9, 15.6e12) == pytest.approx(3.79e25, rel=1e-3)
+    assert calc.days(calc.time_to_train_s(405e9, 15e12, 16384, 989e12, 0.4)) == pytest.approx(65.1, abs=0.05)
+    # 3. --d-in 1: counted 102,367,232 vs 6·N·B 103,028,736 (ratio 0.9936); with the input's
+    #    gradient 2·B·1·256 = 65,536 more.
+    dims, B = [1, 256, 256, 256, 8], 128
+    counted, n_params = counted_step_flops(dims, B)
+    assert (counted, 6 * n_params * B) == (102_367_232, 103_028_736)
+    assert 6 * n_params * B - counted == 6 * B * (3 * 256 + 8) + 2 * B * 1 * 256  # biases + first layer
+    assert counted_step_flops(dims, B, input_requires_grad=True)[0] == 102_432_768
+    # The default MLP, as the lesson quotes it.
+    assert counted_step_flops([128, 256, 256, 256, 8], 128) == (119_013_376, 166_664)

@@ -119,9 +119,25 @@ for module, ops in counter.get_flop_counts().items():
 print(inspect.getsource(train.setup_distributed))
 
 # %% [markdown]
+# Which device each rank takes depends on the launcher and on the GPUs it can see. Here the
+# decision for 8 local ranks on machines with 0, 1 and 8 GPUs, under torchrun and under
+# `srun --gpus-per-task=1` (each task sees one GPU, its own):
+
+# %%
+srun_one_gpu = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_GPUS_PER_TASK": "1"}
+for launcher, env in (("torchrun", {"RANK": "5"}), ("srun", srun_one_gpu)):
+    for gpus in (0, 1, 8):
+        try:
+            decision = train.choose_device(5, 8, gpu_count=gpus, env=env)
+        except Exception as e:
+            decision = f"refused: {e}"[:90]
+        print(f"{launcher:8s} {gpus} GPU(s) visible: local rank 5 -> {decision}")
+
+# %% [markdown]
 # Now the real thing: two processes started by `torchrun` (as a subprocess; worker code never
 # lives in a notebook cell). Each rank reports its view, they all-reduce rank+1, count and
-# time a training step, and project the 7B run.
+# time a training step, and project the 7B run. On a CPU the MFU is against a measured matmul
+# (noisy, not a peak); on a known GPU against its datasheet peak.
 
 # %%
 result = run_torchrun(REPO_ROOT / "chapters/ch01_overview/train.py", nproc=2,

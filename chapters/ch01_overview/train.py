@@ -11,6 +11,8 @@ would take to train (6·N·D FLOPs at a measured or an assumed rate).
         --nproc_per_node=8 --rdzv-backend=c10d \\
         --rdzv-endpoint=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1):29500 \\
         chapters/ch01_overview/train.py'                                     # Slurm, 2 nodes
+    srun --nodes=2 --ntasks-per-node=8 --gpus-per-task=1 python chapters/ch01_overview/train.py
+                                                   # Slurm starting every rank, one GPU per task
 
 Project another run: --project-params 70e9 --project-tokens 2e12 --project-devices 1024.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -34,12 +37,12 @@ from chapters.ch01_overview import calculators as calc
 from common.checkpoint import atomic_write
 from common.config import RunConfig, parse_config
 from common.data import regression_data
-from common.distributed import DistInfo, DistributedSetupError
+from common.distributed import DistInfo, DistributedSetupError, first_slurm_host, reduce_number
 from common.log import log, setup_logging
 from common.models import MLP, count_params
 from common.results import RunRecorder
 from common.seed import seed_everything
-from common.timing import benchmark, matmul_peak_flops
+from common.timing import benchmark, peak_flops
 
 
 @dataclass
@@ -59,7 +62,7 @@ class Config(RunConfig):
     warmup: int = 2
     """Untimed steps before the --steps timed ones."""
     matmul_size: int = 1024
-    """n of the n×n fp32 matmul whose FLOP/s is this device's achievable peak (MFU's denominator)."""
+    """n of the n×n fp32 matmul timed as MFU's denominator where no datasheet peak is known (a CPU)."""
     project_params: float = 7e9
     """Parameters N of the model whose training is projected."""
     project_tokens: float = 1e12
@@ -88,17 +91,70 @@ class Config(RunConfig):
             raise ValueError(f"--mfu is a fraction of peak in (0, 1], got {self.mfu}")
 
 
-def choose_device(local_rank: int, local_world_size: int, device: str, backend: str):
-    """CUDA + NCCL when every local rank has its own GPU, else CPU + gloo; overrides win."""
-    if device == "auto":
-        enough = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
-        device = "cuda" if enough else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise DistributedSetupError("--device cuda was asked for, but this machine has no CUDA GPU")
-    if device == "cuda" and local_rank >= torch.cuda.device_count():
-        raise DistributedSetupError(f"local rank {local_rank} has no GPU of its own: use fewer "
-                                    "processes per node or --device cpu")
-    dev = torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
+def read_launch(env=None) -> dict:
+    """Who started this process, read from the launcher's environment variables (`env`
+    defaults to `os.environ`; a test passes its own):
+    torchrun (or a Kubernetes PyTorchJob) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
+    and MASTER_ADDR/PORT; Slurm's `srun` starting every rank itself sets SLURM_PROCID,
+    SLURM_NTASKS, SLURM_LOCALID and the node list; neither means a world of one."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world_size = int(env["WORLD_SIZE"])
+        return dict(rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)),
+                    world_size=world_size,
+                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+                    launcher="torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world_size = int(env["SLURM_NTASKS"])
+        # SLURM_TASKS_PER_NODE reads like "8(x2)": the first number is this node's count.
+        per_node = re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE")
+                            or env.get("SLURM_TASKS_PER_NODE", "") or str(world_size))
+        return dict(rank=int(env["SLURM_PROCID"]), local_rank=int(env.get("SLURM_LOCALID", 0)),
+                    world_size=world_size,
+                    local_world_size=int(per_node.group()) if per_node else world_size,
+                    launcher="slurm")
+    return dict(rank=0, local_rank=0, world_size=1, local_world_size=1, launcher="single")
+
+
+def choose_device(local_rank: int, local_world_size: int, device: str = "auto",
+                  backend: str = "auto", gpu_count: int | None = None, env=None):
+    """CUDA + NCCL when every local rank has a GPU of its own, else CPU + gloo; overrides win.
+
+    - as many GPUs as local ranks (or more): local rank r uses cuda:r;
+    - `srun` bound one GPU to each task (`--gpus-per-task=1`): each task sees one GPU, cuda:0;
+    - GPUs asked for (`--device cuda`, or Slurm allocated some) but none visible: an error, never
+      a silent run on the CPU;
+    - fewer GPUs than local ranks: an error, unless `--device cuda --backend gloo` shares them
+      (gloo takes CUDA tensors for all-reduce and broadcast only; NCCL refuses two ranks on one GPU).
+    From chapter 03 on, `common.distributed.choose_device_and_backend` decides the same way
+    (a test checks that the two agree)."""
+    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
+    env = os.environ if env is None else env
+    if device not in ("auto", "cpu", "cuda"):
+        raise DistributedSetupError(f"unknown device {device!r}: use auto, cpu or cuda")
+    if backend not in ("auto", "gloo", "nccl", "mpi", "ucc", "xccl"):
+        raise DistributedSetupError(f"unknown backend {backend!r}: use auto, gloo or nccl")
+    slurm_gpus = any(env.get(k, "") not in ("", "0") for k in (
+        "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_PER_TASK"))
+    if device != "cpu" and gpus == 0 and (device == "cuda" or slurm_gpus):
+        asked = "--device cuda" if device == "cuda" else "Slurm allocated GPUs to this job"
+        raise DistributedSetupError(
+            f"{asked}, but torch sees no CUDA GPU (a CPU-only build of torch, or "
+            f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '')!r}); use --device cpu to run on the CPU")
+    srun_task = "SLURM_PROCID" in env and "RANK" not in env  # srun started this rank itself
+    if device == "cpu" or (device == "auto" and gpus == 0):
+        dev = torch.device("cpu")
+    elif gpus >= local_world_size:
+        dev = torch.device("cuda", local_rank)
+    elif gpus == 1 and srun_task:
+        dev = torch.device("cuda", 0)  # one GPU bound to each task: its cuda:0 is its own
+    elif device == "cuda" and backend == "gloo":
+        dev = torch.device("cuda", local_rank % gpus)  # ranks share GPUs, which gloo allows
+    else:
+        raise DistributedSetupError(
+            f"{local_world_size} processes on this node but {gpus} GPU(s): start one process per "
+            f"GPU (--nproc_per_node={gpus}), or share them with --device cuda --backend gloo "
+            f"(all-reduce and broadcast only), or run on the CPU with --device cpu")
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if backend == "nccl" and dev.type != "cuda":
@@ -107,27 +163,30 @@ def choose_device(local_rank: int, local_world_size: int, device: str, backend: 
 
 
 def setup_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
-    """Join the job torchrun started, or make a world of one, and return this rank's view."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (or a PyTorchJob) set these
-        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank = int(env.get("LOCAL_RANK", 0))
-        local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
-        launcher = "torchrun"
-    else:  # plain `python train.py`: a real group of one, so collectives still work
-        rank, local_rank, world_size, local_world_size, launcher = 0, 0, 1, 1, "single"
-    dev, backend = choose_device(local_rank, local_world_size, device, backend)
+    """Join the job torchrun or srun started, or make a world of one; return this rank's view."""
+    launch = read_launch()
+    rank, world_size = launch["rank"], launch["world_size"]
+    dev, backend = choose_device(launch["local_rank"], launch["local_world_size"], device, backend)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # BEFORE init: NCCL binds its communicator to this device
     timeout = datetime.timedelta(seconds=timeout_s)  # a dead peer becomes an error, not a hang
     if not dist.is_initialized():
-        if launcher == "single":
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
-        else:  # env://: MASTER_ADDR and MASTER_PORT point at the store torchrun prepared
+        if launch["launcher"] == "torchrun":  # env://: MASTER_ADDR/PORT name torchrun's store
             dist.init_process_group(backend, init_method="env://", rank=rank,
                                     world_size=world_size, timeout=timeout)
-    return DistInfo(rank, local_rank, world_size, local_world_size, dev, backend, launcher)
+        else:
+            if launch["launcher"] == "slurm":  # rank 0 hosts the key-value store on the first node
+                env = os.environ
+                host = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST")
+                                                                or env.get("SLURM_NODELIST", "127.0.0.1"))
+                port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)
+                store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+            else:  # plain `python train.py`: a real group of one, so collectives still work
+                store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout)
+    return DistInfo(rank, launch["local_rank"], world_size, launch["local_world_size"], dev,
+                    backend, launch["launcher"])
 
 
 def teardown_distributed() -> None:
@@ -195,11 +254,10 @@ def train_step(model, opt, x, y) -> torch.Tensor:
     return loss.detach()
 
 
-def slowest(seconds: float, device: torch.device) -> float:
-    """The largest value over ranks: a synchronous job runs at its slowest rank's pace."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+def slowest(seconds: float) -> float:
+    """The largest value over ranks: a synchronous job runs at its slowest rank's pace.
+    (`reduce_number` puts the number on the device the backend needs: CUDA under NCCL.)"""
+    return reduce_number(seconds, "max")
 
 
 def record_projection(rec: RunRecorder, cfg: Config, achieved_flops: float) -> None:
@@ -216,6 +274,11 @@ def record_projection(rec: RunRecorder, cfg: Config, achieved_flops: float) -> N
     rec.figure(f"projected: days on {n} devices at this run's rate", calc.days(measured), unit="days")
     rec.figure(f"projected: days on {n} devices at {cfg.peak_flops:.3g} FLOP/s × MFU {cfg.mfu:g}",
                calc.days(assumed), unit="days")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Nothing here depends on the world size: every rank times its own --batch-size samples,
+    so any world from 1 up is valid."""
 
 
 def main(cfg: Config) -> int:
@@ -261,15 +324,20 @@ def main(cfg: Config) -> int:
         for i, loss in enumerate(losses, 1):
             if i % cfg.log_every == 0 or i == len(losses):
                 rec.metrics(i, loss=loss, lr=cfg.lr)
-        step_s = slowest(stats.median, info.device)
+        step_s = slowest(stats.median)
         achieved = counted / step_s
-        peak = matmul_peak_flops(cfg.matmul_size, device=info.device)
+        # MFU's denominator: the datasheet peak on a known GPU (as PaLM defines MFU); on a CPU a
+        # measured n×n matmul at this rank's thread count, a noisy stand-in (not a peak).
+        peak, source = peak_flops(info.device, torch.float32, cfg.matmul_size)
+        peak = reduce_number(peak, "max")  # one denominator for every rank: the best one measured
         log.info("step: %s on rank 0; slowest rank's median %.2f ms", stats, step_s * 1e3)
+        log.info("peak FLOP/s: %.3e (%s)", peak, source)
         rec.figure("step time, median (slowest rank)", step_s * 1e3, unit="ms")
         rec.figure("achieved FLOP/s per rank", achieved, unit="FLOP/s")
-        rec.figure(f"fp32 matmul peak ({cfg.matmul_size}², this device)", peak, unit="FLOP/s")
-        rec.check("MFU vs matmul peak ≤ 1", "timing", measured=achieved / peak, expected=1.0,
-                  compare="<=")
+        rec.figure("peak FLOP/s per rank", peak, unit="FLOP/s")
+        rec.figure("peak FLOP/s is", "datasheet" if source.startswith("datasheet") else "measured matmul")
+        rec.figure("MFU (achieved / peak)", achieved / peak)
+        rec.check("MFU <= 1", "timing", measured=achieved / peak, expected=1.0, compare="<=")
 
         # 4. What that means for a real model.
         record_projection(rec, cfg, achieved)
@@ -279,4 +347,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))
