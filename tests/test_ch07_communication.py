@@ -2,9 +2,10 @@
 say, and the benchmark's bandwidth columns follow nccl-tests' arithmetic.
 
 References are computed here, independently of the chapter (sums of every rank's input built
-locally), and every parity check has a negative control that the same check rejects: a ring
-that skips one all-gather step, a reduce-scatter that overwrites instead of adding, and the
-naive all-reduce whose counted bytes are not the ring's.
+locally, byte formulas written out again), and every parity check has a negative control that
+the same check rejects: a ring that skips one all-gather step, a reduce-scatter that overwrites
+instead of adding, a hierarchical all-reduce that skips the inter-node phase, the naive
+all-reduce whose counted bytes are not the ring's, and a broadcast buffer that was never sent.
 """
 
 from __future__ import annotations
@@ -22,21 +23,34 @@ from common.launch import run_on_ranks, run_python, run_torchrun
 
 SCRIPT = Path(train.__file__)
 LENGTHS = (1, 3, 12, 1001)  # 12 divides by 2, 3 and 4; 1 and 3 leave empty chunks on 4 ranks
-FLOAT_TOL = 1e-12  # float64 sums of ≤ 4 normals in a different order: ~1e-16 apart
+U64 = 2.0**-53  # unit roundoff of float64
 
 
-def reference_sum(numel: int, dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
-    """The all-reduce result, computed in one process from every rank's input."""
-    total = torch.zeros(numel, dtype=dtype)
-    for q in range(n):
-        total += train.rank_data(numel, dtype, q, seed, "cpu")
-    return total
+def float_tolerance(inputs: list[torch.Tensor]) -> float:
+    """Two summation orders of n float64 inputs differ by at most 2(n−1)·u·Σ|x| per element."""
+    n = len(inputs)
+    return 2 * (n - 1) * U64 * float(torch.stack(inputs).abs().sum(0).max())
 
 
-def equal(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+def inputs(numel: int, dtype: torch.dtype, n: int) -> list[torch.Tensor]:
+    return [train.rank_data(numel, dtype, q, 0, "cpu") for q in range(n)]
+
+
+def equal(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, tol: float) -> bool:
     if a.shape != b.shape:
         return False
-    return torch.equal(a, b) if not dtype.is_floating_point else torch.allclose(a, b, rtol=0, atol=FLOAT_TOL)
+    return torch.equal(a, b) if not dtype.is_floating_point else torch.allclose(a, b, rtol=0, atol=tol)
+
+
+def split(numel: int, n: int) -> list[int]:
+    return [len(c) for c in torch.arange(numel).tensor_split(n)]
+
+
+def ring_bytes(numel: int, n: int, r: int) -> int:
+    """float32 bytes rank r of a ring of n sends: all chunks but its own, then all but its right
+    neighbour's."""
+    c = split(numel, n)
+    return 0 if n == 1 else 4 * (2 * numel - c[r] - c[(r + 1) % n])
 
 
 def ring_all_gather_skipping_last_step_(chunks, comm):
@@ -53,15 +67,26 @@ def ring_reduce_scatter_overwriting_(chunks, comm):
         comm.exchange(chunks[(r - s - 1) % n], (r + 1) % n, chunks[(r - s - 2) % n], (r - 1) % n)
 
 
-def _on_ranks() -> dict:
-    """On n gloo ranks: every hand collective against the library and the local reference,
-    counted bytes against the formulas, and the broken variants."""
+def hierarchical_without_inter_node(x, levels):
+    """Broken: reduce-scatter and all-gather inside the node, nothing across nodes."""
+    flat = x.detach().reshape(-1).clone()
+    chunks = list(flat.tensor_split(levels.intra.world_size))
+    collectives.ring_reduce_scatter_(chunks, levels.intra)
+    collectives.ring_all_gather_(chunks, levels.intra)
+    return flat
+
+
+def _on_ranks(g: int) -> dict:
+    """On n gloo ranks, nodes of g ranks: every hand collective against the library and the
+    local reference, counted bytes, and the broken variants."""
     n, r = dist.get_world_size(), dist.get_rank()
+    levels = collectives.node_levels(g)
     out = {"mismatch": [], "lib_mismatch": []}
-    for dtype, lengths in ((torch.int64, LENGTHS), (torch.float64, (1001,))):  # float64: tolerance
+    for dtype, lengths in ((torch.int64, LENGTHS), (torch.float64, (1001,))):
         for numel in lengths:
-            x = train.rank_data(numel, dtype, r, 0, "cpu")
-            ref = reference_sum(numel, dtype, n)
+            xs = inputs(numel, dtype, n)
+            x, ref = xs[r], sum(xs[1:], xs[0].clone())
+            tol = float_tolerance(xs) if dtype.is_floating_point else 0.0
             lib = x.clone()
             dist.all_reduce(lib)
             comm = collectives.P2P()
@@ -69,51 +94,61 @@ def _on_ranks() -> dict:
                 "ring": collectives.ring_all_reduce(x, comm),
                 "tree": collectives.tree_all_reduce(x, comm),
                 "naive": collectives.naive_all_reduce(x, comm),
+                "hier": collectives.hierarchical_all_reduce(x, levels),
                 "reduce_scatter": collectives.ring_reduce_scatter(x, comm),
-                "all_gather": collectives.ring_all_gather(
-                    x.tensor_split(n)[r], comm, [len(c) for c in x.tensor_split(n)]),
+                "all_gather": collectives.ring_all_gather(x.tensor_split(n)[r], comm, split(numel, n)),
             }
-            expected = {"ring": ref, "tree": ref, "naive": ref,
-                        "reduce_scatter": ref.tensor_split(n)[r], "all_gather": x_all(numel, dtype, n)}
+            gathered = torch.cat([xs[q].tensor_split(n)[q] for q in range(n)])
+            expected = {"ring": ref, "tree": ref, "naive": ref, "hier": ref,
+                        "reduce_scatter": ref.tensor_split(n)[r], "all_gather": gathered}
             for name, got in results.items():
-                if not equal(got, expected[name], dtype):
+                if not equal(got, expected[name], dtype, tol):
                     out["mismatch"].append((name, str(dtype), numel))
-            if not equal(lib, ref, dtype):
+            if not equal(lib, ref, dtype, tol):
                 out["lib_mismatch"].append((str(dtype), numel))
             if numel % n == 0:  # the library's own tensor forms need equal shards
                 rs = torch.empty(numel // n, dtype=dtype)
                 collectives.library_reduce_scatter(rs, x.clone())
                 ag = torch.empty(numel, dtype=dtype)
                 collectives.library_all_gather(ag, x.tensor_split(n)[r].contiguous())
-                if not equal(results["reduce_scatter"], rs, dtype) or not equal(results["all_gather"], ag, dtype):
+                if not equal(results["reduce_scatter"], rs, dtype, tol) or \
+                        not equal(results["all_gather"], ag, dtype, tol):
                     out["mismatch"].append(("library tensor forms", str(dtype), numel))
 
-    # Bytes and messages each rank sends, counted by the P2P wrapper.
+    # Bytes and messages each rank sends, counted by the P2P wrapper, and where they go.
+    fns = train.hand_all_reduces(collectives.P2P(), levels)
     for algorithm in ("ring", "tree", "naive"):
         for numel in (12 * 64, 12 * 64 + 1):
             comm = collectives.P2P()
-            train.HAND_ALL_REDUCE[algorithm](torch.ones(numel), comm)
-            out[(algorithm, numel)] = (comm.bytes_sent, comm.messages)
+            fns = train.hand_all_reduces(comm, levels)
+            fns[algorithm](torch.ones(numel))
+            out[(algorithm, numel)] = (comm.bytes_sent, comm.messages, dict(comm.bytes_to))
+    for numel in (12 * 64, 12 * 64 + 1):
+        levels.reset()
+        collectives.hierarchical_all_reduce(torch.ones(numel), levels)
+        out[("hier", numel)] = (levels.intra.bytes_sent, levels.inter.bytes_sent,
+                                {**levels.intra.bytes_to, **levels.inter.bytes_to})
 
-    # Negative controls: the same equality checks must reject broken rings.
+    # Negative controls: the same equality checks must reject broken collectives.
     x = train.rank_data(1001, torch.int64, r, 0, "cpu")
-    ref = reference_sum(1001, torch.int64, n)
+    ref = sum(inputs(1001, torch.int64, n))
     saved_ag, saved_rs = collectives.ring_all_gather_, collectives.ring_reduce_scatter_
     try:
         collectives.ring_all_gather_ = ring_all_gather_skipping_last_step_
-        out["skip_step_equal"] = equal(collectives.ring_all_reduce(x, collectives.P2P()), ref, torch.int64)
+        out["skip_step_equal"] = equal(collectives.ring_all_reduce(x, collectives.P2P()), ref, torch.int64, 0)
         collectives.ring_all_gather_ = saved_ag
         collectives.ring_reduce_scatter_ = ring_reduce_scatter_overwriting_
-        out["overwrite_equal"] = equal(collectives.ring_all_reduce(x, collectives.P2P()), ref, torch.int64)
+        out["overwrite_equal"] = equal(collectives.ring_all_reduce(x, collectives.P2P()), ref, torch.int64, 0)
     finally:
         collectives.ring_all_gather_, collectives.ring_reduce_scatter_ = saved_ag, saved_rs
-    out["after_restore_equal"] = equal(collectives.ring_all_reduce(x, collectives.P2P()), ref, torch.int64)
+    out["after_restore_equal"] = equal(collectives.ring_all_reduce(x, collectives.P2P()), ref, torch.int64, 0)
+    out["no_inter_equal"] = equal(hierarchical_without_inter_node(x, levels), ref, torch.int64, 0)
 
     if n == 2:  # the broadcast test's pieces: data arrives, a rank that missed it is caught
         src = broadcast_test.pattern(1000, "cpu")
         y = src.clone() if r == 0 else torch.zeros(1000, dtype=torch.bfloat16)
         seconds = broadcast_test.timed_broadcasts(y, 0, 3, torch.device("cpu"))
-        out["bcast_slowest"] = broadcast_test.slowest(seconds, "cpu")
+        out["bcast_slowest"] = broadcast_test.slowest(seconds)
         out["bcast_own"] = seconds
         out["bcast_bad"] = broadcast_test.count_mismatches(y, "cpu")
         z = src.clone() if r == 0 else torch.zeros(1000, dtype=torch.bfloat16)  # never broadcast
@@ -121,25 +156,30 @@ def _on_ranks() -> dict:
     return out
 
 
-def x_all(numel: int, dtype: torch.dtype, n: int) -> torch.Tensor:
-    """What all-gather returns: every rank's own shard of its input, in rank order."""
-    return torch.cat([train.rank_data(numel, dtype, q, 0, "cpu").tensor_split(n)[q] for q in range(n)])
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_hand_collectives_equal_the_library_and_send_the_formula_bytes(n):
-    ranks = run_on_ranks(_on_ranks, n, timeout=90)
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("n,g", [(2, 2), (3, 1), (4, 2)])
+def test_hand_collectives_equal_the_library_and_send_the_formula_bytes(n, g):
+    ranks = run_on_ranks(_on_ranks, n, g, timeout=120)
+    m = n // g  # nodes
     for r, res in enumerate(ranks):
         assert not res["lib_mismatch"], "the independent reference itself is wrong"
         assert not res["mismatch"], f"rank {r}: {res['mismatch']}"
-        # ring: 2(n−1)/n·S when n divides the length; the chunked formula otherwise
         for numel in (12 * 64, 12 * 64 + 1):
-            c = [numel // n + (1 if i < numel % n else 0) for i in range(n)]
-            sent, messages = res[("ring", numel)]
-            assert sent == 4 * (2 * numel - c[r] - c[(r + 1) % n])
-            assert messages == 2 * (n - 1)
+            # ring: 2(n−1)/n·S when n divides the length; the chunked formula otherwise
+            sent, messages, _ = res[("ring", numel)]
+            assert sent == ring_bytes(numel, n, r) and messages == 2 * (n - 1)
+            # hierarchical: a ring of g on the tensor, a ring of m on this rank's chunk of it
+            intra, inter, sent_to = res[("hier", numel)]
+            assert intra == ring_bytes(numel, g, r % g)
+            assert inter == ring_bytes(split(numel, g)[r % g], m, r // g)
+            off_node = sum(b for dst, b in sent_to.items() if dst // g != r // g)
+            assert off_node == inter, "only the inter-node phase leaves the node"
         assert res[("ring", 12 * 64)][0] * n == 2 * (n - 1) * (12 * 64 * 4)  # 2(n−1)/n · S
+        # the flat ring's node-border ranks send all their bytes off-node; the hierarchy S/g·2(m−1)/m
+        ring_sent, _, ring_to = res[("ring", 12 * 64)]
+        ring_off = sum(b for dst, b in ring_to.items() if dst // g != r // g)
+        assert ring_off == (ring_sent if m > 1 and (r + 1) % g == 0 else 0)
+        assert res[("hier", 12 * 64)][1] * g * m == 2 * (m - 1) * 12 * 64 * 4
         # tree: the whole tensor to the parent and to each child
         children = sum(1 for ch in (2 * r + 1, 2 * r + 2) if ch < n)
         assert res[("tree", 12 * 64)][0] == 4 * 12 * 64 * (children + (r != 0))
@@ -148,11 +188,16 @@ def test_hand_collectives_equal_the_library_and_send_the_formula_bytes(n):
         assert naive == (n - 1) * 4 * 12 * 64 if r == 0 else naive == 4 * 12 * 64
         if n > 2 and r == 0:
             assert naive != ring, "the byte check cannot tell naive from ring"
-        if n == 2:  # on two ranks every algorithm sends S per rank: only the message count differs
-            assert naive == ring and res[("naive", 12 * 64)][1] == 1 != res[("ring", 12 * 64)][1]
+        if n == 2:  # on two ranks tree and naive send the very same messages; the ring differs in count
+            assert res[("tree", 12 * 64)][:2] == res[("naive", 12 * 64)][:2] == (4 * 12 * 64, 1)
+            assert naive == ring and res[("ring", 12 * 64)][1] == 2
         assert res["skip_step_equal"] is False, "a ring missing an all-gather step went unnoticed"
         assert res["overwrite_equal"] is False, "a reduce-scatter that overwrites went unnoticed"
         assert res["after_restore_equal"] is True
+        assert res["no_inter_equal"] is (m == 1), "a hierarchy without its inter-node phase went unnoticed"
+    if n == 4:  # where tree and naive differ: the busiest rank
+        assert max(res[("naive", 12 * 64)][0] for res in ranks) == 3 * 4 * 12 * 64
+        assert max(res[("tree", 12 * 64)][0] for res in ranks) == 2 * 4 * 12 * 64
     if n == 2:
         assert all(res["bcast_bad"] == 0 for res in ranks)
         nonzero = int((broadcast_test.pattern(1000, "cpu") != 0).sum())  # rank 1 kept its zeros
@@ -166,6 +211,7 @@ def test_busbw_arithmetic_follows_nccl_tests():
     assert cost_model.bus_bandwidth("all_reduce", 1e9, 1.0, 8) == pytest.approx(1.75, abs=1e-15)
     assert cost_model.bus_bandwidth("all_gather", 1e9, 1.0, 8) == pytest.approx(0.875, abs=1e-15)
     assert cost_model.bus_bandwidth("reduce_scatter", 1e9, 1.0, 8) == pytest.approx(0.875, abs=1e-15)
+    assert cost_model.bus_bandwidth("all_to_all", 1e9, 1.0, 8) == pytest.approx(0.875, abs=1e-15)
     assert cost_model.bus_bandwidth("broadcast", 1e9, 1.0, 8) == 1.0
     assert cost_model.bus_bandwidth("all_reduce", 5e8, 0.25, 2) == pytest.approx(2.0)
     with pytest.raises(ValueError):
@@ -176,8 +222,7 @@ def test_alpha_beta_model_matches_counted_messages_and_bytes():
     for n in (2, 3, 4, 8):
         numel = 24 * 5
         # β term with β = 1 s/byte: the bytes a ring rank sends; α term: its 2(n−1) messages
-        assert cost_model.predicted_time("ring", numel * 4, n, 0.0, 1.0) == pytest.approx(
-            collectives.expected_bytes_sent("ring", numel, n, 0, 4))
+        assert cost_model.predicted_time("ring", numel * 4, n, 0.0, 1.0) == pytest.approx(ring_bytes(numel, n, 0))
         assert cost_model.predicted_time("ring", numel * 4, n, 1.0, 0.0) == 2 * (n - 1)
         assert cost_model.predicted_time("naive", 1.0, n, 0.0, 1.0) == 2 * (n - 1)
     # a fit recovers a line it is given, and reads it as the ring's α and β
@@ -194,6 +239,29 @@ def test_alpha_beta_model_matches_counted_messages_and_bytes():
         cost_model.predicted_time("ring", 1024, 64, 5e-6, 1 / 25e9)
 
 
+def test_ring_beats_the_double_tree_only_above_the_crossover():
+    """The lesson's numbers: with α = 5 µs and 25 GB/s, the ring wins above 4 MB at 8 ranks and
+    above 32 GB at 512; a tree running at 92 % of the link's bandwidth moves that to 0.7 GB."""
+    alpha, beta = 5e-6, 1 / 25e9
+    for n, eta, want in ((8, 1.0, 4.0e6), (512, 1.0, 32.128e9), (512, 0.92, 0.7058e9), (64, 1.0, 0.456e9)):
+        s = cost_model.ring_tree_crossover(n, alpha, beta, eta)
+        assert s == pytest.approx(want, rel=1e-3)
+        # written out again here: ring 2(n−1)α + 2(n−1)/n Sβ, double tree 2 log2(n) α + 2Sβ/η
+        ring = lambda S: 2 * (n - 1) * alpha + 2 * (n - 1) / n * S * beta  # noqa: E731
+        tree = lambda S: 2 * math.log2(n) * alpha + 2 * S * beta / eta  # noqa: E731
+        assert ring(s) == pytest.approx(tree(s), rel=1e-9)
+        assert ring(2 * s) < tree(2 * s) and ring(s / 2) > tree(s / 2)
+    assert cost_model.ring_tree_crossover(2, alpha, beta) == math.inf  # 2 ranks: no crossover
+    # hierarchical model: one node of g is a ring of g; g nodes of one are a ring of g
+    S = 2**26
+    assert cost_model.hierarchical_time(S, 8, 1, alpha, beta, 1.0, 1.0) == pytest.approx(
+        cost_model.predicted_time("ring", S, 8, alpha, beta))
+    assert cost_model.hierarchical_time(S, 1, 8, 1.0, 1.0, alpha, beta) == pytest.approx(
+        cost_model.predicted_time("ring", S, 8, alpha, beta))
+    # in-network reduction: each rank sends S once, vs the ring's 2(n−1)/n·S
+    assert cost_model.predicted_time("in_network", S, 512, 0.0, 1.0) == S
+
+
 def test_ring_schedule_forwards_what_was_received():
     for n in (2, 3, 5):
         steps = collectives.ring_schedule(n)
@@ -203,43 +271,67 @@ def test_ring_schedule_forwards_what_was_received():
         for step in steps:  # what rank r receives is what rank r−1 sends
             assert all(step[r][1] == step[(r - 1) % n][0] for r in range(n))
         assert sorted(steps[0][r][0] for r in range(n)) == list(range(n))
-        assert collectives.chunk_sizes(7, 3) == [len(c) for c in torch.arange(7).tensor_split(3)]
+        assert collectives.chunk_sizes(7, 3) == split(7, 3)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 def test_benchmark_run_prints_nccl_tests_columns(tmp_path):
-    res = run_torchrun(SCRIPT, nproc=2, args=["--max-bytes", "8192", "--steps", "3", "--timeout", "60"],
-                       out_dir=tmp_path, timeout=100)
+    """Three ranks: uneven chunks for 12289 elements, busbw factors other than 1."""
+    n = 3
+    res = run_torchrun(SCRIPT, nproc=n, args=["--max-bytes", "2048", "--steps", "3", "--timeout", "60"],
+                       out_dir=tmp_path, timeout=140)
     failed = [c["name"] for c in res.summary["checks"] if not c["ok"] and c["kind"] != "timing"]
     assert not failed, res.output[-3000:]
-    assert len([c for c in res.summary["checks"] if c["kind"] == "parity"]) == 10
+    assert len([c for c in res.summary["checks"] if c["kind"] == "parity"]) == 12
+    # the figure is computed for the length its name says: 12288 float32 on 3 ranks is 4/3·S
+    assert res.summary["figures"]["ring bytes per rank / S (12288 float32)"]["measured"] == \
+        pytest.approx(4 / 3, rel=1e-12)
+    assert res.check("ring all-reduce bytes sent per rank, 12289 float32")["measured"] == \
+        [ring_bytes(12289, n, r) for r in range(n)]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    factor = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0, "all_to_all": 0.5}
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+              "broadcast": 1.0, "all_to_all": (n - 1) / n}
     assert {row["op"] for row in rows} == set(factor)
-    assert {row["impl"] for row in rows if row["op"] == "all_reduce"} == {"torch", "ring", "tree", "naive"}
-    assert sorted({row["size"] for row in rows if row["op"] == "all_reduce"}) == [8, 32, 128, 512, 2048, 8192]
-    for row in rows:  # the script's table follows nccl-tests' arithmetic (n = 2)
+    assert {row["impl"] for row in rows if row["op"] == "all_reduce"} == {"torch", "ring", "tree", "naive", "hier"}
+    assert sorted({row["size"] for row in rows if row["op"] == "all_reduce"}) == [8, 32, 128, 512, 2048]
+    for row in rows:  # the script's table follows nccl-tests' arithmetic
         algbw = row["size"] / (row["time_us"] * 1e-6) / 1e9
         assert math.isclose(row["algbw"], algbw, rel_tol=1e-9)
         assert math.isclose(row["busbw"], algbw * factor[row["op"]], rel_tol=1e-9)
     assert "α–β fit" in res.output and "busbw(GB/s)" in res.output
+    # the "expected" ring time is a prediction from the smaller sizes, not the fit at its own point
+    ring = sorted((r["size"], r["time_us"] * 1e-6) for r in rows if r["op"] == "all_reduce" and r["impl"] == "ring")
+    a, b = cost_model.fit_latency_bandwidth(*zip(*ring[:-1]))
+    alpha, beta = cost_model.ring_alpha_beta(a, b, n)
+    fig = res.summary["figures"]["ring time at 2048 B (expected: fit to smaller sizes)"]
+    assert fig["expected"] == pytest.approx(cost_model.predicted_time("ring", 2048, n, alpha, beta) * 1e6)
+    assert fig["measured"] == pytest.approx(ring[-1][1] * 1e6)
     assert res.check("hand ring busbw / torch busbw (largest size)")["kind"] == "timing"  # reported only
 
 
 @pytest.mark.timeout(60)
-def test_broadcast_script_alone_and_bad_input(tmp_path, monkeypatch):
+def test_broadcast_script_alone_and_bad_input(tmp_path):
     res = run_python(broadcast_test.__file__, args=["--size-mib", "1", "--steps", "2"],
                      out_dir=tmp_path, timeout=50)
     assert res.check("elements differing from the source, all ranks")["measured"] == 0
+    assert res.check("control: elements differing in a buffer never broadcast")["measured"] == 0  # world 1
     for cls, argv in ((train.Config, ["--factor", "1"]), (train.Config, ["--dtype", "int8"]),
                       (train.Config, ["--min-bytes", "64", "--max-bytes", "8"]),
+                      (train.Config, ["--ranks-per-node", "-1"]),
                       (broadcast_test.Config, ["--size-mib", "0"])):
         with pytest.raises(SystemExit) as e:
             train.parse_config(cls, argv)
         assert e.value.code == 2
-    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)
-    with pytest.raises(SystemExit) as e:
-        broadcast_test.main(broadcast_test.Config(src=3, out=str(tmp_path)))
-    assert "is not a rank of a world of 1" in str(e.value.code)
+    with pytest.raises(ValueError, match="is not a rank of a world of 2"):
+        broadcast_test.validate(broadcast_test.Config(src=3), 2)
+    broadcast_test.validate(broadcast_test.Config(src=1), 2)
+    with pytest.raises(ValueError, match="must divide the world size 4"):
+        train.validate(train.Config(ranks_per_node=3), 4)
+    with pytest.raises(ValueError, match="gloo cannot do on CUDA"):
+        train.validate(train.Config(device="cuda", backend="gloo"), 2)
+    train.validate(train.Config(device="cuda", backend="gloo"), 1)
+    # the hierarchy's node size: as asked, the real node, or simulated nodes of 2
+    assert train.ranks_per_node(train.Config(ranks_per_node=4), 8, 8) == 4
+    assert train.ranks_per_node(train.Config(), 16, 8) == 8
+    assert [train.ranks_per_node(train.Config(), w, w) for w in (1, 2, 3, 4, 8, 16)] == [1, 2, 1, 2, 2, 2]
     assert not dist.is_initialized()

@@ -1,14 +1,18 @@
 """Collectives written by hand with point-to-point messages (chapter 07's subject).
 
 Ring all-reduce = ring reduce-scatter + ring all-gather; a binary-tree all-reduce; a naive
-gather-to-one all-reduce for contrast. Every message goes through `P2P`, which counts the bytes
-this rank sends, so the lesson's byte formulas are checked against what was really sent.
-Tensors of any length work: `tensor_split` cuts n chunks whose sizes differ by at most one
-(possibly zero), and every rank knows every chunk's size, so empty messages are skipped on
-both sides consistently.
+gather-to-one all-reduce for contrast; a hierarchical all-reduce (reduce-scatter inside each
+node, all-reduce across nodes, all-gather inside each node) on two levels of subgroups. Every
+message goes through `P2P`, which counts the bytes this rank sends (the `numel × element_size`
+of the tensor handed to send), per destination, so the lesson's byte formulas are checked
+against what was really sent. Tensors of any length work: `tensor_split` cuts n chunks whose
+sizes differ by at most one (possibly zero), and every rank knows every chunk's size, so empty
+messages are skipped on both sides consistently.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,25 +26,36 @@ library_reduce_scatter = reduce_scatter_single
 
 
 class P2P:
-    """send / recv / exchange through torch.distributed, counting what this rank sends."""
+    """send / recv / exchange among the ranks of `group` (default: all), counting what this
+    rank sends. `rank` and `world_size` are positions in the group; `peer(i)` is the global rank
+    of the group's i-th member, which is what torch.distributed's send/recv take."""
 
-    def __init__(self):
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+    def __init__(self, group=None):
+        self.group = group
+        self.ranks = dist.get_process_group_ranks(group) if group is not None else \
+            list(range(dist.get_world_size()))
+        self.rank, self.world_size = self.ranks.index(dist.get_rank()), len(self.ranks)
         self.bytes_sent = 0
         self.messages = 0
+        self.bytes_to: dict[int, int] = {}  # global destination rank -> bytes sent to it
 
-    def _count(self, t: torch.Tensor) -> None:
-        self.bytes_sent += t.numel() * t.element_size()
+    def peer(self, i: int) -> int:
+        return self.ranks[i]
+
+    def _count(self, t: torch.Tensor, dst: int) -> None:
+        nbytes = t.numel() * t.element_size()
+        self.bytes_sent += nbytes
         self.messages += 1
+        self.bytes_to[self.peer(dst)] = self.bytes_to.get(self.peer(dst), 0) + nbytes
 
     def send(self, t: torch.Tensor, dst: int) -> None:
         if t.numel():
-            self._count(t)
-            dist.send(t, dst)
+            self._count(t, dst)
+            dist.send(t, self.peer(dst), group=self.group)
 
     def recv(self, t: torch.Tensor, src: int) -> None:
         if t.numel():
-            dist.recv(t, src)
+            dist.recv(t, self.peer(src), group=self.group)
 
     def exchange(self, send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: int) -> None:
         """Send to `dst` and receive from `src` at the same time. In a ring every rank sends
@@ -48,13 +63,13 @@ class P2P:
         large for the transport's buffers), so both are posted together and then awaited."""
         ops = []
         if send_t.numel():
-            self._count(send_t)
-            ops.append(dist.P2POp(dist.isend, send_t, dst))
+            self._count(send_t, dst)
+            ops.append(dist.P2POp(dist.isend, send_t, self.peer(dst), self.group))
         if recv_t.numel():
-            ops.append(dist.P2POp(dist.irecv, recv_t, src))
+            ops.append(dist.P2POp(dist.irecv, recv_t, self.peer(src), self.group))
         if ops:
             for work in dist.batch_isend_irecv(ops):
-                work.wait()
+                work.wait()  # NCCL: the current stream waits; the += that follows is queued after
 
 
 def ring_reduce_scatter_(chunks: list[torch.Tensor], comm: P2P) -> None:
@@ -144,6 +159,51 @@ def naive_all_reduce(x: torch.Tensor, comm: P2P) -> torch.Tensor:
     return buf
 
 
+@dataclass
+class Levels:
+    """The two levels of a hierarchical all-reduce, as seen by one rank: `intra` connects the
+    ranks of its node, `inter` the ranks with the same local index on every node (one per node,
+    the "rail" its NIC serves on a real cluster). Each has its own byte counter."""
+
+    ranks_per_node: int
+    intra: P2P
+    inter: P2P
+
+    def reset(self) -> None:
+        for comm in (self.intra, self.inter):
+            comm.bytes_sent = comm.messages = 0
+            comm.bytes_to = {}
+
+
+def node_levels(ranks_per_node: int) -> Levels:
+    """Subgroups for nodes of `ranks_per_node` consecutive ranks (node k holds ranks
+    k·g … k·g+g−1). Every rank creates every group, in the same order (new_group is a
+    collective over the whole world), and keeps the two it belongs to."""
+    n, g = dist.get_world_size(), ranks_per_node
+    if g < 1 or n % g:
+        raise ValueError(f"{g} ranks per node do not divide a world of {n}")
+    nodes = [list(range(k * g, (k + 1) * g)) for k in range(n // g)]
+    rails = [list(range(j, n, g)) for j in range(g)]
+    intra, _ = dist.new_subgroups_by_enumeration(nodes)
+    inter, _ = dist.new_subgroups_by_enumeration(rails)
+    return Levels(g, P2P(intra), P2P(inter))
+
+
+def hierarchical_all_reduce(x: torch.Tensor, levels: Levels) -> torch.Tensor:
+    """Sum over all ranks in three phases: ring reduce-scatter inside the node (rank with local
+    index l now holds chunk l of its node's sum), ring all-reduce of that chunk across the nodes
+    (among the ranks with local index l), ring all-gather inside the node. Only S/g per rank
+    crosses between nodes, instead of the flat ring's 2(n−1)/n·S on the ranks at node borders."""
+    flat = x.detach().reshape(-1).clone()
+    chunks = list(flat.tensor_split(levels.intra.world_size))
+    ring_reduce_scatter_(chunks, levels.intra)
+    mine = list(chunks[levels.intra.rank].tensor_split(levels.inter.world_size))  # views
+    ring_reduce_scatter_(mine, levels.inter)
+    ring_all_gather_(mine, levels.inter)
+    ring_all_gather_(chunks, levels.intra)
+    return flat.view_as(x)
+
+
 def chunk_sizes(numel: int, n: int) -> list[int]:
     """Sizes `tensor_split` gives: the first numel % n chunks one element longer."""
     return [numel // n + (1 if i < numel % n else 0) for i in range(n)]
@@ -168,6 +228,23 @@ def expected_bytes_sent(algorithm: str, numel: int, n: int, rank: int, elem: int
     if algorithm == "naive":
         return size * (n - 1) if rank == 0 else size
     raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def expected_hierarchical_bytes(numel: int, n: int, ranks_per_node: int, rank: int,
+                                elem: int) -> tuple[int, int]:
+    """(intra-node, inter-node) bytes rank `rank` sends in one hierarchical all-reduce: a ring
+    over the g ranks of its node on the whole tensor, and a ring over the n/g nodes on its chunk
+    (chunk l of the tensor cut in g, l its local index)."""
+    g = ranks_per_node
+    local, node = rank % g, rank // g
+    intra = expected_bytes_sent("ring", numel, g, local, elem)
+    inter = expected_bytes_sent("ring", chunk_sizes(numel, g)[local], n // g, node, elem)
+    return intra, inter
+
+
+def off_node_bytes(bytes_to: dict[int, int], rank: int, ranks_per_node: int) -> int:
+    """Bytes this rank sent to ranks on other nodes (nodes of `ranks_per_node` consecutive ranks)."""
+    return sum(b for dst, b in bytes_to.items() if dst // ranks_per_node != rank // ranks_per_node)
 
 
 def ring_schedule(n: int) -> list[list[tuple[int, int]]]:

@@ -32,13 +32,17 @@ def bus_bandwidth(op: str, size_bytes: float, seconds: float, n: int) -> float:
     return alg_bandwidth(size_bytes, seconds) * bus_factor(op, n)
 
 
-def predicted_time(algorithm: str, size: float, n: int, alpha: float, beta: float) -> float:
+def predicted_time(algorithm: str, size: float, n: int, alpha: float, beta: float,
+                   tree_efficiency: float = 1.0) -> float:
     """α–β time of one all-reduce of `size` bytes on n ranks (seconds; β in s/byte).
 
     ring: 2(n−1) steps, each a message of S/n.  tree: a binary tree, reduce up and broadcast
     down, every hop the whole tensor (not pipelined).  double_tree: NCCL's two complementary
-    pipelined trees, half the data each: log-depth latency, ≈ the ring's bandwidth term.
-    naive: the root receives and sends n−1 whole tensors one after another.
+    pipelined trees, half the data each: every rank sends and receives 2S in all, so
+    2⌈log2 n⌉α + 2Sβ; `tree_efficiency` < 1 divides its bandwidth (NCCL's own tuner rates the
+    tree's all-reduce bandwidth at most 0.92 of the link's).  naive: the root receives and sends
+    n−1 whole tensors one after another.  in_network: the switch adds (SHARP, NVLS): every rank
+    sends S up and receives S back, 2α + Sβ (a model only; this course cannot measure it).
     """
     if n == 1:
         return 0.0
@@ -49,10 +53,36 @@ def predicted_time(algorithm: str, size: float, n: int, alpha: float, beta: floa
         children = min(2, n - 1)  # a parent receives (and sends) one whole tensor per child
         return 2 * depth * (alpha + children * size * beta)
     if algorithm == "double_tree":
-        return 2 * math.ceil(math.log2(n)) * alpha + 2 * size * beta
+        return 2 * math.ceil(math.log2(n)) * alpha + 2 * size * beta / tree_efficiency
     if algorithm == "naive":
         return 2 * (n - 1) * (alpha + size * beta)
+    if algorithm == "in_network":
+        return 2 * alpha + size * beta
     raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def ring_tree_crossover(n: int, alpha: float, beta: float, tree_efficiency: float = 1.0) -> float:
+    """The size in bytes above which the ring all-reduce beats the double tree in this model.
+
+    ring − double_tree = 2(n−1−⌈log2 n⌉)·α − 2S·β·(1/η − (n−1)/n), zero at
+    S* = (n−1−⌈log2 n⌉)·α / (β·(1/η − (n−1)/n)); with η = 1 that is n·(n−1−⌈log2 n⌉)·α/β.
+    Infinite when the ring never wins (n ≤ 2: it has no more latency steps than the tree).
+    """
+    steps = n - 1 - math.ceil(math.log2(n))
+    per_byte = 1 / tree_efficiency - (n - 1) / n
+    if steps <= 0 or per_byte <= 0:
+        return math.inf
+    return steps * alpha / (beta * per_byte)
+
+
+def hierarchical_time(size: float, ranks_per_node: int, nodes: int, alpha_intra: float,
+                      beta_intra: float, alpha_inter: float, beta_inter: float) -> float:
+    """α–β time of the hierarchical all-reduce: ring reduce-scatter and all-gather inside a
+    node of g ranks on S, ring all-reduce across the m nodes on S/g."""
+    g, m = ranks_per_node, nodes
+    intra = 2 * (g - 1) * alpha_intra + 2 * (g - 1) / g * size * beta_intra
+    inter = 2 * (m - 1) * alpha_inter + 2 * (m - 1) / m * (size / g) * beta_inter
+    return intra + inter
 
 
 def fit_latency_bandwidth(sizes: list[float], times: list[float]) -> tuple[float, float]:

@@ -1,15 +1,17 @@
 """Collectives by hand beside torch.distributed, and a benchmark that prints like nccl-tests.
 
-Ring all-reduce (reduce-scatter + all-gather), tree all-reduce, ring all-gather and
-reduce-scatter, written with send/recv, are checked against the library for lengths that do
-not divide by the world size, and the bytes each rank sends are counted against 2(n−1)/n·S.
+Ring all-reduce (reduce-scatter + all-gather), tree, naive and hierarchical (two levels of
+subgroups) all-reduce, ring all-gather and reduce-scatter, written with send/recv, are checked
+against the library for lengths that do not divide by the world size, and the bytes each rank
+sends are counted against the formulas (2(n−1)/n·S for the ring, per level for the hierarchy).
 Then every collective is timed over message sizes, with algorithm and bus bandwidth per size
-and an α–β model fitted to the measurements.
+and an α–β model fitted to the measurements. Send/recv on GPUs need NCCL.
 
 Run:
     python chapters/ch07_communication/train.py                                   # one process
     torchrun --standalone --nproc_per_node=2 chapters/ch07_communication/train.py
     torchrun --standalone --nproc_per_node=3 chapters/ch07_communication/train.py
+    torchrun --standalone --nproc_per_node=4 chapters/ch07_communication/train.py --max-bytes 2097152
     torchrun --standalone --nproc_per_node=2 chapters/ch07_communication/train.py --max-bytes 67108864
     torchrun --standalone --nproc_per_node=8 chapters/ch07_communication/train.py \\
         --max-bytes 1073741824 --factor 2 --steps 20                              # 8 GPUs, NCCL
@@ -26,10 +28,15 @@ import torch.distributed as dist
 
 from chapters.ch07_communication.collectives import (
     P2P,
+    Levels,
     expected_bytes_sent,
+    expected_hierarchical_bytes,
+    hierarchical_all_reduce,
     library_all_gather,
     library_reduce_scatter,
     naive_all_reduce,
+    node_levels,
+    off_node_bytes,
     ring_all_gather,
     ring_all_reduce,
     ring_reduce_scatter,
@@ -43,14 +50,21 @@ from chapters.ch07_communication.cost_model import (
     ring_alpha_beta,
 )
 from common.config import RunConfig, parse_config
-from common.distributed import setup_distributed, teardown_distributed
+from common.distributed import (
+    gather_numbers,
+    read_launch_env,
+    reduce_number,
+    setup_distributed,
+    teardown_distributed,
+)
 from common.log import log, setup_logging
 from common.results import RunRecorder
 from common.timing import benchmark
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 CHECK_LENGTHS = (1, 5, 12, 1001)  # 1 and 5 leave empty / uneven chunks on 2–4 ranks
-HAND_ALL_REDUCE = {"ring": ring_all_reduce, "tree": tree_all_reduce, "naive": naive_all_reduce}
+ALGORITHMS = ("ring", "tree", "naive", "hier")  # the hand-written all-reduces
+COUNT_LENGTHS = (12 * 1024, 12 * 1024 + 1)  # 12288 divides by 2, 3, 4, 8, 16; 12289 by none
 
 
 @dataclass
@@ -67,6 +81,8 @@ class Config(RunConfig):
     """Each message size is this many times the previous one (nccl-tests -f)."""
     dtype: str = "float32"
     """Element type of the benchmark's messages: float32, bfloat16 or float64."""
+    ranks_per_node: int = 0
+    """Ranks per node of the hierarchical all-reduce; 0: the launch's ranks per node when the job spans several nodes, else nodes of 2 ranks simulated on one machine (1 when the world is odd)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,6 +94,28 @@ class Config(RunConfig):
             raise ValueError(f"--factor must be at least 2, got {self.factor}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must not be negative, got {self.warmup}")
+        if self.ranks_per_node < 0:
+            raise ValueError(f"--ranks-per-node must not be negative, got {self.ranks_per_node}")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """What depends on the world size: the nodes must tile it, and send/recv need NCCL on GPUs."""
+    if cfg.ranks_per_node and world_size % cfg.ranks_per_node:
+        raise ValueError(f"--ranks-per-node {cfg.ranks_per_node} must divide the world size "
+                         f"{world_size}")
+    if world_size > 1 and cfg.device == "cuda" and cfg.backend == "gloo":
+        raise ValueError("the hand-written collectives use send/recv, which gloo cannot do on "
+                         "CUDA tensors: use --backend nccl on GPUs")
+
+
+def ranks_per_node(cfg: Config, world_size: int, local_world_size: int) -> int:
+    """The hierarchy's node size: as asked; else the real node when there are several; else
+    simulated nodes of 2 ranks (so 4 CPU processes show two levels), or 1 for an odd world."""
+    if cfg.ranks_per_node:
+        return cfg.ranks_per_node
+    if local_world_size < world_size:
+        return local_world_size
+    return 2 if world_size % 2 == 0 else 1
 
 
 def rank_data(numel: int, dtype: torch.dtype, rank: int, seed: int, device) -> torch.Tensor:
@@ -88,11 +126,13 @@ def rank_data(numel: int, dtype: torch.dtype, rank: int, seed: int, device) -> t
     return torch.randint(-1000, 1000, (numel,), generator=g, dtype=dtype).to(device)
 
 
-def global_max(value: float, device) -> float:
-    """The largest value over all ranks (a check passes only if it passes everywhere)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+def sum_tolerance(n: int, dtype: torch.dtype, max_abs: float) -> float:
+    """How far apart two orders of summing n numbers of magnitude ≤ max_abs may end: each is
+    within (n−1)·u·Σ|x| of the exact sum (u = eps/2, the unit roundoff), so the two are within
+    2(n−1)·u·n·max_abs. Zero for integers, which add exactly."""
+    if not dtype.is_floating_point or n < 2:
+        return 0.0
+    return 2 * (n - 1) * (torch.finfo(dtype).eps / 2) * n * max_abs
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -102,13 +142,23 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() if a.numel() else 0.0
 
 
-def hand_vs_library(comm: P2P, numel: int, dtype: torch.dtype, seed: int, device) -> dict:
-    """|hand − library| for every hand collective on one length, max over elements."""
+def hand_all_reduces(comm: P2P, levels: Levels) -> dict:
+    """{name: x -> sum of x over the ranks} for every hand-written all-reduce."""
+    return {"ring": lambda x: ring_all_reduce(x, comm), "tree": lambda x: tree_all_reduce(x, comm),
+            "naive": lambda x: naive_all_reduce(x, comm),
+            "hier": lambda x: hierarchical_all_reduce(x, levels)}
+
+
+def hand_vs_library(comm: P2P, levels: Levels, numel: int, dtype: torch.dtype, seed: int,
+                    device) -> tuple[dict, float]:
+    """(|hand − library| for every hand collective on one length, max over elements;
+    the largest |input| on this rank, for the float tolerance)."""
     n, r = comm.world_size, comm.rank
     x = rank_data(numel, dtype, r, seed, device)
     lib = x.clone()
     dist.all_reduce(lib)
-    diffs = {f"{name} all-reduce": max_abs_diff(fn(x, comm), lib) for name, fn in HAND_ALL_REDUCE.items()}
+    diffs = {f"{name} all-reduce": max_abs_diff(fn(x), lib)
+             for name, fn in hand_all_reduces(comm, levels).items()}
     # every rank calls every collective, even one whose chunk is empty: skipping it hangs the ring
     diffs["ring reduce-scatter"] = max_abs_diff(ring_reduce_scatter(x, comm), lib.tensor_split(n)[r])
     # all-gather of uneven shards: the library needs equal ones, so pad to the longest and cut
@@ -125,17 +175,17 @@ def hand_vs_library(comm: P2P, numel: int, dtype: torch.dtype, seed: int, device
         library_reduce_scatter(out, x.clone())
         diffs["ring reduce-scatter"] = max(diffs["ring reduce-scatter"],
                                            max_abs_diff(ring_reduce_scatter(x, comm), out))
-    return diffs
+    max_abs = x.abs().max().item() if x.is_floating_point() and x.numel() else 0.0
+    return diffs, max_abs
 
 
-def counted_bytes(algorithm: str, numel: int, device) -> list[int]:
-    """Bytes each rank's P2P counter saw during one hand all-reduce of `numel` float32s."""
-    comm = P2P()
-    HAND_ALL_REDUCE[algorithm](torch.ones(numel, device=device), comm)
-    per_rank = torch.zeros(comm.world_size, dtype=torch.int64, device=device)
-    per_rank[comm.rank] = comm.bytes_sent
-    dist.all_reduce(per_rank)
-    return per_rank.tolist()
+def counted(comm: P2P, fn) -> tuple[list[int], list[int], int]:
+    """(bytes, messages) every rank's counter `comm` saw while fn() ran, gathered in rank order,
+    and the bytes this rank sent to ranks of other nodes meanwhile (a dict of destinations)."""
+    b0, m0, to0 = comm.bytes_sent, comm.messages, dict(comm.bytes_to)
+    fn()
+    sent_to = {d: b - to0.get(d, 0) for d, b in comm.bytes_to.items()}
+    return gather_numbers(comm.bytes_sent - b0), gather_numbers(comm.messages - m0), sent_to
 
 
 def message_sizes(cfg: Config) -> list[int]:
@@ -146,14 +196,15 @@ def message_sizes(cfg: Config) -> list[int]:
     return sizes
 
 
-def collective_calls(op: str, size: int, dtype: torch.dtype, comm: P2P, device) -> tuple[int, dict]:
+def collective_calls(op: str, size: int, dtype: torch.dtype, comm: P2P, levels: Levels,
+                     device) -> tuple[int, dict]:
     """(bytes S as nccl-tests counts it, {implementation: zero-argument call}) for one op."""
     n, elem = comm.world_size, torch.finfo(dtype).bits // 8
     per_rank = max(1, size // elem // n)  # all-gather, reduce-scatter, all-to-all: n shards
     if op == "all_reduce":
         x = torch.zeros(max(1, size // elem), dtype=dtype, device=device)
         calls = {"torch": lambda: dist.all_reduce(x)}
-        calls.update({name: (lambda f=f: f(x, comm)) for name, f in HAND_ALL_REDUCE.items()})
+        calls.update({name: (lambda f=f: f(x)) for name, f in hand_all_reduces(comm, levels).items()})
         return x.numel() * elem, calls
     big = torch.zeros(n * per_rank, dtype=dtype, device=device)
     small = torch.zeros(per_rank, dtype=dtype, device=device)
@@ -171,13 +222,15 @@ def collective_calls(op: str, size: int, dtype: torch.dtype, comm: P2P, device) 
 
 
 def slowest_median(fn, cfg: Config, device) -> float:
-    """Median seconds per call on this rank (warm-up, repeats), then the slowest rank's."""
+    """Median seconds per call on this rank (warm-up, repeats; `benchmark` synchronises the GPU
+    after every call, so an NCCL collective is timed to its end, not its launch), then the
+    slowest rank's median: a collective is as slow as its last rank."""
     dist.barrier()
     stats = benchmark(fn, warmup=cfg.warmup, repeats=cfg.steps, device=device)
-    return global_max(stats.median, device)
+    return reduce_number(stats.median, "max")
 
 
-def run_benchmark(cfg: Config, comm: P2P, device) -> list[dict]:
+def run_benchmark(cfg: Config, comm: P2P, levels: Levels, device) -> list[dict]:
     n, rows = comm.world_size, []
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"):
         log.info("\n# %s   %s, %d ranks   busbw = algbw x %s", op, cfg.dtype, n,
@@ -185,7 +238,7 @@ def run_benchmark(cfg: Config, comm: P2P, device) -> list[dict]:
         log.info("# %12s %12s %7s %12s %12s %12s", "size(B)", "count", "impl", "time(us)",
                  "algbw(GB/s)", "busbw(GB/s)")
         for size in message_sizes(cfg):
-            nbytes, calls = collective_calls(op, size, DTYPES[cfg.dtype], comm, device)
+            nbytes, calls = collective_calls(op, size, DTYPES[cfg.dtype], comm, levels, device)
             for impl, fn in calls.items():
                 t = slowest_median(fn, cfg, device)
                 row = dict(op=op, impl=impl, size=nbytes, count=nbytes * 8 // torch.finfo(DTYPES[cfg.dtype]).bits,
@@ -196,64 +249,123 @@ def run_benchmark(cfg: Config, comm: P2P, device) -> list[dict]:
     return rows
 
 
+def check_parity(rec: RunRecorder, comm: P2P, levels: Levels, cfg: Config, device) -> None:
+    """1. Every hand collective equals the library's: integers exactly, floats within the
+    summation-order bound of `sum_tolerance`."""
+    n = comm.world_size
+    for dtype in (torch.int64, torch.float64):
+        worst: dict[str, float] = {}
+        max_abs = 0.0
+        for numel in CHECK_LENGTHS:
+            diffs, m = hand_vs_library(comm, levels, numel, dtype, cfg.seed, device)
+            max_abs = max(max_abs, m)
+            for name, d in diffs.items():
+                worst[name] = max(worst.get(name, 0.0), d)
+        tol = sum_tolerance(n, dtype, reduce_number(max_abs, "max"))
+        for name, d in worst.items():
+            rec.check(f"{name} == torch ({str(dtype)[6:]})", "parity", reduce_number(d, "max"), 0.0, tol)
+
+
+def check_bytes(rec: RunRecorder, comm: P2P, levels: Levels, device) -> None:
+    """2. Bytes on the wire, counted on every rank, against the formulas; and where the
+    algorithms differ: the busiest rank, and the bytes that leave a node."""
+    n, g = comm.world_size, levels.ranks_per_node
+    fns = hand_all_reduces(comm, levels)
+    for numel in COUNT_LENGTHS:
+        sent, _, _ = counted(comm, lambda: fns["ring"](torch.ones(numel, device=device)))
+        rec.check(f"ring all-reduce bytes sent per rank, {numel} float32", "count", sent,
+                  [expected_bytes_sent("ring", numel, n, r, 4) for r in range(n)])
+        if numel == COUNT_LENGTHS[0]:
+            rec.figure(f"ring bytes per rank / S ({numel} float32)", sent[0] / (4 * numel),
+                       expected=2 * (n - 1) / n)
+    numel, size = COUNT_LENGTHS[0], 4 * COUNT_LENGTHS[0]
+    x = torch.ones(numel, device=device)
+    off_node = {}
+    for algorithm in ("ring", "tree", "naive"):
+        sent, messages, sent_to = counted(comm, lambda: fns[algorithm](x))
+        if algorithm != "ring":
+            rec.check(f"{algorithm} all-reduce bytes sent per rank, {numel} float32", "count", sent,
+                      [expected_bytes_sent(algorithm, numel, n, r, 4) for r in range(n)])
+        rec.figure(f"{algorithm}: bytes sent by the busiest rank / S", max(sent) / size)
+        rec.figure(f"{algorithm}: messages sent by the busiest rank", max(messages))
+        off_node[algorithm] = reduce_number(off_node_bytes(sent_to, comm.rank, g), "max")
+    levels.reset()
+    hierarchical_all_reduce(x, levels)
+    intra, inter = gather_numbers(levels.intra.bytes_sent), gather_numbers(levels.inter.bytes_sent)
+    want = [expected_hierarchical_bytes(numel, n, g, r, 4) for r in range(n)]
+    rec.check(f"hier all-reduce intra-node bytes per rank, {g} ranks per node", "count", intra,
+              [w[0] for w in want])
+    rec.check(f"hier all-reduce inter-node bytes per rank, {n // g} nodes", "count", inter,
+              [w[1] for w in want])
+    rec.figure("hier: bytes sent by the busiest rank / S", max(a + b for a, b in zip(intra, inter)) / size)
+    off_node["hier"] = reduce_number(off_node_bytes(levels.inter.bytes_to, comm.rank, g), "max")
+    # The flat ring crosses a node border at every rank r whose right neighbour is on the next
+    # node: that rank sends all its ring bytes off-node. The hierarchy sends only its inter bytes.
+    borders = [r for r in range(n) if n // g > 1 and (r + 1) % g == 0]
+    rec.check("most bytes one rank sends off-node, flat ring", "count", off_node["ring"],
+              max([expected_bytes_sent("ring", numel, n, r, 4) for r in borders], default=0))
+    rec.check("most bytes one rank sends off-node, hierarchical", "count", off_node["hier"],
+              max(w[1] for w in want))
+
+
+def report_fits(rec: RunRecorder, rows: list[dict], n: int) -> None:
+    """3. The α–β model fitted to the benchmark; the ring's time at the largest size predicted
+    from a fit to the *other* sizes (a prediction, not the fit read back at its own point)."""
+    log.info("\nα–β fit of t = a + b·S per all-reduce implementation:")
+    fits = {}
+    for impl in ("torch", *ALGORITHMS):
+        pts = [(r["size"], r["time_us"] * 1e-6) for r in rows if r["op"] == "all_reduce" and r["impl"] == impl]
+        a, b = fit_latency_bandwidth(*zip(*pts)) if len(pts) > 1 else (pts[0][1], 0.0)
+        fits[impl] = (a, b)
+        log.info("  %-6s a = %8.1f us   1/b = %7.3f GB/s", impl, a * 1e6, 1e-9 / b if b > 0 else float("inf"))
+    big = max(r["size"] for r in rows if r["op"] == "all_reduce")
+    largest = {r["impl"]: r for r in rows if r["op"] == "all_reduce" and r["size"] == big}
+    if n > 1:
+        alpha, beta = ring_alpha_beta(*fits["ring"], n)
+        log.info("  hand ring read as 2(n-1)·α + 2(n-1)/n·S·β:  α = %.1f us, 1/β = %.3f GB/s",
+                 alpha * 1e6, 1e-9 / beta if beta > 0 else float("inf"))
+        rec.figure("ring α (fitted, all sizes)", alpha * 1e6, unit="us")
+        rec.figure("ring 1/β (fitted, all sizes)", 1e-9 / beta if beta > 0 else float("inf"), unit="GB/s")
+        held = [(r["size"], r["time_us"] * 1e-6) for r in rows
+                if r["op"] == "all_reduce" and r["impl"] == "ring" and r["size"] < big]
+        if len(held) >= 2:
+            a, b = ring_alpha_beta(*fit_latency_bandwidth(*zip(*held)), n)
+            predicted = predicted_time("ring", big, n, a, b) * 1e6
+            rec.figure(f"ring time at {big} B (expected: fit to smaller sizes)",
+                       largest["ring"]["time_us"], expected=predicted, unit="us")
+            rec.check(f"ring time at {big} B / prediction from smaller sizes", "timing",
+                      largest["ring"]["time_us"] / predicted, [0.5, 2.0], compare="between")
+    for impl, row in largest.items():
+        rec.figure(f"all-reduce busbw at {big} B, {impl}", row["busbw"], unit="GB/s")
+    if n == 2:
+        log.info("  n = 2: tree and naive send the same two messages (S up, S down); any gap "
+                 "between their times is noise. Run 4 or more ranks to see them differ.")
+    if n > 1:  # timing: reported, never fatal
+        rec.check("hand ring busbw / torch busbw (largest size)", "timing",
+                  largest["ring"]["busbw"] / largest["torch"]["busbw"], [0.5, 1.5], compare="between")
+
+
 def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)
-        comm, n = P2P(), info.world_size
-        log.info("world %d on %s/%s", n, info.device, info.backend)
-
-        # 1. The hand collectives equal the library's: integers exactly, float64 to 1e-12.
-        for dtype, tol in ((torch.int64, 0.0), (torch.float64, 1e-12)):
-            worst: dict[str, float] = {}
-            for numel in CHECK_LENGTHS:
-                for name, d in hand_vs_library(comm, numel, dtype, cfg.seed, info.device).items():
-                    worst[name] = max(worst.get(name, 0.0), d)
-            for name, d in worst.items():
-                rec.check(f"{name} == torch ({str(dtype)[6:]})", "parity",
-                          global_max(d, info.device), 0.0, tol)
-
-        # 2. Bytes on the wire, counted on every rank, against the formulas.
-        for numel in (12 * 1024, 12 * 1024 + 1):  # divides by 2, 3, 4; then does not
-            sent = counted_bytes("ring", numel, info.device)
-            rec.check(f"ring all-reduce bytes sent per rank, {numel} float32", "count", sent,
-                      [expected_bytes_sent("ring", numel, n, r, 4) for r in range(n)])
-        rec.figure("ring bytes per rank / S (12288 float32)", sent[0] / (4 * numel),
-                   expected=2 * (n - 1) / n)
-        naive = counted_bytes("naive", 12 * 1024, info.device)
-        rec.figure("naive bytes sent by rank 0 / S", naive[0] / (4 * 12 * 1024), expected=n - 1)
-
-        # 3. The benchmark, nccl-tests style, and the α–β model fitted to it.
-        rows = run_benchmark(cfg, comm, info.device)
+        n = info.world_size
+        g = ranks_per_node(cfg, n, read_launch_env()["local_world_size"])
+        comm, levels = P2P(), node_levels(g)
+        log.info("world %d on %s/%s; hierarchy: %d node(s) of %d rank(s)%s", n, info.device,
+                 info.backend, n // g, g, "" if cfg.ranks_per_node or info.local_world_size < n
+                 else " (simulated on one machine)")
+        check_parity(rec, comm, levels, cfg, info.device)
+        check_bytes(rec, comm, levels, info.device)
+        rows = run_benchmark(cfg, comm, levels, info.device)
         for i, row in enumerate(rows):
             rec.metrics(i, **row)
-        fits = {}
-        log.info("\nα–β fit of t = a + b·S per all-reduce implementation:")
-        for impl in ("torch", "ring", "tree", "naive"):
-            pts = [(r["size"], r["time_us"] * 1e-6) for r in rows if r["op"] == "all_reduce" and r["impl"] == impl]
-            a, b = fit_latency_bandwidth(*zip(*pts))
-            fits[impl] = (a, b)
-            log.info("  %-6s a = %8.1f us   1/b = %7.3f GB/s", impl, a * 1e6, 1e-9 / b if b > 0 else float("inf"))
-        big = max(r["size"] for r in rows if r["op"] == "all_reduce")
-        largest = {r["impl"]: r for r in rows if r["op"] == "all_reduce" and r["size"] == big}
-        if n > 1:
-            alpha, beta = ring_alpha_beta(*fits["ring"], n)
-            log.info("  hand ring read as 2(n-1)·α + 2(n-1)/n·S·β:  α = %.1f us, 1/β = %.3f GB/s",
-                     alpha * 1e6, 1e-9 / beta if beta > 0 else float("inf"))
-            rec.figure("ring α (fitted)", alpha * 1e6, unit="us")
-            rec.figure("ring 1/β (fitted)", 1e-9 / beta if beta > 0 else float("inf"), unit="GB/s")
-            rec.figure(f"ring all-reduce time at {big} B", largest["ring"]["time_us"],
-                       expected=predicted_time("ring", big, n, alpha, beta) * 1e6, unit="us")
-        for impl, row in largest.items():
-            rec.figure(f"all-reduce busbw at {big} B, {impl}", row["busbw"], unit="GB/s")
-        if n > 1:  # timing: reported, never fatal
-            rec.check("hand ring busbw / torch busbw (largest size)", "timing",
-                      largest["ring"]["busbw"] / largest["torch"]["busbw"], 1.0, 0.5, relative=True)
+        report_fits(rec, rows, n)
         return rec.finish()
     finally:
         teardown_distributed()
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))
