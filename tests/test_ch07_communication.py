@@ -116,7 +116,6 @@ def _on_ranks(g: int) -> dict:
                     out["mismatch"].append(("library tensor forms", str(dtype), numel))
 
     # Bytes and messages each rank sends, counted by the P2P wrapper, and where they go.
-    fns = train.hand_all_reduces(collectives.P2P(), levels)
     for algorithm in ("ring", "tree", "naive"):
         for numel in (12 * 64, 12 * 64 + 1):
             comm = collectives.P2P()
@@ -247,8 +246,12 @@ def test_ring_beats_the_double_tree_only_above_the_crossover():
         s = cost_model.ring_tree_crossover(n, alpha, beta, eta)
         assert s == pytest.approx(want, rel=1e-3)
         # written out again here: ring 2(n−1)α + 2(n−1)/n Sβ, double tree 2 log2(n) α + 2Sβ/η
-        ring = lambda S: 2 * (n - 1) * alpha + 2 * (n - 1) / n * S * beta  # noqa: E731
-        tree = lambda S: 2 * math.log2(n) * alpha + 2 * S * beta / eta  # noqa: E731
+        def ring(S, n=n):
+            return 2 * (n - 1) * alpha + 2 * (n - 1) / n * S * beta
+
+        def tree(S, n=n, eta=eta):
+            return 2 * math.log2(n) * alpha + 2 * S * beta / eta
+
         assert ring(s) == pytest.approx(tree(s), rel=1e-9)
         assert ring(2 * s) < tree(2 * s) and ring(s / 2) > tree(s / 2)
     assert cost_model.ring_tree_crossover(2, alpha, beta) == math.inf  # 2 ranks: no crossover

@@ -1,10 +1,11 @@
-"""Chapter 08: naive, hand-bucketed and DDP data parallelism give one process's parameters, and
-the bucketed all-reduces are launched while backward is still running.
+"""Chapter 08: naive, deferred-bucket, hand-bucketed and DDP data parallelism give one process's
+parameters; the bucketed all-reduces are launched, and complete, while backward is still running.
 
 The torchrun run checks itself (summary.json); this module recomputes the one-process reference
-with its own plain loop, reads the run's event logs and profiler traces, and runs the negative
-controls on two gloo ranks: a bucket never all-reduced, an optimizer step without the wait, and
-the naive loop, which the same checks must reject.
+with its own plain loop, reads the run's event logs and profiler traces step by step, and runs
+the negative controls on two gloo ranks: a bucket never all-reduced, an optimizer step without
+the wait, the naive loop and a wrapper that launches its buckets only after backward, which the
+same checks must reject.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from chapters.ch08_overlap import bucketed, train
 from chapters.ch08_overlap.bucketed import BucketedDDP, EventLog
+from common import distributed as common_distributed
 from common.checkpoint import load_checkpoint
 from common.data import CharTokenizer, text_corpus, token_windows
 from common.launch import run_torchrun
@@ -31,12 +33,13 @@ TOL = 1e-10  # float64: the variants differ from one process only by summation o
 BROKEN = 1e-6  # a real bug moves parameters by far more than this
 
 
-def data(cfg: train.Config):
+def data(cfg: train.Config, world: int):
     """The script's global batches, rebuilt from common.data without the script's helper."""
+    batch = cfg.micro_batch_size * world
     tok = CharTokenizer.fit(text_corpus())
     x, y = token_windows(tok.encode(text_corpus(max_chars=100_000)), cfg.block_size,
-                         cfg.steps * cfg.global_batch_size, seed=cfg.seed)
-    shape = (cfg.steps, cfg.global_batch_size, cfg.block_size)
+                         cfg.steps * batch, seed=cfg.seed)
+    shape = (cfg.steps, batch, cfg.block_size)
     return x.view(shape), y.view(shape), tok.vocab_size
 
 
@@ -65,13 +68,25 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def backward_end(events: list[dict]) -> int:
+    ends = [e["seq"] for e in events if e["kind"] == "backward_end"]
+    assert len(ends) == 1, "one step's log holds exactly one end of backward"
+    return ends[0]
+
+
 def overlapped(events: list[dict]) -> bool:
-    """The test's own reading of an event log: some all-reduce was launched before backward
-    returned, while some gradient was still to be computed."""
-    end = next(e["seq"] for e in events if e["kind"] == "backward_end")
+    """The test's own reading of ONE step's event log: some all-reduce was launched before
+    backward ended, while some gradient was still to be computed."""
+    end = backward_end(events)
     n_grads = sum(e["kind"] == "grad" for e in events)
     return any(e["kind"] == "launch" and e["seq"] < end and e["grads_ready"] < n_grads
                for e in events)
+
+
+def done_during_backward(events: list[dict]) -> int:
+    """All-reduces seen complete before backward ended, in one step's log."""
+    end = backward_end(events)
+    return sum(e["kind"] == "done" and e["seq"] < end for e in events)
 
 
 def spans(trace: dict, name: str) -> list[tuple[float, float]]:
@@ -79,39 +94,49 @@ def spans(trace: dict, name: str) -> list[tuple[float, float]]:
             if e.get("name") == name and e.get("ph") == "X"]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(180)
 def test_run_matches_reference_and_buckets_launch_during_backward(tmp_path):
-    res = run_torchrun(SCRIPT, nproc=2, out_dir=tmp_path, timeout=120)
+    res = run_torchrun(SCRIPT, nproc=2, out_dir=tmp_path, timeout=160)
     assert res.summary["world_size"] == 2
     failed = [c["name"] for c in res.summary["checks"] if not c["ok"] and c["kind"] != "timing"]
     assert not failed, res.output[-3000:]
 
     cfg = train.Config()
-    X, Y, vocab = data(cfg)
+    X, Y, vocab = data(cfg, 2)
     init = gpt(cfg, vocab, cfg.seed)
     expected = reference(init, X, Y, cfg.steps, cfg.lr).state_dict()
     saved = load_checkpoint(tmp_path / "final_params.pt")
-    for name in ("single", "naive", "bucketed", "ddp"):
+    for name in ("single", *train.VARIANTS):
         assert max_diff(saved[name], expected) < TOL, name
         assert torch.equal(saved[name]["pos_emb.weight"], init.pos_emb.weight), "frozen moved"
 
     logs = json.loads((tmp_path / "events.json").read_text())
     assert overlapped(logs["bucketed"]) and overlapped(logs["ddp"])
     assert not overlapped(logs["naive"]), "the naive loop cannot launch before backward ends"
-    end = next(e["seq"] for e in logs["naive"] if e["kind"] == "backward_end")
-    assert all(e["seq"] > end for e in logs["naive"] if e["kind"] == "launch")
-    # Reverse order: bucket 0 holds the last layer and is launched first; the tied embedding,
-    # whose gradient is complete only when backward reaches the input, is in the last bucket.
-    launches = [e["what"] for e in logs["bucketed"] if e["kind"] == "launch"]
-    assert launches == [f"bucket {i}" for i in range(len(logs["buckets"]))]
+    assert not overlapped(logs["deferred"]), "the deferred buckets go after backward"
+    for kind in ("naive", "deferred"):  # and its launches are really there, after the end
+        end = backward_end(logs[kind])
+        assert all(e["seq"] > end for e in logs[kind] if e["kind"] == "launch")
+    # DDP's first step: one bucket (find_unused_parameters=False); later steps: several
+    assert sum(e["kind"] == "launch" for e in logs["ddp_first_step"]) == 1
+    assert sum(e["kind"] == "launch" for e in logs["ddp"]) > 1
+    # Reverse order: the launches carry the buckets' bytes in bucket order, bucket 0 holding the
+    # last layer; the tied embedding, whose gradient is complete only when backward reaches the
+    # input, is in the last bucket. Bytes are the sizes of the model's own parameters.
+    shapes = dict(init.named_parameters())
+    sizes = [sum(shapes[n].numel() * 8 for n in b) for b in logs["buckets"]]
+    for kind in ("bucketed", "deferred"):
+        assert [e["bytes"] for e in logs[kind] if e["kind"] == "launch"] == sizes, kind
+    assert [e["bytes"] for e in logs["naive"] if e["kind"] == "launch"] == \
+        [p.numel() * 8 for p in init.parameters() if p.requires_grad]
     assert "ln_f.weight" in logs["buckets"][0] and "tok_emb.weight" in logs["buckets"][-1]
     names = [n for b in logs["buckets"] for n in b]
     assert len(names) == len(set(names)) == 27
     assert "head.weight" not in names and "pos_emb.weight" not in names  # tied once, frozen none
 
     # The profiler traces tell the same story on one thread's clock: all-reduces start inside
-    # the backward span for the bucketed version, after it for the naive one.
-    for kind, inside in (("naive", False), ("bucketed", True), ("ddp", True)):
+    # the backward span for the overlapped versions, after it for the others.
+    for kind, inside in (("naive", False), ("deferred", False), ("bucketed", True), ("ddp", True)):
         path = tmp_path / f"trace_{kind}.json.gz"
         assert path.stat().st_size < 500_000, "keep the traces small"
         trace = json.load(gzip.open(path))
@@ -123,8 +148,11 @@ def test_run_matches_reference_and_buckets_launch_during_backward(tmp_path):
 
     figures = res.summary["figures"]
     for kind in train.VARIANTS:
-        assert figures[f"{kind} step time"]["unit"] == "ms"
+        assert figures[f"{kind} step time (median)"]["unit"] == "ms"
+        low, high = figures[f"{kind} step time min-max"]["measured"]
+        assert low <= figures[f"{kind} step time (median)"]["measured"] <= high
     assert any(name.startswith("bucketed step time, cap") for name in figures)  # reported only
+    assert res.check("bucketed / deferred step time (overlap alone)")["kind"] == "timing"
 
 
 class SkipFirstBucket(BucketedDDP):
@@ -144,55 +172,90 @@ class WithUnused(nn.Module):
         return self.used(x).sum()
 
 
-def train_wrapped(wrapper, model, X, Y, steps, lr, finish=True):
-    """Plain SGD by hand (torch.optim would import torch._dynamo: seconds per rank)."""
+def train_wrapped(wrapper, model, X, Y, steps, lr, finish=True, events: EventLog | None = None):
+    """Plain SGD by hand (torch.optim would import torch._dynamo: seconds per rank). Returns the
+    event log of every step when `events` watches the model."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    for step in range(steps):
-        for p in model.parameters():
-            p.grad = None
-        _, loss = wrapper(X[step].chunk(world)[rank], Y[step].chunk(world)[rank])
-        loss.backward()
-        if finish:
-            wrapper.finish_gradient_sync()
-        with torch.no_grad():
+    logs = []
+    with events.observe_all_reduce() if events else _nothing():
+        for step in range(steps):
+            if events:
+                events.start_step()
             for p in model.parameters():
-                if p.grad is not None:
-                    p -= lr * p.grad
+                p.grad = None
+            _, loss = wrapper(X[step].chunk(world)[rank], Y[step].chunk(world)[rank])
+            loss.backward()
+            if finish:
+                wrapper.finish_gradient_sync()
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p -= lr * p.grad
+            if events:
+                events.poll()
+                logs.append(events.events)
+    return logs
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 def _controls() -> dict:
     """On 2 gloo ranks: the wrapper on a tied + frozen model from DIFFERENT initial weights per
-    rank, then each broken variant measured by the same parity check."""
+    rank, the deferred control, the sleep demonstration, then each broken variant measured by
+    the same checks."""
     rank = dist.get_rank()
     cfg = train.Config(steps=3)
-    X, Y, vocab = data(cfg)
+    X, Y, vocab = data(cfg, 2)
     init = gpt(cfg, vocab, seed=0)  # rank 0's model: what the wrapper must broadcast
     ref = reference(init, X, Y, cfg.steps, cfg.lr).state_dict()
     ref1 = reference(init, X, Y, 1, cfg.lr).state_dict()
     out = {}
 
-    model, events = gpt(cfg, vocab, seed=rank), EventLog()
-    out["differed_before_wrap"] = max_diff(model.state_dict(), init.state_dict())
-    events.watch(model)
-    wrapper = BucketedDDP(model, bucket_cap_bytes=16 * 1024, events=events)
-    out["frozen_broadcast"] = torch.equal(model.pos_emb.weight, init.pos_emb.weight)
-    out["tied"] = model.head.weight is model.tok_emb.weight
-    out["hooks"] = len(wrapper._hooks)
-    out["in_buckets"] = sorted(id(p) for b in wrapper.buckets for p in b) == \
-        sorted(id(p) for p in model.parameters() if p.requires_grad)
-    train_wrapped(wrapper, model, X, Y, cfg.steps, cfg.lr)
-    out["good"] = max_diff(model.state_dict(), ref)
-    out["frozen_kept"] = torch.equal(model.pos_emb.weight, init.pos_emb.weight)
-    out["grads_per_step"] = len(events.of_kind("grad"))
-    out["bucketed_overlapped"] = overlapped(events.events + [{"seq": len(events.events),
-                                                             "kind": "backward_end"}])
+    for overlap in (True, False):
+        model, events = gpt(cfg, vocab, seed=rank), EventLog()
+        out[f"differed_before_wrap_{overlap}"] = max_diff(model.state_dict(), init.state_dict())
+        events.watch(model)
+        wrapper = BucketedDDP(model, bucket_cap_mb=16 / 1024, overlap=overlap)
+        out[f"frozen_broadcast_{overlap}"] = torch.equal(model.pos_emb.weight, init.pos_emb.weight)
+        out["tied"] = model.head.weight is model.tok_emb.weight
+        out["hooks"] = len(wrapper._hooks)
+        out["in_buckets"] = sorted(id(p) for b in wrapper.buckets for p in b) == \
+            sorted(id(p) for p in model.parameters() if p.requires_grad)
+        params = [p for p in model.parameters() if p.requires_grad]
+        out["same_buckets_as_16384_bytes"] = [[id(p) for p in b] for b in wrapper.buckets] == \
+            [[id(p) for p in b] for b in bucketed.build_buckets(params, 16384)]
+        logs = train_wrapped(wrapper, model, X, Y, cfg.steps, cfg.lr, events=events)
+        out[f"good_{overlap}"] = max_diff(model.state_dict(), ref)
+        out[f"frozen_kept_{overlap}"] = torch.equal(model.pos_emb.weight, init.pos_emb.weight)
+        out[f"grads_per_step_{overlap}"] = [sum(e["kind"] == "grad" for e in log) for log in logs]
+        out[f"overlapped_{overlap}"] = [overlapped(log) for log in logs]
+        out[f"launches_{overlap}"] = [sum(e["kind"] == "launch" for e in log) for log in logs]
+        out[f"done_during_{overlap}"] = [done_during_backward(log) for log in logs]
+        out["n_buckets"] = len(wrapper.buckets)
+
+    # With a fixed sleep in each block's backward (the CPU stays free, as while a GPU computes),
+    # the early buckets finish while backward still runs; the deferred ones cannot.
+    for overlap in (True, False):
+        model, events = gpt(cfg, vocab, seed=0), EventLog()
+        train.add_backward_sleep(model, 20.0)
+        events.watch(model)
+        logs = train_wrapped(BucketedDDP(model, 16 / 1024, overlap=overlap), model, X, Y,
+                             cfg.steps, cfg.lr, events=events)
+        out[f"sleep_done_during_{overlap}"] = [done_during_backward(log) for log in logs]
+        out[f"sleep_good_{overlap}"] = max_diff(model.state_dict(), ref)
 
     model = gpt(cfg, vocab, seed=0)
-    train_wrapped(SkipFirstBucket(model, 16 * 1024), model, X, Y, cfg.steps, cfg.lr)
+    train_wrapped(SkipFirstBucket(model, 16 / 1024), model, X, Y, cfg.steps, cfg.lr)
     out["skip_bucket"] = max_diff(model.state_dict(), ref)
 
     model = gpt(cfg, vocab, seed=0)
-    wrapper = BucketedDDP(model, 16 * 1024)
+    wrapper = BucketedDDP(model, 16 / 1024)
     train_wrapped(wrapper, model, X, Y, 1, cfg.lr, finish=False)  # step without waiting
     out["no_wait"] = max_diff(model.state_dict(), ref1)
     try:
@@ -204,14 +267,35 @@ def _controls() -> dict:
 
     naive, events = gpt(cfg, vocab, seed=0), EventLog()
     events.watch(naive)
-    _, loss = naive(X[0], Y[0])
-    loss.backward()
-    events.record("backward_end")
-    train.naive_sync(naive, dist.get_world_size(), events, {"bytes": 0})
+    with events.observe_all_reduce():
+        events.start_step()
+        _, loss = naive(X[0], Y[0])
+        loss.backward()
+        train.all_reduce_gradients(naive, dist.get_world_size())
+        events.poll()
     out["naive_overlapped"] = overlapped(events.events)
+    out["naive_launches"] = sum(e["kind"] == "launch" for e in events.events)
+
+    # DDP: its rebuilt layout, predicted from the gradients' arrival order, is the one DDP
+    # reports; and the first step used one bucket.
+    model, events = gpt(cfg, vocab, seed=0), EventLog()
+    events.watch(model)
+    ddp, _ = train.wrap("ddp", model, 16, type("I", (), {"device": torch.device("cpu"), "world_size": 2}))
+    logs = []
+    with events.observe_all_reduce():
+        for step in range(3):  # DDP fills its logging data from the third step on
+            events.start_step()
+            _, loss = ddp(X[step].chunk(2)[rank], Y[step].chunk(2)[rank])
+            loss.backward()
+            events.poll()
+            logs.append(events.events)
+    out["ddp_launches"] = [sum(e["kind"] == "launch" for e in log) for log in logs]
+    out["ddp_predicted"] = train.ddp_rebuilt_bucket_count(logs[0], model, 16)
+    out["ddp_reported"] = len(ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes", "").split(","))
+    out["ddp_overlapped"] = overlapped(logs[1])
 
     unused = WithUnused()
-    wrapper = BucketedDDP(unused, bucket_cap_bytes=1)
+    wrapper = BucketedDDP(unused, bucket_cap_mb=1 / 2**20)  # one byte: a bucket per tensor
     wrapper(torch.ones(2, 4, dtype=torch.float64)).backward()
     try:
         wrapper.finish_gradient_sync()
@@ -221,21 +305,36 @@ def _controls() -> dict:
     return out
 
 
-@pytest.mark.timeout(120)
-def test_wrapper_tied_frozen_and_negative_controls():
+@pytest.mark.timeout(150)
+def test_wrapper_tied_frozen_overlap_and_negative_controls():
     from common.launch import run_on_ranks
 
-    results = run_on_ranks(_controls, 2, timeout=90)
-    assert results[1]["differed_before_wrap"] > 1e-3, "rank 1 must start from other weights"
+    results = run_on_ranks(_controls, 2, timeout=120)
+    assert results[1]["differed_before_wrap_True"] > 1e-3, "rank 1 must start from other weights"
     for res in results:
-        assert res["frozen_broadcast"] and res["frozen_kept"] and res["tied"]
-        assert res["hooks"] == res["grads_per_step"] // 3 == 27 and res["in_buckets"]
-        assert res["good"] < TOL
-        assert res["bucketed_overlapped"]
+        for overlap in (True, False):
+            assert res[f"frozen_broadcast_{overlap}"] and res[f"frozen_kept_{overlap}"]
+            assert res[f"good_{overlap}"] < TOL and res[f"sleep_good_{overlap}"] < TOL
+            assert res[f"grads_per_step_{overlap}"] == [27, 27, 27]
+            assert res[f"launches_{overlap}"] == [res["n_buckets"]] * 3  # the counter counts
+        assert res["tied"] and res["hooks"] == 27 and res["in_buckets"]
+        assert res["same_buckets_as_16384_bytes"], "16/1024 MiB must be exactly 16384 bytes"
+        # judged step by step, on the real end of backward
+        assert res["overlapped_True"] == [True, True, True]
+        assert res["overlapped_False"] == [False, False, False], "deferred launches judged overlapped"
+        assert res["done_during_False"] == [0, 0, 0] == res["sleep_done_during_False"]
+        # completion, not only launch: with backward busy (sleeping) the early buckets finish
+        # inside it, on every rank, in most steps (a fixed-sleep mechanism; see DESIGN.md)
+        assert sum(d > 0 for d in res["sleep_done_during_True"]) >= 2, res["sleep_done_during_True"]
         assert res["skip_bucket"] > BROKEN, "a bucket never all-reduced went unnoticed"
         assert res["no_wait"] > BROKEN, "an optimizer step before the wait went unnoticed"
         assert "finish_gradient_sync()" in res["no_wait_error"]
         assert not res["naive_overlapped"], "the ordering check must reject the naive loop"
+        assert res["naive_launches"] == 27, "the observer sees chapter 03's all-reduces"
+        assert res["ddp_launches"][0] == 1
+        assert res["ddp_launches"][1] == res["ddp_launches"][2] == res["ddp_predicted"] > 1
+        assert res["ddp_predicted"] == res["ddp_reported"]
+        assert res["ddp_overlapped"]
         assert "unused.weight" in res["unused_error"] and "never became ready" in res["unused_error"]
 
 
@@ -247,19 +346,25 @@ def test_build_buckets_packs_in_reverse_order_under_the_cap():
     assert [p for b in buckets for p in b] == params[::-1]
     assert all(sum(p.numel() * 4 for p in b) <= 160 or len(b) == 1 for b in buckets)
     assert len(bucketed.build_buckets(params, cap_bytes=10**9)) == 1
+    # MiB as DDP reads bucket_cap_mb: int(mb * 1024 * 1024), fractions included
+    for mb, nbytes in ((25, 25 * 2**20), (16 / 1024, 16384), (0.0625, 65536), (1 / 3, 349525)):
+        assert bucketed.cap_bytes_of(mb) == nbytes
 
 
-def test_trainable_parameters_counts_a_tied_weight_once_and_skips_frozen():
-    model = TinyGPT(GPTConfig(n_layer=1))
-    model.pos_emb.weight.requires_grad_(False)
-    params = bucketed.trainable_parameters(model)
-    assert sum(p is model.tok_emb.weight for p in params) == 1
-    assert all(p is not model.pos_emb.weight for p in params)
+def test_shared_helpers_come_from_common():
+    """Written once: ch08 uses common's helpers and keeps no copies of its own."""
+    assert bucketed.trainable_params is common_distributed.trainable_params
+    assert bucketed.broadcast_from_rank0 is common_distributed.broadcast_from_rank0
+    assert not hasattr(bucketed, "trainable_parameters")
+    assert "def broadcast_from_rank0" not in Path(bucketed.__file__).read_text()
 
 
 def test_bad_settings_are_refused_in_one_sentence():
     for argv in (["--bucket-kb", "0"], ["--sweep-kb", "64", "0"], ["--dtype", "float16"],
-                 ["--steps", "2", "--profile-steps", "3"]):
+                 ["--steps", "2", "--profile-steps", "3"], ["--micro-batch-size", "0"],
+                 ["--backward-sleep-ms", "-1"]):
         with pytest.raises(SystemExit) as e:
             train.parse_config(train.Config, argv)
         assert e.value.code == 2
+    for world in (1, 2, 3, 4, 8, 16):  # a per-rank batch: every world is valid
+        train.validate(train.Config(), world)

@@ -272,7 +272,7 @@ def check_bytes(rec: RunRecorder, comm: P2P, levels: Levels, device) -> None:
     n, g = comm.world_size, levels.ranks_per_node
     fns = hand_all_reduces(comm, levels)
     for numel in COUNT_LENGTHS:
-        sent, _, _ = counted(comm, lambda: fns["ring"](torch.ones(numel, device=device)))
+        sent, _, _ = counted(comm, lambda k=numel: fns["ring"](torch.ones(k, device=device)))
         rec.check(f"ring all-reduce bytes sent per rank, {numel} float32", "count", sent,
                   [expected_bytes_sent("ring", numel, n, r, 4) for r in range(n)])
         if numel == COUNT_LENGTHS[0]:
@@ -282,7 +282,7 @@ def check_bytes(rec: RunRecorder, comm: P2P, levels: Levels, device) -> None:
     x = torch.ones(numel, device=device)
     off_node = {}
     for algorithm in ("ring", "tree", "naive"):
-        sent, messages, sent_to = counted(comm, lambda: fns[algorithm](x))
+        sent, messages, sent_to = counted(comm, lambda a=algorithm: fns[a](x))
         if algorithm != "ring":
             rec.check(f"{algorithm} all-reduce bytes sent per rank, {numel} float32", "count", sent,
                       [expected_bytes_sent(algorithm, numel, n, r, 4) for r in range(n)])
