@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from chapters.ch02_single_node import controls, make_diff, spawn, train
+from chapters.ch02_single_node import controls, make_diff, single, spawn, train
 from chapters.ch02_single_node.task import (
     PARITY_TOLERANCE,
     TaskConfig,
@@ -121,7 +121,7 @@ def test_loss_curves_agree_and_scripts_own_checks_pass(runs):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_negative_controls_and_ddp_design_on_two_ranks():
-    results = run_on_ranks(controls.ddp_controls, 2, steps=8, timeout=90)
+    results = run_on_ranks(controls.ddp_controls, 2, steps=8, exercise=True, timeout=90)
     cfg = results[0]["config"]
     reference = reference_history(cfg)
     # Positive control: DDP as train.py does it equals one process after every step, and
@@ -157,7 +157,15 @@ def test_negative_controls_and_ddp_design_on_two_ranks():
         for steps in (r["buckets_default"], r["buckets_small"]):
             assert all(s["before_backward"] == [] and sum(s["after_backward"]) == n for s in steps)
         assert all(len(s["after_backward"]) == 1 for s in r["buckets_default"])
-        assert all(len(s["after_backward"]) >= 2 for s in r["buckets_small"][1:])
+        # 4 KiB buckets (524 float64) after the first step, filled in the order gradients become
+        # ready (last layer first) and closed once full: the last two layers' 33 + 1056, then the
+        # first layer's 544. The first step has one bucket (torch 2.14 rebuilds after it).
+        assert [s["after_backward"] for s in r["buckets_small"]] == [[n], [1089, 544], [1089, 544]]
+        # Exercise 5 (4,216,833 parameters): default caps, a first bucket of 1 MiB and 25 MiB
+        # after it -> 2 buckets; bucket_cap_mb=1 -> every 1 MiB bucket closes after one big layer -> 5.
+        assert [len(s["after_backward"]) for s in r["exercise_default"]] == [1, 2]
+        assert [len(s["after_backward"]) for s in r["exercise_1mb"]] == [1, 5]
+        assert sum(r["exercise_1mb"][1]["after_backward"]) == 4_216_833
 
 
 def test_shards_partition_the_global_batch_in_order():
@@ -175,23 +183,53 @@ def test_batch_not_divisible_by_world_size_is_refused(monkeypatch, capsys):
     # spawn.py knows its world size from --nprocs; parse_config turns the refusal into exit
     # status 2 and one "error:" line (argparse's convention) before any process starts.
     with pytest.raises(SystemExit) as exit_info:
-        parse_config(spawn.Config, ["--nprocs", "2", "--global-batch-size", "47"])
+        parse_config(spawn.Config, ["--nprocs", "2", "--global-batch-size", "47"], validate=spawn.validate)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error: " in line]
     assert len(errors) == 1 and ("error: --global-batch-size 47 cannot be split evenly over 2 "
                                  "processes: choose a multiple of 2") in errors[0]
     assert "Traceback" not in err
-    # train.py reads the world size torchrun exports, before any process group exists.
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit) as exit_info:
-        parse_config(train.Config, ["--global-batch-size", "47"])
-    assert exit_info.value.code == 2
-    assert "cannot be split evenly over 2 processes" in capsys.readouterr().err
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    assert parse_config(train.Config, []).global_batch_size == 48  # the default splits over 1-4
+    # train.py is validated at the world size torchrun exports, before any process group exists;
+    # only rank 0 prints the line.
+    for rank, printed in (("0", True), ("1", False)):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_info:
+            parse_config(train.Config, ["--global-batch-size", "47"], validate=train.validate)
+        assert exit_info.value.code == 2
+        assert ("cannot be split evenly over 2 processes" in capsys.readouterr().err) == printed
+    for world in (1, 2, 3, 4, 8, 16):  # the default 48 splits over every world the course uses
+        train.validate(train.Config(), world)
+        spawn.validate(replace(spawn.Config(), nprocs=world), 1)
+    with pytest.raises(ValueError, match="over 5 processes"):
+        train.validate(train.Config(), 5)
     with pytest.raises(ValueError, match="over 4 processes"):
-        replace(spawn.Config(), nprocs=4, global_batch_size=50)
+        spawn.validate(replace(spawn.Config(), nprocs=4, global_batch_size=50), 1)
+    # single.py is one process by design.
+    single.validate(single.Config(), 1)
+    with pytest.raises(ValueError, match="one process by design"):
+        single.validate(single.Config(), 2)
+
+
+def test_setup_refuses_ranks_that_srun_started_directly(monkeypatch, capsys, tmp_path):
+    """srun -n 4 python train.py would otherwise make four worlds of one, each training alone."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert train.main(train.Config(out=str(tmp_path), device="cpu")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train.py: error: srun started this process directly")
+
+
+def test_single_and_spawn_refuse_a_missing_gpu_in_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert single.main(single.Config(out=str(tmp_path), device="cuda")) == 2
+    assert spawn.main(replace(spawn.Config(), out=str(tmp_path), device="cuda")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(":")[0] for line in err if "error" in line] == ["single.py", "spawn.py"]
+    assert all("--device cuda, but torch sees no CUDA GPU" in line for line in err if "error" in line)
 
 
 def test_readme_diff_is_generated_and_current():

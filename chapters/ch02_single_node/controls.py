@@ -56,7 +56,7 @@ def train_variant(cfg: TaskConfig, variant: str, device: torch.device) -> dict:
         shard_rank = 0 if variant == "same_shard" else rank  # the bug: everyone takes shard 0
         idx = shard_for_rank(idx, shard_rank, world_size)
         if step == 0:
-            distinct = count_distinct_samples(idx, world_size, device)
+            distinct = count_distinct_samples(idx, cfg.n_samples, device)
         reduction = "sum" if variant == "sum_loss" else "mean"
         train_step(model, opt, X[idx], Y[idx], reduction=reduction)
         plain = model.module if isinstance(model, DDP) else model
@@ -103,12 +103,20 @@ def gradient_buckets(cfg: TaskConfig, device: torch.device, bucket_cap_mb: float
     return per_step
 
 
-def ddp_controls(steps: int = 8, seed: int = 0, small_bucket_mb: float = 0.004) -> dict:
-    """Everything above in one start of the ranks (each start costs seconds)."""
+def ddp_controls(steps: int = 8, seed: int = 0, small_bucket_mb: float = 0.004,
+                 exercise: bool = False) -> dict:
+    """Everything above in one start of the ranks (each start costs seconds). With `exercise`,
+    also the lesson's exercise 5: bucket sizes of a 4.2 M-parameter MLP (--d-hidden 1024
+    --n-layers 6) with the default cap and with bucket_cap_mb=1."""
     cfg = TaskConfig(steps=steps, seed=seed, device="cpu")
     device = torch.device("cpu")
     n_params = sum(p.numel() for p in build_model(cfg, device).parameters())
-    return {
+    extra = {}
+    if exercise:
+        big = TaskConfig(steps=2, seed=seed, device="cpu", d_hidden=1024, n_layers=6)
+        extra = {"exercise_default": gradient_buckets(big, device, None, steps=2),
+                 "exercise_1mb": gradient_buckets(big, device, 1, steps=2)}
+    return {**extra,
         "rank": dist.get_rank(),
         "world_size": dist.get_world_size(),
         "config": cfg,

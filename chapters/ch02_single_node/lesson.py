@@ -129,8 +129,9 @@ print("".join(diff))
 
 # %% [markdown]
 # The setup, written inline as the lesson (from chapter 03 on it is one import of
-# `common.distributed.setup_distributed`). The device is chosen and set *before*
-# `init_process_group`; the group gets a finite timeout; `main` destroys it in `finally`.
+# `common.distributed.setup_distributed`). The device is chosen (by chapter 01's
+# `choose_device`) and set *before* `init_process_group`; the group gets a finite timeout;
+# `main` destroys it in `finally`.
 
 # %%
 print(inspect.getsource(train.setup_distributed))

@@ -16,9 +16,11 @@ from __future__ import annotations
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from chapters.ch01_overview.train import choose_device
 from chapters.ch02_single_node.task import (
     TaskConfig,
     build_data,
@@ -29,7 +31,7 @@ from chapters.ch02_single_node.task import (
 )
 from common.checkpoint import save_checkpoint
 from common.config import parse_config
-from common.distributed import DistInfo
+from common.distributed import DistInfo, DistributedSetupError
 from common.log import log, setup_logging
 from common.results import RunRecorder
 from common.timing import Timer
@@ -40,13 +42,18 @@ class Config(TaskConfig):
     """single.py takes the shared task options only."""
 
 
+def validate(cfg: Config, world_size: int) -> None:
+    """One process by design: started by torchrun, every rank would train alone on the whole
+    batch and write the same file."""
+    if world_size != 1:
+        raise ValueError("single.py is one process by design; for several processes run train.py "
+                         "under torchrun or spawn.py")
+
+
 def one_process(device: str = "auto") -> DistInfo:
-    """This process's view of a 'job' of one: rank 0 of 1, on the first GPU if there is one."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for, but this machine has no CUDA GPU")
-    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    """This process's view of a 'job' of one: rank 0 of 1, on the first GPU if there is one
+    (chapter 01's device choice for one local rank)."""
+    dev, _ = choose_device(0, 1, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     return DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=dev,
@@ -81,9 +88,13 @@ def train(cfg: Config, info: DistInfo, script_file: str = __file__) -> int:
 
 
 def main(cfg: Config) -> int:
-    info = one_process(cfg.device)
+    try:
+        info = one_process(cfg.device)
+    except DistributedSetupError as e:  # one clear line, not a traceback
+        print(f"{Path(__file__).name}: error: {e}", file=sys.stderr)
+        return 2
     return train(cfg, info)
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from chapters.ch01_overview.train import choose_device, teardown_distributed
 from chapters.ch02_single_node.task import TaskConfig, check_batch_divides
-from chapters.ch02_single_node.train import choose_device, teardown_distributed, train
+from chapters.ch02_single_node.train import train
 from common.config import parse_config
-from common.distributed import DistInfo, free_port
+from common.distributed import DistInfo, DistributedSetupError, free_port
 from common.log import log, setup_logging
 
 
@@ -42,7 +43,11 @@ class Config(TaskConfig):
         super().__post_init__()
         if self.nprocs < 1:
             raise ValueError(f"--nprocs must be at least 1, got {self.nprocs}")
-        check_batch_divides(self.global_batch_size, self.nprocs)
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """This script starts its own ranks: its world is --nprocs (what torchrun says is ignored)."""
+    check_batch_divides(cfg.global_batch_size, cfg.nprocs)
 
 
 def set_rendezvous_address() -> str:
@@ -80,6 +85,11 @@ def run_rank(rank: int, cfg: Config) -> None:
 
 def main(cfg: Config) -> int:
     setup_logging()
+    try:  # the device choice every child will make, checked once here: one line, not N tracebacks
+        choose_device(0, cfg.nprocs, cfg.device, cfg.backend)
+    except DistributedSetupError as e:
+        print(f"spawn.py: error: {e}", file=sys.stderr)
+        return 2
     address = set_rendezvous_address()
     log.info("spawning %d processes, rendezvous at %s", cfg.nprocs, address)
     try:
@@ -93,4 +103,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

@@ -18,6 +18,7 @@ from torch import nn
 
 from common.config import RunConfig
 from common.data import regression_data
+from common.distributed import reduce_number
 from common.models import MLP
 from common.seed import seed_everything
 
@@ -123,14 +124,16 @@ def mean_over_ranks(value: torch.Tensor, world_size: int) -> torch.Tensor:
     return value / world_size
 
 
-def count_distinct_samples(local_indices: torch.Tensor, world_size: int,
-                           device: torch.device) -> int:
+def count_distinct_samples(local_indices: torch.Tensor, n_samples: int, device: torch.device) -> int:
     """Distinct data rows the ranks hold together (a collective). A correct split of a global
-    batch of B rows gives B; ranks that all took the same shard give B / world_size."""
-    local_indices = local_indices.to(device)
-    gathered = [torch.empty_like(local_indices) for _ in range(world_size)]
-    dist.all_gather(gathered, local_indices)
-    return torch.cat(gathered).unique().numel()
+    batch of B rows gives B; ranks that all took the same shard give B / world_size.
+    Each rank marks its rows in a 0/1 vector over the data set and a SUM all-reduce merges the
+    marks: an all-reduce, so it also runs where only all-reduce and broadcast take CUDA tensors
+    (gloo sharing one GPU)."""
+    marks = torch.zeros(n_samples, dtype=torch.int64, device=device)
+    marks[local_indices.to(device)] = 1
+    dist.all_reduce(marks, op=dist.ReduceOp.SUM)
+    return int((marks > 0).sum().item())
 
 
 def replica_spread(model: nn.Module, device: torch.device) -> float:
@@ -138,9 +141,7 @@ def replica_spread(model: nn.Module, device: torch.device) -> float:
     mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).to(device)
     rank0 = mine.clone()
     dist.broadcast(rank0, src=0)
-    spread = (mine - rank0).abs().max()
-    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
-    return spread.item()
+    return reduce_number((mine - rank0).abs().max(), "max")
 
 
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -22,12 +22,14 @@ import os
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from chapters.ch01_overview.train import choose_device, teardown_distributed
 from chapters.ch02_single_node.task import (
     PARITY_TOLERANCE,
     TaskConfig,
@@ -46,7 +48,7 @@ from chapters.ch02_single_node.task import (
 )
 from common.checkpoint import save_checkpoint
 from common.config import parse_config
-from common.distributed import DistInfo
+from common.distributed import DistInfo, DistributedSetupError
 from common.log import log, setup_logging
 from common.results import RunRecorder
 from common.timing import Timer
@@ -56,25 +58,10 @@ from common.timing import Timer
 class Config(TaskConfig):
     """train.py takes the shared task options; torchrun decides the world size."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        # torchrun exports WORLD_SIZE before the script starts: refuse a batch that cannot be
-        # split now, with one line, rather than with a traceback from every rank later.
-        check_batch_divides(self.global_batch_size, int(os.environ.get("WORLD_SIZE", "1")))
 
-
-def choose_device(local_rank: int, local_world_size: int, device: str, backend: str):
-    """CUDA + NCCL when every local rank has its own GPU, else CPU + gloo; overrides win."""
-    if device == "auto":
-        enough = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
-        device = "cuda" if enough else "cpu"
-    if device == "cuda" and local_rank >= torch.cuda.device_count():
-        raise RuntimeError(f"local rank {local_rank} has no GPU of its own "
-                           f"({torch.cuda.device_count()} GPUs): use fewer processes or --device cpu")
-    dev = torch.device("cuda", local_rank) if device == "cuda" else torch.device("cpu")
-    if backend == "auto":
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-    return dev, backend
+def validate(cfg: Config, world_size: int) -> None:
+    """Equal shards or no DDP: the global batch must split evenly over the ranks."""
+    check_batch_divides(cfg.global_batch_size, world_size)
 
 
 def setup_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
@@ -85,8 +72,14 @@ def setup_distributed(device: str = "auto", backend: str = "auto", timeout_s: fl
         local_rank = int(env.get("LOCAL_RANK", 0))
         local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
         launcher = "torchrun"
+    elif "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:  # srun started the ranks
+        raise DistributedSetupError(
+            "srun started this process directly; run `srun ... torchrun ... train.py` (one torchrun "
+            "per node) or chapter 01's train.py, which reads Slurm's variables")
     else:  # plain `python train.py`: a real group of one, so the same code runs
         rank, local_rank, world_size, local_world_size, launcher = 0, 0, 1, 1, "single"
+    # Chapter 01's device choice: cuda:local_rank when each local rank has a GPU, an error when
+    # GPUs were asked for and none is visible, else the CPU; the backend follows the device.
     dev, backend = choose_device(local_rank, local_world_size, device, backend)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # BEFORE init: NCCL binds its communicator to this device
@@ -98,12 +91,6 @@ def setup_distributed(device: str = "auto", backend: str = "auto", timeout_s: fl
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                                 timeout=timeout)
     return DistInfo(rank, local_rank, world_size, local_world_size, dev, backend, launcher)
-
-
-def teardown_distributed() -> None:
-    """Destroy the default group if there is one (call it in `finally`)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def wrap_ddp(model: nn.Module, info: DistInfo) -> DDP:
@@ -125,7 +112,7 @@ def train(cfg: Config, info: DistInfo, script_file: str = __file__) -> int:
         idx = global_batch_indices(step, cfg.global_batch_size, cfg.n_samples)
         idx = shard_for_rank(idx, info.rank, info.world_size)
         if step == 0:
-            distinct = count_distinct_samples(idx, info.world_size, info.device)
+            distinct = count_distinct_samples(idx, cfg.n_samples, info.device)
         with Timer(info.device) as timer:
             loss = train_step(model, opt, X[idx], Y[idx])
         step_times.append(timer.elapsed)
@@ -149,7 +136,11 @@ def train(cfg: Config, info: DistInfo, script_file: str = __file__) -> int:
 
 
 def main(cfg: Config) -> int:
-    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    except DistributedSetupError as e:  # one clear line, not a traceback
+        print(f"{Path(__file__).name}: error: {e}", file=sys.stderr)
+        return 2
     try:
         return train(cfg, info)
     finally:
@@ -157,4 +148,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))
