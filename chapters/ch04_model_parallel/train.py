@@ -3,18 +3,20 @@
 Naive model parallelism runs one batch through the stages in turn, so all but one rank idle;
 GPipe cuts the batch into m micro-batches so the stages work on different micro-batches at
 once, leaving a bubble of (p−1)/(m+p−1). This script computes one step's loss and gradients
-four ways (naive split, hand-written GPipe, `torch.distributed.pipelining` with ScheduleGPipe
-and Schedule1F1B), checks each against the unsplit model, trains with the hand-written GPipe,
-and measures the wall-clock bubble with real layers beside the formula.
+five ways (naive split, hand-written GPipe, the same micro-batches run one after another with
+no overlap, `torch.distributed.pipelining` with ScheduleGPipe and Schedule1F1B), checks each
+against the unsplit model, trains with the hand-written GPipe, then times GPipe steps: on real
+layers (the bubble and the cost of messages), and on stages whose work is a fixed sleep (the
+schedule alone decides the time, so the measured bubble tracks (p−1)/(m+p−1)).
 
-Pipeline parallelism needs at least two ranks (one stage each); without torchrun the script
-prints the command to use and exits with status 1.
+Pipeline parallelism needs at least two ranks (one stage each): a world of one is refused in
+one line that gives the torchrun command.
 
 Run:
     torchrun --standalone --nproc_per_node=2 chapters/ch04_model_parallel/train.py   # 2 CPU stages (gloo)
     torchrun --standalone --nproc_per_node=4 chapters/ch04_model_parallel/train.py   # 4 stages
-    torchrun --standalone --nproc_per_node=4 chapters/ch04_model_parallel/train.py \\
-        --time-width 2048 --time-batch 1024                                          # 4 GPUs, NCCL
+    torchrun --standalone --nproc_per_node=8 chapters/ch04_model_parallel/train.py \\
+        --time-width 2048 --time-micro-batch-size 512                                # 8 GPUs, NCCL
     torchrun --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         chapters/ch04_model_parallel/train.py                                        # two nodes
     srun --ntasks=4 --ntasks-per-node=2 python chapters/ch04_model_parallel/train.py  # Slurm
@@ -36,23 +38,30 @@ from chapters.ch04_model_parallel.schedule import bubble_formula
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, parse_config, require_at_least_one
 from common.data import regression_data
-from common.distributed import setup_distributed, teardown_distributed
+from common.distributed import (
+    broadcast_number,
+    reduce_number,
+    setup_distributed,
+    teardown_distributed,
+)
 from common.log import log, setup_logging
 from common.models import MLP
 from common.results import RunRecorder
 from common.seed import seed_everything
+from common.timing import synchronize
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+RUN_TWO = "torchrun --standalone --nproc_per_node=2 chapters/ch04_model_parallel/train.py"
 
 
 @dataclass
 class Config(RunConfig):
-    batch_size: int = 16
-    """Samples per optimizer step (the whole batch that enters the first stage)."""
-    micro_batches: int = 4
-    """Micro-batches m the batch is cut into (GPipe, 1F1B); must divide --batch-size."""
-    n_layers: int = 12
-    """Linear layers of the MLP; the stages get equal, contiguous runs of them."""
+    micro_batch_size: int = 4
+    """Samples per micro-batch; a step's batch is m of them."""
+    micro_batches: int = 0
+    """Micro-batches m per step (GPipe, 1F1B); 0: twice the number of stages (1F1B needs m >= stages)."""
+    layers_per_stage: int = 6
+    """Linear layers per stage: the MLP has stages x this many, so every world splits it equally."""
     d_in: int = 16
     """Input features."""
     d_hidden: int = 32
@@ -63,32 +72,40 @@ class Config(RunConfig):
     """float64 makes the parity checks exact to ~1e-15; float32 needs ~1e-6."""
     time_width: int = 256
     """Hidden width of the float32 model whose wall-clock bubble is measured."""
-    time_batch: int = 256
-    """Batch size of that measurement."""
+    time_micro_batch_size: int = 64
+    """Samples per micro-batch of that measurement (fixed, so the compute per micro-batch is too)."""
     time_repeats: int = 3
     """Timed GPipe steps per micro-batch count (median reported, after one warm-up)."""
+    sleep_ms: float = 20.0
+    """Fixed-sleep stages: each forward and each backward of a micro-batch sleeps this long (0: skip)."""
+    sleep_band: float = 0.1
+    """How far (absolute) the fixed-sleep bubble may sit from (p-1)/(m+p-1): the timing check's band."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
-        require_at_least_one(self, "batch_size", "micro_batches", "n_layers", "time_batch", "time_repeats")
-        if self.batch_size % self.micro_batches:
-            raise ValueError(f"--micro-batches {self.micro_batches} does not divide "
-                             f"--batch-size {self.batch_size} into equal micro-batches")
+        require_at_least_one(self, "micro_batch_size", "layers_per_stage", "d_in", "d_hidden",
+                             "time_width", "time_micro_batch_size", "time_repeats")
+        if self.micro_batches < 0:
+            raise ValueError("--micro-batches must be at least 0 (0: twice the number of stages)")
+        if self.sleep_ms < 0 or self.sleep_band <= 0:
+            raise ValueError("--sleep-ms must be at least 0 and --sleep-band positive")
 
 
-def layout_error(cfg: Config, world_size: int) -> str | None:
-    """Why this world size cannot pipeline this model, in one sentence (None if it can)."""
+def n_micro_batches(cfg: Config, world_size: int) -> int:
+    """The micro-batch count m of this run: --micro-batches, or twice the number of stages."""
+    return cfg.micro_batches or 2 * world_size
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Refuse, in one sentence, a world this pipeline cannot run on."""
     if world_size < 2:
-        return ("pipeline parallelism needs at least 2 ranks, one stage each; run: "
-                "torchrun --standalone --nproc_per_node=2 chapters/ch04_model_parallel/train.py")
-    if cfg.n_layers % world_size:
-        return f"--n-layers {cfg.n_layers} does not split into {world_size} equal stages"
-    if cfg.micro_batches < world_size:
-        return (f"1F1B needs at least as many micro-batches as stages: "
-                f"--micro-batches {cfg.micro_batches} < {world_size}")
-    return None
+        raise ValueError(f"pipeline parallelism needs at least 2 ranks, one stage each: {RUN_TWO}")
+    m = n_micro_batches(cfg, world_size)
+    if m < world_size:
+        raise ValueError(f"1F1B needs at least as many micro-batches as stages: "
+                         f"--micro-batches {m} < {world_size} stages")
 
 
 def build_stage(model: MLP, rank: int, n_stages: int) -> nn.Sequential:
@@ -100,8 +117,10 @@ def build_stage(model: MLP, rank: int, n_stages: int) -> nn.Sequential:
 
 
 def send_forward(act: torch.Tensor, rank: int) -> dist.Work:
-    """Send asynchronously: a blocking send would hold this stage until the next one posts
-    its receive, and the stages would move in lock-step instead of overlapping."""
+    """Send without waiting (`isend`): this stage goes on with its next micro-batch while the
+    message travels. A blocking `send` would still let the stages overlap, but it couples them
+    more tightly: it returns only once the transfer is done, so a sender cannot run ahead of a
+    receiver that is still busy with the previous micro-batch."""
     return dist.isend(act.contiguous(), dst=rank + 1)
 
 
@@ -121,17 +140,23 @@ def recv_backward(like: torch.Tensor, rank: int) -> torch.Tensor:
     return grad
 
 
+def _now(device: torch.device) -> float:
+    """The clock, read after the device's queued work is done (CUDA kernels are asynchronous)."""
+    synchronize(device)
+    return time.perf_counter()
+
+
 def stage_forward(stage, x, y, rank, world, act_like, loss_scale, pending, events=None, mb=0):
     """Receive (or read) the input, run the stage, send the output on (the send's handle goes
     to `pending`). Returns (input, output): on the last stage the output is the loss times
-    `loss_scale`, ready for backward."""
+    `loss_scale`, ready for backward. With `events`, appends ("F", mb, start, end) of the compute."""
     inp = x if rank == 0 else recv_forward(act_like, rank)
-    t0 = time.perf_counter()
+    t0 = _now(inp.device) if events is not None else 0.0
     out = stage(inp)
     if rank == world - 1:
         out = F.mse_loss(out, y) * loss_scale
     if events is not None:
-        events.append(("F", mb, t0, time.perf_counter()))
+        events.append(("F", mb, t0, _now(out.device)))
     if rank < world - 1:
         pending.append(send_forward(out.detach(), rank))
     return inp, out
@@ -140,10 +165,10 @@ def stage_forward(stage, x, y, rank, world, act_like, loss_scale, pending, event
 def stage_backward(inp, out, rank, world, pending, events=None, mb=0) -> None:
     """Receive the output's gradient (the loss needs none), backpropagate, send the input's back."""
     grad = None if rank == world - 1 else recv_backward(out, rank)
-    t0 = time.perf_counter()
+    t0 = _now(out.device) if events is not None else 0.0
     out.backward(grad)
     if events is not None:
-        events.append(("B", mb, t0, time.perf_counter()))
+        events.append(("B", mb, t0, _now(out.device)))
     if rank > 0:
         pending.append(send_backward(inp.grad, rank))
 
@@ -174,6 +199,24 @@ def gpipe_step(stage, x, y, rank, world, act_like, n_micro, loss_scale=None, eve
     return sum(out.item() for _, out in saved) / (scale * n_micro) if rank == world - 1 else 0.0
 
 
+def serial_step(stage, x, y, rank, world, act_like, n_micro, events=None) -> float:
+    """The control: the same micro-batches and the same 1/m, but one after another (micro-batch
+    i goes forward and backward through every stage before i+1 starts). It accumulates GPipe's
+    gradients exactly, so every parity check passes, yet no two stages ever work at once."""
+    scale = 1.0 / n_micro
+    xs, ys = x.chunk(n_micro), y.chunk(n_micro)
+    act_like = act_like[: len(xs[0])]
+    pending: list[dist.Work] = []
+    total = 0.0
+    for i in range(n_micro):
+        inp, out = stage_forward(stage, xs[i], ys[i], rank, world, act_like, scale, pending, events, i)
+        stage_backward(inp, out, rank, world, pending, events, i)
+        total += out.item() if rank == world - 1 else 0.0
+    for work in pending:
+        work.wait()
+    return total / (scale * n_micro)
+
+
 def pipelining_step(stage, x, y, info, n_micro, schedule_cls) -> float:
     """The same step with torch.distributed.pipelining: a PipelineStage and a schedule."""
     pipe_stage = PipelineStage(stage, info.rank, info.world_size, info.device)
@@ -194,31 +237,58 @@ def stage_diff(model: nn.Module, stage: nn.Module, reference: nn.Module, grads: 
     parameters, maximised over ranks; a parameter that got no gradient counts as zero."""
     ref = dict(reference.named_parameters())
     mine = {id(p) for p in stage.parameters()}
-    diff = torch.zeros((), dtype=torch.float64)
+    diff = 0.0
     for name, p in model.named_parameters():
         if id(p) in mine:
             a, b = (p.grad if p.grad is not None else torch.zeros_like(p), ref[name].grad) if grads else (p, ref[name])
-            diff = torch.maximum(diff, (a - b).abs().max().double().cpu())
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-    return diff.item()
+            diff = max(diff, (a - b).abs().max().item())
+    return reduce_number(diff, "max")  # on the communication device: NCCL takes CUDA tensors only
 
 
 def last_rank_value(value: float, info) -> float:
-    """Broadcast a number known on the last stage (the loss) to every rank."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.broadcast(t, src=info.world_size - 1)
-    return t.item()
+    """Every rank gets a number known on the last stage (the loss)."""
+    return broadcast_number(float(value), src=info.world_size - 1)
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward sleeps `forward_s` and whose backward sleeps `backward_s`."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s: float, backward_s: float):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SleepStage(nn.Module):
+    """A stage whose work per micro-batch is a fixed sleep: its layers still run (tiny ones),
+    but forward takes `forward_s` and backward `backward_s` whatever the cores are doing, so
+    the schedule alone decides the step time. A sleeping rank needs no core: two cores can
+    host any number of such stages."""
+
+    def __init__(self, layers: nn.Module, forward_s: float, backward_s: float):
+        super().__init__()
+        self.layers, self.forward_s, self.backward_s = layers, forward_s, backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(self.layers(x), self.forward_s, self.backward_s)
 
 
 def train_gpipe(stage, reference, X, Y, cfg: Config, info, act_like, rec) -> float:
     """SGD with the hand-written GPipe beside the unsplit model, step for step; returns the
     largest difference between their losses."""
+    m = n_micro_batches(cfg, info.world_size)
     opt = torch.optim.SGD(stage.parameters(), lr=cfg.lr)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=cfg.lr)
     max_loss_diff = 0.0
     for step in range(cfg.steps):
         opt.zero_grad()
-        loss = gpipe_step(stage, X[step], Y[step], info.rank, info.world_size, act_like, cfg.micro_batches)
+        loss = gpipe_step(stage, X[step], Y[step], info.rank, info.world_size, act_like, m)
         loss = last_rank_value(loss, info)
         opt.step()
         ref_opt.zero_grad()
@@ -232,24 +302,61 @@ def train_gpipe(stage, reference, X, Y, cfg: Config, info, act_like, rec) -> flo
     return max_loss_diff
 
 
+def record_timings(cfg: Config, info, rec: RunRecorder) -> None:
+    """Time GPipe on real layers and on fixed-sleep stages, for m in {1, 2, m, 2m}."""
+    from chapters.ch04_model_parallel import wallclock  # imports this module
+
+    p, m = info.world_size, n_micro_batches(cfg, info.world_size)
+    counts = sorted({1, 2, m, 2 * m})
+    stage, x = wallclock.real_stage(cfg, info, max(counts))
+    for k in counts:
+        run = wallclock.measure(gpipe_step, stage, x[: k * cfg.time_micro_batch_size], info, k, cfg.time_repeats)
+        rec.figure(f"real layers: bubble, m={k}", run.median, float(bubble_formula(p, k)))
+        rec.figure(f"real layers: bubble, m={k}, min-max", [round(run.min, 3), round(run.max, 3)])
+        if k == m:
+            rec.figure(f"real layers: compute per micro-batch (F+B), m={k}",
+                       wallclock.compute_per_micro_batch(run.timeline) * 1e3, unit="ms")
+            rec.figure(f"real layers: overlapping forwards, m={k}",
+                       wallclock.overlapping_forwards(run.timeline, p), m - 1)
+            if info.is_main:
+                (rec.out / "timeline.json").write_text(json.dumps([e.__dict__ for e in run.timeline]))
+    if not cfg.sleep_ms:
+        return
+    stage, x = wallclock.sleep_stage(cfg, info, max(counts))
+    band = cfg.sleep_band
+    for k in counts:
+        run = wallclock.measure(gpipe_step, stage, x[: k * cfg.micro_batch_size], info, k, cfg.time_repeats)
+        formula = float(bubble_formula(p, k))
+        rec.check(f"fixed-sleep GPipe bubble, m={k}: (p-1)/(m+p-1) +- {band:g}", "timing", run.median,
+                  [formula - band, formula + band], compare="between")
+        rec.figure(f"fixed-sleep GPipe: bubble, m={k}, min-max", [round(run.min, 3), round(run.max, 3)])
+        if k == m:
+            rec.check(f"fixed-sleep GPipe: stages overlap (m-1 forwards start early), m={k}", "count",
+                      wallclock.overlapping_forwards(run.timeline, p), m - 1)
+            if info.is_main:
+                (rec.out / "timeline_sleep.json").write_text(json.dumps([e.__dict__ for e in run.timeline]))
+    serial = wallclock.measure(serial_step, stage, x[: m * cfg.micro_batch_size], info, m, 1)
+    rec.check(f"control, serial micro-batches: stages overlap nowhere, m={m}", "count",
+              wallclock.overlapping_forwards(serial.timeline, p), 0)
+    rec.figure(f"control, serial micro-batches: bubble, m={m}", serial.median, (p - 1) / p)
+
+
 def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
-        error = layout_error(cfg, info.world_size)
-        if error:
-            raise SystemExit(f"error: {error}")
         rec = RunRecorder(cfg, __file__, info)
-        rank, world, m = info.rank, info.world_size, cfg.micro_batches
+        rank, world = info.rank, info.world_size
+        m = n_micro_batches(cfg, world)
+        batch, n_layers = m * cfg.micro_batch_size, world * cfg.layers_per_stage
         dtype = DTYPES[cfg.dtype]
         seed_everything(cfg.seed)
-        X, Y = regression_data(cfg.steps * cfg.batch_size, cfg.d_in, 1, seed=cfg.seed, dtype=dtype)
-        X, Y = X.view(cfg.steps, cfg.batch_size, -1).to(info.device), Y.view(cfg.steps, cfg.batch_size, -1).to(info.device)
-        model = MLP(cfg.d_in, cfg.d_hidden, 1, cfg.n_layers).to(info.device, dtype)  # same on every rank
-        act_like = torch.empty(cfg.batch_size, cfg.d_hidden, device=info.device, dtype=dtype)
+        X, Y = regression_data(cfg.steps * batch, cfg.d_in, 1, seed=cfg.seed, dtype=dtype)
+        X, Y = X.view(cfg.steps, batch, -1).to(info.device), Y.view(cfg.steps, batch, -1).to(info.device)
+        model = MLP(cfg.d_in, cfg.d_hidden, 1, n_layers).to(info.device, dtype)  # same on every rank
+        act_like = torch.empty(batch, cfg.d_hidden, device=info.device, dtype=dtype)
         log.info("%d stages x %d layers, batch %d = %d micro-batches of %d, on %s/%s",
-                 world, cfg.n_layers // world, cfg.batch_size, m, cfg.batch_size // m,
-                 info.device, info.backend)
+                 world, cfg.layers_per_stage, batch, m, cfg.micro_batch_size, info.device, info.backend)
 
         reference = copy.deepcopy(model)  # the unsplit model, on every rank (it is tiny)
         ref_loss = F.mse_loss(reference(X[0]), Y[0])
@@ -257,6 +364,7 @@ def main(cfg: Config) -> int:
         methods = {
             "naive split": lambda s, x, y: naive_step(s, x, y, rank, world, act_like),
             "hand GPipe": lambda s, x, y: gpipe_step(s, x, y, rank, world, act_like, m),
+            "serial micro-batches (control)": lambda s, x, y: serial_step(s, x, y, rank, world, act_like, m),
             "pipelining ScheduleGPipe": lambda s, x, y: pipelining_step(s, x, y, info, m, ScheduleGPipe),
             "pipelining Schedule1F1B": lambda s, x, y: pipelining_step(s, x, y, info, m, Schedule1F1B),
         }
@@ -275,17 +383,11 @@ def main(cfg: Config) -> int:
         rec.check("GPipe training: params == unsplit (max |dparam|)", "parity",
                   stage_diff(model, stage, reference, grads=False), 0.0, 1e3 * tol)
 
-        from chapters.ch04_model_parallel.wallclock import measure_bubble  # imports this module
-
-        for n_micro in sorted({1, 2, m, 2 * m}):
-            bubble, timeline = measure_bubble(cfg, info, n_micro)
-            rec.figure(f"wall-clock bubble, m={n_micro}", bubble, float(bubble_formula(world, n_micro)))
-            if n_micro == m and info.is_main:
-                (rec.out / "timeline.json").write_text(json.dumps([e.__dict__ for e in timeline]))
+        record_timings(cfg, info, rec)
         mine = {id(p) for p in stage.parameters()}
-        params = {n: p.detach() for n, p in model.named_parameters() if id(p) in mine}
+        params = {n: p.detach().cpu() for n, p in model.named_parameters() if id(p) in mine}
         gathered = [None] * world
-        dist.all_gather_object(gathered, params)
+        dist.all_gather_object(gathered, params)  # CPU tensors: pickled, whatever the backend
         if info.is_main:
             save_checkpoint(rec.out / "final_params.pt",
                             {"params": {n: t for d in gathered for n, t in d.items()}})
@@ -295,4 +397,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

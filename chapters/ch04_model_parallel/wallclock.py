@@ -1,42 +1,114 @@
-"""The wall-clock bubble of chapter 04's hand-written GPipe on real layers (reported, never asserted).
+"""Chapter 04's hand-written GPipe on the wall clock: its timeline, its bubble, and whether the
+stages really overlap.
 
-Every rank records when each of its forward and backward computations starts and ends; the
-bubble is the share of ranks × step time not spent computing: waiting for a neighbour and
-communication both count as idle, which is why the measurement sits above (p−1)/(m+p−1).
+Every rank records when each of its forward and backward computations starts and ends (after
+synchronising the device: CUDA kernels are asynchronous). The bubble is the share of
+ranks × step time not spent computing: waiting for a neighbour and communication both count as
+idle. Two kinds of stage are timed:
+- real layers: their compute competes for the cores, and each message costs milliseconds on a
+  CPU, so the measured bubble sits above (p−1)/(m+p−1) (reported, never asserted);
+- fixed-sleep stages (`train.SleepStage`): each forward and backward of a micro-batch is a sleep
+  of fixed length, which needs no core, so the schedule alone sets the step time and the
+  measured bubble tracks (p−1)/(m+p−1) within a band (the one timing check the tests assert).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from chapters.ch04_model_parallel.schedule import Event
-from chapters.ch04_model_parallel.train import Config, build_stage, gpipe_step
+from chapters.ch04_model_parallel.train import Config, SleepStage, build_stage
+from common.distributed import reduce_number
 from common.models import MLP
 from common.seed import seed_everything
 
 
-def measure_bubble(cfg: Config, info, n_micro: int):
-    """Median wall-clock bubble of hand GPipe steps on a wider float32 model, and the
-    timeline of the last step (every rank's compute intervals, gathered on every rank)."""
+@dataclass
+class Timed:
+    """The bubble of repeated steps (median, min, max) and the timeline of the last one."""
+
+    median: float
+    min: float
+    max: float
+    timeline: list[Event]
+
+
+def one_machine(info) -> bool:
+    """Do all ranks share one machine, hence one monotonic clock (`time.perf_counter` is
+    CLOCK_MONOTONIC on Linux, the same for every process)?"""
+    return info.local_world_size == info.world_size
+
+
+def timed_step(step_fn, stage, x, info, n_micro: int) -> list[Event]:
+    """Run one step of `step_fn` (`gpipe_step` or `serial_step`) and return every rank's compute
+    intervals in seconds from the step's start. On one machine all ranks read the same clock, so
+    the intervals of different ranks compare exactly; across machines each rank counts from its
+    own start after a barrier (good to the barrier's skew, about a message latency)."""
+    events: list = []
+    dist.barrier()
+    start = time.perf_counter()
+    step_fn(stage, x, x, info.rank, info.world_size, x, n_micro, events=events)
+    origin = reduce_number(start, "min") if one_machine(info) else start
+    mine = [Event(info.rank, kind, mb, info.rank, a - origin, b - origin) for kind, mb, a, b in events]
+    gathered: list = [None] * info.world_size
+    dist.all_gather_object(gathered, mine)  # plain floats, no tensors
+    return [e for rank_events in gathered for e in rank_events]
+
+
+def bubble(timeline: list[Event], n_ranks: int) -> float:
+    """1 − busy time / (ranks × step time): the idle share of the step."""
+    makespan = max(e.end for e in timeline)
+    busy = sum(e.end - e.start for e in timeline)
+    return 1 - busy / (n_ranks * makespan)
+
+
+def overlapping_forwards(timeline: list[Event], n_ranks: int) -> int:
+    """How many micro-batches i have rank 0 start the forward of i+1 before the last stage has
+    finished the forward of i. In GPipe all m−1 do (rank 0 moves on at once); when micro-batches
+    run one after another none can, whatever the clocks: the last stage's forward of i, its
+    backward, and every backward message back to rank 0 must all come first."""
+    start = {e.mb: e.start for e in timeline if e.rank == 0 and e.kind == "F"}
+    end = {e.mb: e.end for e in timeline if e.rank == n_ranks - 1 and e.kind == "F"}
+    return sum(1 for i in end if i + 1 in start and start[i + 1] < end[i])
+
+
+def compute_per_micro_batch(timeline: list[Event]) -> float:
+    """Median seconds of one micro-batch's forward + backward on one stage."""
+    f = {(e.rank, e.mb): e.end - e.start for e in timeline if e.kind == "F"}
+    b = {(e.rank, e.mb): e.end - e.start for e in timeline if e.kind == "B"}
+    return statistics.median(f[k] + b[k] for k in f)
+
+
+def measure(step_fn, stage, x, info, n_micro: int, repeats: int) -> Timed:
+    """Bubble of `repeats` timed steps after one warm-up step."""
+    bubbles, timeline = [], []
+    for _ in range(repeats + 1):
+        timeline = timed_step(step_fn, stage, x, info, n_micro)
+        bubbles.append(bubble(timeline, info.world_size))
+    timed = bubbles[1:]
+    return Timed(statistics.median(timed), min(timed), max(timed), timeline)
+
+
+def real_stage(cfg: Config, info, max_micro: int):
+    """This rank's stage of a wider float32 MLP, and an input for up to `max_micro` micro-batches."""
     seed_everything(cfg.seed)
-    model = MLP(cfg.time_width, cfg.time_width, cfg.time_width, cfg.n_layers).to(info.device)
-    stage = build_stage(model, info.rank, info.world_size)
-    x = torch.randn(cfg.time_batch, cfg.time_width, device=info.device)
-    bubbles = []
-    for _ in range(cfg.time_repeats + 1):  # the first step is a warm-up
-        events: list = []
-        dist.barrier()
-        t0 = time.perf_counter()
-        gpipe_step(stage, x, x, info.rank, info.world_size, x, n_micro, events=events)
-        mine = [Event(info.rank, k, mb, info.rank, a - t0, b - t0) for k, mb, a, b in events]
-        timeline = [None] * info.world_size
-        dist.all_gather_object(timeline, mine)
-        timeline = [e for rank_events in timeline for e in rank_events]
-        makespan = max(e.end for e in timeline)
-        busy = sum(e.end - e.start for e in timeline)
-        bubbles.append(1 - busy / (info.world_size * makespan))
-    return statistics.median(bubbles[1:]), timeline
+    n_layers = info.world_size * cfg.layers_per_stage
+    model = MLP(cfg.time_width, cfg.time_width, cfg.time_width, n_layers).to(info.device)
+    x = torch.randn(max_micro * cfg.time_micro_batch_size, cfg.time_width, device=info.device)
+    return build_stage(model, info.rank, info.world_size), x
+
+
+def sleep_stage(cfg: Config, info, max_micro: int):
+    """This rank's stage of a small MLP wrapped in fixed sleeps (`sleep_ms` for every forward
+    and every backward of a micro-batch), and an input for up to `max_micro` micro-batches."""
+    seed_everything(cfg.seed)
+    n_layers = info.world_size * cfg.layers_per_stage
+    model = MLP(cfg.d_hidden, cfg.d_hidden, cfg.d_hidden, n_layers).to(info.device)
+    stage = SleepStage(build_stage(model, info.rank, info.world_size), cfg.sleep_ms / 1e3, cfg.sleep_ms / 1e3)
+    x = torch.randn(max_micro * cfg.micro_batch_size, cfg.d_hidden, device=info.device)
+    return stage, x

@@ -17,13 +17,14 @@ from chapters.ch17_pipeline_balance.partition import (
     uniform_partition,
 )
 from chapters.ch17_pipeline_balance.schedules import interleaved_order, peak_in_flight
-from chapters.ch17_pipeline_balance.train import Config, block_flops
+from chapters.ch17_pipeline_balance.train import Config, block_flops, model_widths
 
 
 def partition_timelines(p: int = 2, m: int = 4):
     """1F1B on the default skewed model, uniform vs balanced cut, costs in MFLOPs per sample
     (backward = 2 × forward): {label: (bounds, events)}."""
-    flops = [f / 3e6 for f in block_flops(Config())]  # one third of fwd+bwd is the forward
+    cfg = Config()
+    flops = [f / 3e6 for f in block_flops(model_widths(cfg, p), cfg.d_model)]  # forward: 1/3 of fwd+bwd
     out = {}
     for label, bounds in (("uniform", uniform_partition(len(flops), p)),
                           ("balanced", balanced_partition(flops, p))):

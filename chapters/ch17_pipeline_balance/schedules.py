@@ -9,6 +9,8 @@ point-to-point messages.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from chapters.ch04_model_parallel.schedule import Event, Op
 
 
@@ -37,11 +39,23 @@ def interleaved_order(n_ranks: int, n_micro: int, n_chunks: int) -> list[list[Op
     return orders
 
 
-def interleaved_bubble_formula(n_ranks: int, n_micro: int, n_chunks: int):
+def interleaved_bubble_formula(n_ranks: int, n_micro: int, n_chunks: int) -> Fraction:
     """(p−1)/(v·m+p−1), as a Fraction."""
-    from fractions import Fraction
-
     return Fraction(n_ranks - 1, n_chunks * n_micro + n_ranks - 1)
+
+
+def one_f_one_b_peak(n_ranks: int, n_micro: int, rank: int) -> int:
+    """Micro-batches whose activations rank r holds at most under 1F1B: its p−r−1 warm-up
+    forwards plus the one whose backward comes next, p−r (never more than m)."""
+    return min(n_ranks - rank, n_micro)
+
+
+def interleaved_peak(n_ranks: int, n_micro: int, n_chunks: int, rank: int) -> float:
+    """The same under interleaved 1F1B, in whole stages (a chunk is 1/v of one): the warm-up of
+    2(p−r−1) + (v−1)p chunk forwards plus one, at most all m·v, over v. Rank 0 holds
+    p + (p−1)/v micro-batches' worth once m ≥ 2p (1F1B: p)."""
+    p, v = n_ranks, n_chunks
+    return min(2 * (p - rank - 1) + (v - 1) * p + 1, n_micro * v) / v
 
 
 def peak_in_flight(events: list[Event], rank: int, n_chunks: int = 1) -> float:
