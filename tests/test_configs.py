@@ -37,6 +37,9 @@ SCRIPTS = chapter_scripts()
 REFUSED: dict[tuple[str, int], str] = {
     # ch02: single.py is the one-process reference (train.py and spawn.py are the multi-rank ones)
     **{("ch02_single_node/single", w): "one process by design" for w in (2, 3, 4, 8, 16)},
+    # ch04, ch17: a pipeline needs two stages, one per rank
+    ("ch04_model_parallel/train", 1): "needs at least 2 ranks",
+    ("ch17_pipeline_balance/train", 1): "needs at least 2 ranks",
 }
 
 
