@@ -31,13 +31,15 @@ def seeded_dropout(x: torch.Tensor, p: float, seed: int, seq_offset: int = 0,
                    seq_total: int | None = None) -> torch.Tensor:
     """Dropout whose mask is drawn for the full sequence from `seed`, then narrowed to the
     rows [seq_offset, seq_offset + x.shape[1]) this rank holds. The mask is drawn on the CPU,
-    so it is the same on every device; Megatron instead forks a CUDA RNG per rank."""
+    so it is the same on every device; Megatron instead forks a CUDA RNG per rank. The slice is
+    copied: a narrowed view would keep the whole sequence's mask alive for backward, and
+    sequence parallelism would save nothing on it. The mask is bool (1 byte per element)."""
     if p == 0.0:
         return x
     B, S, h = x.shape
     g = torch.Generator().manual_seed(seed)
     keep = torch.rand(B, seq_total or S, h, generator=g) >= p
-    keep = keep.narrow(1, seq_offset, S).to(x.device)
+    keep = keep.narrow(1, seq_offset, S).clone().to(x.device)
     return x * keep / (1 - p)
 
 

@@ -4,14 +4,22 @@ ColwiseParallel / RowwiseParallel are Megatron's column / row layers (they inser
 SequenceParallel shards LayerNorm along the sequence, and PrepareModuleInput all-gathers the
 sequence before attention and the MLP, as the hand-written f̄ does. Collectives are counted
 with `CommDebugMode`, the DTensor counterpart of `tp_layers.COMM`.
+
+Under sequence parallelism the LayerNorm weights are replicated but see only this rank's
+tokens, so after backward their gradients are `Partial(sum)`: each rank's local tensor is its
+share, and DTensor all-reduces it lazily, at the first operation that needs the whole value
+(the norm inside `clip_grad_norm_`, then again the optimizer's update). `reduce_partial_grads`
+does it once, explicitly, right after backward, where it can be counted.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -43,13 +51,79 @@ def block_plan(sequence_parallel: bool) -> dict:
 
 
 def parallelize(model: nn.Module, mesh, sequence_parallel: bool) -> nn.Module:
+    """Every block gets the plan. (A block left out still trains correctly, replicated: only
+    the collective counts and the parameters held per rank show it; see the tests.)"""
     for block in model.blocks:
         parallelize_module(block, mesh, block_plan(sequence_parallel))
     return model
 
 
-def comm_mode() -> CommDebugMode:
-    return CommDebugMode()
+def expected_counts(sequence_parallel: bool) -> dict:
+    """DTensor's collectives per layer and phase, from the plan. Forward: one all-reduce per
+    RowwiseParallel (or a reduce-scatter, and an all-gather per PrepareModuleInput). Backward
+    without SP: an all-reduce for every ColwiseParallel whose input arrives as a plain tensor
+    (q, k, v and fc1: 4, where Megatron's fused qkv has 2); with SP the gathered input is one
+    DTensor, so q, k, v's gradients are summed locally before one reduce-scatter. Grad sync:
+    SP's LayerNorm gradients are Partial: 2 LayerNorms × (weight, bias)."""
+    if sequence_parallel:
+        both = {"all_gather": 2, "reduce_scatter": 2}
+        return {"forward": both, "backward": both, "grad sync": {"all_reduce": 4}, "optimizer step": {}}
+    return {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 4}, "grad sync": {},
+            "optimizer step": {}}
+
+
+def reduce_partial_grads(model: nn.Module) -> int:
+    """Turn every Partial(sum) gradient into the replicated sum now (one all-reduce each), so
+    clipping, logging and the optimizer see whole gradients. Returns the calls made."""
+    calls = 0
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+            p.grad = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl
+                                                for pl in g.placements])
+            calls += 1
+    return calls
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_ for a model that mixes DTensor and plain parameters:
+    without SP the LayerNorms stay plain tensors and torch's version raises ("got mixed
+    torch.Tensor and DTensor"). The DTensor gradients' norm is one DTensor reduction."""
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    groups = [[p for p in params if isinstance(p.grad, DTensor)],
+              [p for p in params if not isinstance(p.grad, DTensor)]]
+    norms = []
+    for group in groups:
+        if group:
+            n = get_total_norm([p.grad for p in group])
+            norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in groups:
+        if group:
+            clip_grads_with_norm_(group, max_norm, total)
+    return total.item()
+
+
+def local_numel(model: nn.Module) -> int:
+    """Parameter elements this rank holds (a DTensor's local shard, a plain tensor whole)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+@contextmanager
+def phase(name: str, modes: dict | None = None):
+    """Count the collectives of one phase of a step: the hand-written ones in
+    `tp_layers.COMM` under `name`, DTensor's in a CommDebugMode stored as `modes[name]`."""
+    from chapters.ch05_tensor_parallel.tp_layers import COMM
+
+    COMM.phase = name
+    if modes is None:
+        yield
+    else:
+        with CommDebugMode() as mode:
+            yield
+        modes[name] = mode
 
 
 def counts(modes: dict) -> dict:
@@ -62,8 +136,9 @@ def counts(modes: dict) -> dict:
 
 
 def to_full(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's whole value (gathered); a plain tensor, copied."""
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+    """A copy of a tensor's whole value (a DTensor's gathered). Copied in both cases: a
+    replicated DTensor's full_tensor() is its local tensor, which clipping then scales in place."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def full_state(model: nn.Module) -> dict:

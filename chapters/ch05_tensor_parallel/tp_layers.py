@@ -2,12 +2,17 @@
 layers, and Megatron's transformer block, with and without sequence parallelism.
 
 The four operators are autograd functions; every collective they run goes through `COMM`,
-which counts calls, elements and the bytes one rank sends on a ring, per phase:
+which records, per phase, the calls, the elements of the whole tensor, and the bytes of the
+tensor this rank handed to the collective (numel × element_size of what went in):
 
     f  copy_to_tp           forward: identity        backward: all-reduce
     g  reduce_from_tp       forward: all-reduce      backward: identity
     f̄  gather_from_sp       forward: all-gather(seq) backward: reduce-scatter(seq)
     ḡ  reduce_scatter_to_sp forward: reduce-scatter  backward: all-gather
+
+What a library collective puts on the wire is its own business (NCCL picks ring or tree). With
+`use_ring(True)` the sums and gathers run as chapter 07's ring, written with send/recv, and
+`COMM` also records the bytes this rank's sends carried: the ring formula measured, not assumed.
 
 Tensor-parallel group = the whole world here; with a device mesh it is the mesh's TP axis
 (chapter 06).
@@ -24,59 +29,99 @@ from torch import nn
 
 from chapters.ch05_tensor_parallel.block import causal_attention, dropout_seed, seeded_dropout
 
-RING_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # × (t−1)/t
+STATS = ("calls", "elements", "bytes_in", "wire_bytes")
 
 
 class CommCounter:
-    """Counts collectives by (phase, op): calls, elements of the full (unsharded) tensor, and
-    the bytes one rank sends in a ring implementation (chapter 07)."""
+    """This rank's collectives by (phase, op): `calls`; `elements` of the whole tensor (the
+    all-gather's output, the reduce-scatter's input); `bytes_in`, the bytes of the tensor this
+    rank handed to the collective; `wire_bytes`, the bytes its sends carried (ring mode only)."""
 
     def __init__(self):
         self.phase = "forward"
         self.reset()
 
     def reset(self) -> None:
-        self.calls, self.elements, self.bytes, self.wire_bytes = Counter(), Counter(), Counter(), Counter()
+        for what in STATS:
+            setattr(self, what, Counter())
 
-    def record(self, op: str, full: torch.Tensor, tp: int) -> None:
+    def record(self, op: str, given: torch.Tensor, whole: torch.Tensor, wire: int = 0) -> None:
         key = (self.phase, op)
         self.calls[key] += 1
-        self.elements[key] += full.numel()
-        self.bytes[key] += full.numel() * full.element_size()
-        self.wire_bytes[key] += RING_FACTOR[op] * (tp - 1) / tp * full.numel() * full.element_size()
+        self.elements[key] += whole.numel()
+        self.bytes_in[key] += given.numel() * given.element_size()
+        self.wire_bytes[key] += wire
 
     def total(self, what: str, phase: str | None = None, op: str | None = None) -> float:
-        """Sum of `what` (calls, elements, bytes, wire_bytes) over matching phases and ops."""
+        """Sum of `what` (one of STATS) over matching phases and ops."""
         return sum(v for (p, o), v in getattr(self, what).items()
                    if phase in (None, p) and op in (None, o))
 
 
 COMM = CommCounter()
+_RING = None  # chapter 07's P2P (it counts the bytes it sends) while use_ring(True)
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    COMM.record("all_reduce", x, dist.get_world_size())
-    out = x.contiguous().clone()  # never reduce in place a tensor autograd saved
-    dist.all_reduce(out)
+def use_ring(on: bool) -> None:
+    """Route the sums and gathers below through chapter 07's hand-written ring (send/recv,
+    so NCCL on GPUs); False returns to the library collectives."""
+    global _RING
+    if on:
+        from chapters.ch07_communication.collectives import P2P
+        _RING = P2P()
+    else:
+        _RING = None
+
+
+def _wire(before: int) -> int:
+    return _RING.bytes_sent - before if _RING is not None else 0
+
+
+def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """The sum (or max) of x over the TP ranks, in a new tensor: never reduce in place a
+    tensor autograd saved."""
+    given = x.contiguous().clone()
+    sent = _RING.bytes_sent if _RING is not None else 0
+    if _RING is not None and op == "sum":
+        from chapters.ch07_communication.collectives import ring_all_reduce
+        out = ring_all_reduce(given, _RING)
+    else:
+        out = given
+        dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    COMM.record("all_reduce", x, x, _wire(sent))
     return out
 
 
 def all_gather_seq(x: torch.Tensor) -> torch.Tensor:
     """(B, S/t, h) on each rank -> (B, S, h) on every rank, ranks in order along dim 1."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    out = torch.cat(parts, dim=1)
-    COMM.record("all_gather", out, len(parts))
+    t, x = dist.get_world_size(), x.contiguous()
+    sent = _RING.bytes_sent if _RING is not None else 0
+    if _RING is not None:
+        from chapters.ch07_communication.collectives import ring_all_gather
+        B, s, h = x.shape  # the ring concatenates flat shards: rank r's (B, s, h) is block r
+        out = ring_all_gather(x.reshape(-1), _RING).view(t, B, s, h).transpose(0, 1).reshape(B, t * s, h)
+    else:
+        parts = [torch.empty_like(x) for _ in range(t)]
+        dist.all_gather(parts, x)
+        out = torch.cat(parts, dim=1)
+    COMM.record("all_gather", x, out, _wire(sent))
     return out
 
 
 def reduce_scatter_seq(x: torch.Tensor) -> torch.Tensor:
     """(B, S, h) partial sums on each rank -> this rank's (B, S/t, h) slice of the total."""
     t = dist.get_world_size()
-    COMM.record("reduce_scatter", x, t)
-    parts = [c.contiguous() for c in x.chunk(t, dim=1)]
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts)
+    sent = _RING.bytes_sent if _RING is not None else 0
+    if _RING is not None:
+        from chapters.ch07_communication.collectives import ring_reduce_scatter
+        B, S, h = x.shape  # lay the sequence slices out as t contiguous blocks, one per rank
+        given = x.reshape(B, t, S // t, h).transpose(0, 1).contiguous()
+        out = ring_reduce_scatter(given, _RING).view(B, S // t, h)
+    else:
+        given = x.contiguous()
+        out = torch.empty_like(given.chunk(t, dim=1)[0].contiguous())
+        dist.reduce_scatter(out, [c.contiguous() for c in given.chunk(t, dim=1)])
+    COMM.record("reduce_scatter", given, x, _wire(sent))
     return out
 
 
@@ -149,10 +194,12 @@ class ColumnParallelLinear(nn.Module):
     """Y_r = X W_rᵀ + b_r: this rank's rows of W (output features); the input enters the
     parallel region through f (or f̄ with sequence parallelism)."""
 
-    def __init__(self, d_in: int, d_out_local: int, sequence_parallel: bool):
+    def __init__(self, d_in: int, d_out_local: int, sequence_parallel: bool, bias: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out_local, d_in))
-        self.bias = nn.Parameter(torch.empty(d_out_local))
+        self.bias = nn.Parameter(torch.empty(d_out_local)) if bias else None
+        for p in self.parameters():
+            p.tensor_parallel = True  # a shard: its gradient norm is summed over the ranks
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x):
@@ -167,6 +214,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, d_in_local: int, d_out: int, sequence_parallel: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in_local))
+        self.weight.tensor_parallel = True
         self.bias = nn.Parameter(torch.empty(d_out))
         self.bias.sequence_parallel = sequence_parallel  # replicated, fed a sequence shard
         self.sequence_parallel = sequence_parallel
@@ -180,11 +228,13 @@ class RowParallelLinear(nn.Module):
 def tp_layout_error(tp: int, n_heads: int, d_ff: int, seq_len: int, sequence_parallel: bool) -> str | None:
     """One sentence saying why this tensor-parallel degree cannot split the block, or None."""
     if n_heads % tp:
-        return f"tensor-parallel degree {tp} does not divide the {n_heads} attention heads; use a degree that divides {n_heads}"
+        return (f"tensor-parallel degree {tp} does not divide the {n_heads} attention heads; "
+                f"use a degree that divides {n_heads}")
     if d_ff % tp:
         return f"tensor-parallel degree {tp} does not divide the MLP hidden size {d_ff}"
     if sequence_parallel and seq_len % tp:
-        return f"tensor-parallel degree {tp} does not divide the sequence length {seq_len} (needed by sequence parallelism)"
+        return (f"tensor-parallel degree {tp} does not divide the sequence length {seq_len} "
+                f"(sequence parallelism gives every rank S/t tokens)")
     return None
 
 
@@ -262,3 +312,21 @@ def sync_sequence_parallel_grads(model: nn.Module) -> int:
             p.grad.copy_(all_reduce(p.grad))
             calls += 1
     return calls
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_ for the hand-written TP model: the squared norms of the
+    shards (`tensor_parallel`) are summed over the ranks by one all-reduce of one number;
+    replicated parameters (LayerNorms, row biases, already summed under SP) count once.
+    Returns the total norm, the same on every rank."""
+    grads = [p for p in model.parameters() if p.grad is not None]
+    ref = grads[0].grad
+    sharded = sum((p.grad.pow(2).sum() for p in grads if getattr(p, "tensor_parallel", False)),
+                  torch.zeros((), dtype=ref.dtype, device=ref.device))
+    replicated = sum((p.grad.pow(2).sum() for p in grads if not getattr(p, "tensor_parallel", False)),
+                     torch.zeros((), dtype=ref.dtype, device=ref.device))
+    norm = (all_reduce(sharded) + replicated).sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's formula, so the dense run agrees
+    for p in grads:
+        p.grad.mul_(coef)
+    return norm.item()

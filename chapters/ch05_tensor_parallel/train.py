@@ -6,45 +6,41 @@ projection by rows, so each half of the block needs one all-reduce in forward an
 backward; sequence parallelism replaces each all-reduce by an all-gather and a reduce-scatter
 and shards LayerNorm and dropout along the sequence. This script trains the dense block, the
 hand-written TP block with and without sequence parallelism, and the same dense block through
-DTensor's `parallelize_module`, and checks outputs, gradients, trained weights and counted bytes.
+DTensor's `parallelize_module`, then the two vocabulary-parallel ends of a language model
+(embedding and loss), and checks outputs, gradients, clipped and trained weights, counted
+collectives and bytes, parameters held and activations saved per rank.
 
-Run:
+Run (the TP degree is the world size; it must divide the heads, the MLP width, the sequence
+and the vocabulary):
     python chapters/ch05_tensor_parallel/train.py                                 # t = 1
     torchrun --standalone --nproc_per_node=2 chapters/ch05_tensor_parallel/train.py
-    torchrun --standalone --nproc_per_node=4 chapters/ch05_tensor_parallel/train.py
+    torchrun --standalone --nproc_per_node=4 chapters/ch05_tensor_parallel/train.py --collectives ring
     torchrun --standalone --nproc_per_node=8 chapters/ch05_tensor_parallel/train.py \\
-        --n-heads 16 --d-model 1024 --seq-len 1024 --dtype float32                # 8 GPUs, NCCL
+        --d-model 1024 --seq-len 1024 --dtype float32                             # 8 GPUs, NCCL
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
-        chapters/ch05_tensor_parallel/train.py --n-heads 16                      # TP across nodes: slow
-    srun --ntasks=8 --ntasks-per-node=8 python chapters/ch05_tensor_parallel/train.py --n-heads 8
+        chapters/ch05_tensor_parallel/train.py                                    # TP across nodes: slow
+    srun --ntasks=8 --ntasks-per-node=8 python chapters/ch05_tensor_parallel/train.py
 """
 
 import copy
 import statistics
 import sys
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from chapters.ch05_tensor_parallel import dtensor_tp
+from chapters.ch05_tensor_parallel import checks, dtensor_tp, tp_layers, vocab_parallel
+from chapters.ch05_tensor_parallel.activations import SavedTensors
 from chapters.ch05_tensor_parallel.block import DenseModel
-from chapters.ch05_tensor_parallel.tp_layers import (
-    COMM,
-    TPModel,
-    shard_state,
-    sync_sequence_parallel_grads,
-    tp_layout_error,
-)
+from chapters.ch05_tensor_parallel.tp_layers import TPModel, shard_state, sync_sequence_parallel_grads
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, parse_config, require_at_least_one
-from common.distributed import setup_distributed, teardown_distributed
+from common.distributed import reduce_number, setup_distributed, teardown_distributed
 from common.log import log, setup_logging
 from common.results import RunRecorder
 from common.seed import seed_everything
-from common.timing import synchronize
+from common.timing import Timer
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -55,32 +51,55 @@ class Config(RunConfig):
     """Optimizer steps to train each version."""
     batch_size: int = 4
     """Sequences per batch (B); every TP rank sees the same batch."""
-    seq_len: int = 8
+    seq_len: int = 16
     """Tokens per sequence (S); sequence parallelism needs it divisible by the TP degree."""
-    d_model: int = 32
+    d_model: int = 64
     """Hidden size (h)."""
-    n_heads: int = 4
+    n_heads: int = 16
     """Attention heads; the TP degree (world size) must divide them."""
     ffn_mult: int = 4
     """MLP hidden size = ffn_mult * d_model."""
     n_layers: int = 2
     """Transformer blocks."""
+    vocab_size: int = 64
+    """Vocabulary of the embedding and loss (V); the TP degree must divide it."""
     dropout: float = 0.1
     """Dropout after attention and MLP (the DTensor versions run with 0, see the lesson)."""
     lr: float = 0.05
     """Learning rate of SGD."""
+    max_grad_norm: float = 0.5
+    """Clip the global gradient norm to this (0: no clipping); every version clips alike."""
+    collectives: str = "library"
+    """library (torch.distributed) or ring (chapter 07's ring by hand: the bytes each rank
+    sends are counted; send/recv, so NCCL on GPUs)."""
     dtype: str = "float64"
-    """float64 makes every parity check exact to ~1e-13; float32 needs ~1e-5 (see the lesson)."""
+    """float64 makes every parity check exact to ~1e-15; float32 to ~5e-7 (tolerances: see the lesson)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
-        require_at_least_one(self, "batch_size", "seq_len", "d_model", "n_heads", "ffn_mult", "n_layers")
+        if self.collectives not in ("library", "ring"):
+            raise ValueError(f"--collectives must be library or ring, not {self.collectives!r}")
+        require_at_least_one(self, "batch_size", "seq_len", "d_model", "n_heads", "ffn_mult",
+                             "n_layers", "vocab_size")
         if self.d_model % self.n_heads:
             raise ValueError(f"--d-model {self.d_model} is not divisible by --n-heads {self.n_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"--max-grad-norm must be >= 0, got {self.max_grad_norm}")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """The TP degree is the world size: it must split whole heads, MLP units, sequence slices
+    (sequence parallelism) and vocabulary rows."""
+    if error := tp_layers.tp_layout_error(world_size, cfg.n_heads, cfg.ffn_mult * cfg.d_model,
+                                          cfg.seq_len, sequence_parallel=True):
+        raise ValueError(error)
+    if cfg.vocab_size % world_size:
+        raise ValueError(f"tensor-parallel degree {world_size} does not divide the vocabulary "
+                         f"size {cfg.vocab_size}")
 
 
 def make_batches(cfg: Config, device: torch.device):
@@ -105,43 +124,67 @@ def build_hand_tp(dense: DenseModel, cfg: Config, rank: int, tp: int, sequence_p
     return model
 
 
-def train(model, data, cfg: Config, info, sp: bool, sync_grads: bool = False, count=None) -> dict:
-    """SGD on the mean squared error over the whole batch. Under sequence parallelism each rank
-    sees its slice of the sequence and divides its summed error by the GLOBAL element count.
-    Step 0's output, input gradient and parameter gradients are kept for the parity checks."""
+def sync_grads(model, kind: str, sp: bool) -> None:
+    """Sum the gradients that are partial after backward: the hand-written SP's LayerNorms and
+    row biases; DTensor's Partial(sum) gradients (its SP LayerNorms)."""
+    if kind == "hand" and sp:
+        sync_sequence_parallel_grads(model)
+    elif kind == "dtensor":
+        dtensor_tp.reduce_partial_grads(model)
+
+
+def clip(model, kind: str, max_norm: float) -> float:
+    """The global gradient norm before clipping; clip it to `max_norm` (if > 0)."""
+    fn = {"dense": torch.nn.utils.clip_grad_norm_, "hand": tp_layers.clip_grad_norm_,
+          "dtensor": dtensor_tp.clip_grad_norm_}[kind]
+    if max_norm <= 0:
+        return float("nan")
+    return float(fn(model.parameters(), max_norm) if kind == "dense" else fn(model, max_norm))
+
+
+def train(model, data, cfg: Config, info, kind: str, sp: bool, sync: bool = True) -> dict:
+    """SGD on the mean squared error over the whole batch, gradient sync, clipping. Under
+    sequence parallelism each rank sees its slice of the sequence and divides its summed error
+    by the GLOBAL element count. Step 0 keeps the output, the input gradient and the gradients
+    before clipping, the collectives of each phase and the bytes saved for backward."""
     X, Y = data
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     rank, tp = info.rank, info.world_size
-    out, times, losses = {}, [], []
+    out, times, losses, norms = {"modes": {}}, [], [], []
     for step in range(cfg.steps):
         x, y = (seq_shard(t[step], rank, tp) if sp else t[step] for t in (X, Y))
         x = x.clone().requires_grad_(step == 0)
-        COMM.reset()
-        counted = {p: count() if count and step == 0 else nullcontext() for p in ("forward", "backward")}
-        t0 = time.perf_counter()
-        COMM.phase = "forward"
-        with counted["forward"]:
-            pred = model(x, step)
-            loss = ((pred - y) ** 2).sum() / Y[step].numel()
-        COMM.phase = "backward"
-        with counted["backward"]:
-            loss.backward()
-        COMM.phase = "grad sync"
-        if sync_grads:
-            sync_sequence_parallel_grads(model)
+        tp_layers.COMM.reset()
+        modes = out["modes"] if kind == "dtensor" and step == 0 else None
+        saved = SavedTensors(exclude=model.parameters()) if kind != "dtensor" else nullcontext()
+        with Timer(info.device) as timer:
+            with dtensor_tp.phase("forward", modes):
+                with saved:  # the block's activations; the loss's own are not the lesson's
+                    pred = model(x, step)
+                loss = ((pred - y) ** 2).sum() / Y[step].numel()
+            with dtensor_tp.phase("backward", modes):
+                loss.backward()
+            with dtensor_tp.phase("grad sync", modes):
+                if sync:
+                    sync_grads(model, kind, sp)
+            if step == 0:  # whole gradients for the parity check (their gathers are not counted)
+                with dtensor_tp.phase("inspection"):
+                    out.update(output=pred.detach(), input_grad=x.grad, saved_bytes=getattr(saved, "nbytes", 0),
+                               grads={n: dtensor_tp.to_full(p.grad) for n, p in model.named_parameters()})
+            with dtensor_tp.phase("clip", modes):
+                norms.append(clip(model, kind, cfg.max_grad_norm))
+            with dtensor_tp.phase("optimizer step", modes):
+                opt.step()
+            opt.zero_grad()
         if step == 0:
-            out.update(output=pred.detach(), input_grad=x.grad,
-                       grads={n: dtensor_tp.to_full(p.grad) for n, p in model.named_parameters()},
-                       comm=copy.deepcopy(COMM), counted=counted)
-        opt.step()
-        opt.zero_grad()
-        synchronize(info.device)
-        times.append(time.perf_counter() - t0)
-        loss = loss.detach()
-        if sp:
-            dist.all_reduce(loss)  # the logged loss only: not part of the technique
-        losses.append(loss.item())
-    out.update(final=dtensor_tp.full_state(model), losses=losses, step_ms=statistics.median(times[1:] or times) * 1e3)
+            out["comm"] = copy.deepcopy(tp_layers.COMM)
+        times.append(timer.elapsed * 1e3)
+        # the logged loss only (not part of the technique): under SP each rank holds a share
+        losses.append(reduce_number(loss.detach()) if sp else loss.item())
+    steady = times[1:] or times
+    out.update(final=dtensor_tp.full_state(model), losses=losses, norms=norms,
+               params_held=dtensor_tp.local_numel(model),
+               step_ms=statistics.median(steady), step_ms_range=[min(steady), max(steady)])
     return out
 
 
@@ -154,143 +197,75 @@ def train_all_versions(dense: DenseModel, cfg: Config, info) -> tuple[dict, dict
     for block in dense_p0.blocks:
         block.p = 0.0
     data = make_batches(cfg, info.device)
-    refs = {"dense": train(copy.deepcopy(dense), data, cfg, info, sp=False),
-            "dense p=0": train(copy.deepcopy(dense_p0), data, cfg, info, sp=False)}
+    refs = {"dense": train(copy.deepcopy(dense), data, cfg, info, "dense", sp=False),
+            "dense p=0": train(copy.deepcopy(dense_p0), data, cfg, info, "dense", sp=False)}
     runs, mesh = {}, dtensor_tp.make_mesh(info)
-    for name, sp in (("hand TP", False), ("hand TP+SP", True)):
-        model = build_hand_tp(dense, cfg, rank, tp, sp)
-        runs[name] = (train(model, data, cfg, info, sp, sync_grads=sp), "dense",
-                      Expect(rank, tp, sp, sharded=True))
+    tp_layers.use_ring(cfg.collectives == "ring")
+    try:
+        for name, sp in (("hand TP", False), ("hand TP+SP", True)):
+            model = build_hand_tp(dense, cfg, rank, tp, sp)
+            runs[name] = (train(model, data, cfg, info, "hand", sp), "dense",
+                          checks.Expect(rank, tp, sp, sharded=True))
+    finally:
+        tp_layers.use_ring(False)
     for name, sp in (("DTensor TP", False), ("DTensor TP+SP", True)):
         model = dtensor_tp.parallelize(copy.deepcopy(dense_p0), mesh, sp)
-        runs[name] = (train(model, data, cfg, info, sp, count=dtensor_tp.comm_mode), "dense p=0",
-                      Expect(rank, tp, sp, sharded=False))
+        runs[name] = (train(model, data, cfg, info, "dtensor", sp), "dense p=0",
+                      checks.Expect(rank, tp, sp, sharded=False))
     return refs, runs
 
 
-def max_diff(local: dict, expected: dict) -> float:
-    """max |a − b| over the tensors, then over the ranks (every rank gets the same answer)."""
-    d = max((local[k] - expected[k]).abs().max().item() for k in expected)
-    worst = torch.tensor(d, dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return worst.item()
-
-
-def compare(run: dict, ref: dict, expect) -> dict:
-    """Max differences of output, gradients (input and parameters) and trained parameters;
-    `expect` maps the reference's tensors to what this rank should hold."""
-    return {
-        "output": max_diff({"y": run["output"]}, {"y": expect.act(ref["output"])}),
-        "gradients": max(max_diff({"x": run["input_grad"]}, {"x": expect.act(ref["input_grad"])}),
-                         max_diff(run["grads"], expect.params(ref["grads"]))),
-        "trained": max_diff(run["final"], expect.params(ref["final"])),
-    }
-
-
-class Expect:
-    """How a variant's local tensors relate to the dense ones."""
-
-    def __init__(self, rank, tp, sp, sharded):
-        self.rank, self.tp, self.sp, self.sharded = rank, tp, sp, sharded
-
-    def act(self, t):
-        return seq_shard(t, self.rank, self.tp) if self.sp else t
-
-    def params(self, state):
-        return shard_state(state, self.rank, self.tp) if self.sharded else state
-
-
-def record_bytes(rec: RunRecorder, comms: dict, cfg: Config, tp: int) -> None:
-    """Counted collectives per layer against the lesson's formulas (N = B·S·h elements)."""
-    L, N = cfg.n_layers, cfg.batch_size * cfg.seq_len * cfg.d_model
-    b = torch.finfo(DTYPES[cfg.dtype]).bits // 8
-    ring = (tp - 1) / tp
-    for name, comm in comms.items():
-        sp = "SP" in name
-        for op in ("all_gather", "reduce_scatter") if sp else ("all_reduce",):
-            rec.check(f"{name}: {op} calls per layer, forward", "count",
-                      comm.total("calls", "forward", op) / L, 2)
-            rec.check(f"{name}: {op} elements per layer, forward = 2BSh", "formula",
-                      comm.total("elements", "forward", op) / L, 2 * N)
-        if not sp:
-            rec.check(f"{name}: bytes all-reduced per layer, fwd+bwd = 4BSh*b", "formula",
-                      (comm.total("bytes", "forward") + comm.total("bytes", "backward")) / L, 4 * N * b)
-        rec.check(f"{name}: ring bytes sent per rank per layer, fwd+bwd = 8(t-1)/t*BSh*b", "formula",
-                  (comm.total("wire_bytes", "forward") + comm.total("wire_bytes", "backward")) / L,
-                  8 * ring * N * b, tolerance=1e-6)
-        rec.figure(f"{name}: ring bytes per rank per layer, forward",
-                   comm.total("wire_bytes", "forward") / L, expected=4 * ring * N * b, unit="bytes")
-    sp_comm = comms["hand TP+SP"]
-    rec.check("hand TP+SP: all-reduces in forward and backward", "count",
-              sp_comm.total("calls", op="all_reduce") - sp_comm.total("calls", "grad sync"), 0)
-    rec.check("hand TP+SP: grad-sync elements per layer = 6h (2 LayerNorms, 2 biases)",
-              "formula", sp_comm.total("elements", "grad sync") / L, 6 * cfg.d_model)
-
-
-def record_dtensor_counts(rec: RunRecorder, modes: dict, hand_comm, cfg: Config, tp: int) -> None:
-    """DTensor's collectives (CommDebugMode) per layer: forward checked against Megatron's two;
-    backward reported beside the hand-written version's (a mesh of one rank needs none)."""
-    L = cfg.n_layers
-    hand_bwd = {op: hand_comm.total("calls", "backward", op) / L for op in ("all_reduce",)}
-    for name, counted in modes.items():
-        counts = dtensor_tp.counts(counted)
-        for op in ("all_gather", "reduce_scatter") if "SP" in name else ("all_reduce",):
-            rec.check(f"{name}: {op} calls per layer, forward", "count",
-                      counts["forward"].get(op, 0) / L, 2 if tp > 1 else 0)
-        rec.figure(f"{name}: collectives per layer, backward",
-                   {op: n / L for op, n in counts["backward"].items()},
-                   expected=hand_bwd if "SP" not in name else None)
-
-
-def save_final(rec: RunRecorder, refs: dict, runs: dict, info) -> None:
+def save_final(rec: RunRecorder, refs: dict, runs: dict, lm: dict, info) -> None:
     """Trained weights for the tests: dense, DTensor (full tensors) and every rank's hand shards."""
     def cpu(state):
         return {k: v.cpu() for k, v in state.items()}
 
+    mine = {n: cpu(runs[n][0]["final"]) for n in ("hand TP", "hand TP+SP")} | {"lm": cpu(lm["hand"]["final"])}
     gathered = [None] * info.world_size
-    dist.all_gather_object(gathered, {n: cpu(runs[n][0]["final"]) for n in ("hand TP", "hand TP+SP")})
+    torch.distributed.all_gather_object(gathered, mine)  # CPU tensors inside: pickled, not sent as tensors
     if info.is_main:
         save_checkpoint(rec.out / "final_params.pt", {
             "dense": cpu(refs["dense"]["final"]), "dtensor_sp": cpu(runs["DTensor TP+SP"][0]["final"]),
             "hand_tp": [g["hand TP"] for g in gathered], "hand_sp": [g["hand TP+SP"] for g in gathered],
-            "losses": torch.tensor(refs["dense"]["losses"])})
+            "lm_dense": cpu(lm["dense"]["final"]), "lm_hand": [g["lm"] for g in gathered],
+            "lm_dtensor": cpu(lm["DTensor"]["final"]),
+            "losses": torch.tensor(refs["dense"]["losses"]), "norms": torch.tensor(refs["dense"]["norms"])})
 
 
 def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
-        tp = info.world_size
-        d_ff = cfg.ffn_mult * cfg.d_model
-        if error := tp_layout_error(tp, cfg.n_heads, d_ff, cfg.seq_len, sequence_parallel=True):
-            raise SystemExit(f"error: {error}")
+        tp, d_ff = info.world_size, cfg.ffn_mult * cfg.d_model
         rec = RunRecorder(cfg, __file__, info)
         seed_everything(cfg.seed)
         dense = DenseModel(cfg.d_model, cfg.n_heads, d_ff, cfg.n_layers, cfg.dropout).to(info.device, DTYPES[cfg.dtype])
-        log.info("TP degree %d on %s/%s: B=%d S=%d h=%d heads=%d (%d per rank) d_ff=%d (%d per rank)",
-                 tp, info.device, info.backend, cfg.batch_size, cfg.seq_len, cfg.d_model,
-                 cfg.n_heads, cfg.n_heads // tp, d_ff, d_ff // tp)
+        log.info("TP degree %d on %s/%s: B=%d S=%d h=%d heads=%d (%d per rank) d_ff=%d (%d per rank), "
+                 "collectives: %s", tp, info.device, info.backend, cfg.batch_size, cfg.seq_len, cfg.d_model,
+                 cfg.n_heads, cfg.n_heads // tp, d_ff, d_ff // tp, cfg.collectives)
 
         refs, runs = train_all_versions(dense, cfg, info)
-        for step, (loss, loss_p0) in enumerate(zip(refs["dense"]["losses"], refs["dense p=0"]["losses"])):
-            rec.metrics(step, loss=loss, loss_no_dropout=loss_p0, lr=cfg.lr)
-            log.info("step %2d  loss %.6f  (no dropout %.6f)", step, loss, loss_p0)
+        for step, (loss, loss_p0, norm) in enumerate(zip(refs["dense"]["losses"], refs["dense p=0"]["losses"],
+                                                         refs["dense"]["norms"])):
+            rec.metrics(step, loss=loss, loss_no_dropout=loss_p0, grad_norm=norm, lr=cfg.lr)
+            log.info("step %2d  loss %.6f  (no dropout %.6f)  grad norm %.4f", step, loss, loss_p0, norm)
+        lm = vocab_parallel.train_lm_versions(cfg, info, DTYPES[cfg.dtype])
 
-        tol = 1e-12 if cfg.dtype == "float64" else 1e-5
-        for name, (run, ref_name, expect) in runs.items():
-            for what, d in compare(run, refs[ref_name], expect).items():
-                rec.check(f"{name}: {what} == dense", "parity", d, 0.0, tol)
-        record_bytes(rec, {n: runs[n][0]["comm"] for n in ("hand TP", "hand TP+SP")}, cfg, tp)
-        record_dtensor_counts(rec, {n: runs[n][0]["counted"] for n in ("DTensor TP", "DTensor TP+SP")},
-                              runs["hand TP"][0]["comm"], cfg, tp)
+        checks.record_parity(rec, refs, runs, cfg)
+        checks.record_bytes(rec, {n: runs[n][0]["comm"] for n in ("hand TP", "hand TP+SP")}, cfg, tp)
+        checks.record_dtensor_counts(rec, {n: runs[n][0]["modes"] for n in ("DTensor TP", "DTensor TP+SP")}, cfg, tp)
+        checks.record_params_held(rec, runs, cfg, tp)
+        checks.record_activations(rec, runs, cfg, tp)
+        vocab_parallel.record_lm(rec, lm, cfg, info.rank, tp)
         rec.figure("final loss (dense, dropout)", refs["dense"]["losses"][-1])
         for name, run in [("dense", refs["dense"])] + [(n, r[0]) for n, r in runs.items()]:
-            rec.figure(f"step time, {name}", run["step_ms"], unit="ms")
-        save_final(rec, refs, runs, info)
+            rec.figure(f"step time, {name}: median of steps 1-{cfg.steps - 1}", round(run["step_ms"], 2), unit="ms")
+            rec.figure(f"step time, {name}: min, max", [round(t, 2) for t in run["step_ms_range"]], unit="ms")
+        save_final(rec, refs, runs, lm, info)
         return rec.finish()
     finally:
         teardown_distributed()
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))
