@@ -16,7 +16,8 @@
 # When the model no longer fits on one device, split its layers across ranks: rank 0 holds the
 # first layers, rank 1 the next, and activations travel forward (gradients backward) with
 # send/recv. Done naively, only one rank works at a time; GPipe cuts the batch into
-# micro-batches so the stages overlap, leaving a *bubble* of (p−1)/(m+p−1).
+# micro-batches so the stages overlap, leaving a *bubble* of (p−1)/(m+p−1): counted here on a
+# simulated timeline, then measured on stages whose work is a fixed sleep.
 # The lesson is [chapters/ch04_model_parallel/README.md](../chapters/ch04_model_parallel/README.md).
 
 # %%
@@ -73,38 +74,55 @@ plt.show()
 # micro-batches' activations instead of m (chapter 17 counts it).
 #
 # ## The real run: two stages under torchrun
-# Naive split, hand-written GPipe, and `torch.distributed.pipelining` (ScheduleGPipe,
-# Schedule1F1B) must give the unsplit model's loss and gradients; then GPipe trains for 20 steps
-# beside the unsplit model, and the wall-clock bubble is measured on a wider float32 model.
+# Naive split, hand-written GPipe, the serial control (the same micro-batches one after
+# another) and `torch.distributed.pipelining` (ScheduleGPipe, Schedule1F1B) must all give the
+# unsplit model's loss and gradients; then GPipe trains for 20 steps beside the unsplit model,
+# and GPipe steps are timed on real layers and on stages whose work is a fixed sleep.
 
 # %%
 out_dir = REPO_ROOT / "runs" / "notebooks" / "ch04"
 result = run_torchrun(REPO_ROOT / "chapters/ch04_model_parallel/train.py", nproc=2, out_dir=out_dir)
 print(result.output[result.output.index("figure"):])
 
+# %% [markdown]
+# ## Two measured timelines
+# Top: real layers, where the gaps are waiting for messages and for a core. Bottom: fixed-sleep
+# stages, where the schedule alone decides: rank 0 starts each next forward while rank 1 is
+# still busy with the previous one (the overlap check), and the idle share is the bubble.
+
 # %%
-measured = json.loads((out_dir / "timeline.json").read_text())
-events = [schedule.Event(**e) for e in measured]
-fig, ax = plt.subplots(figsize=(9, 1.8))
-plots.draw_timeline(ax, [schedule.Event(e.rank, e.kind, e.mb, e.stage, e.start * 1e3, e.end * 1e3)
-                         for e in events], 2, "measured GPipe step, 2 CPU ranks", labels=False)
-ax.set_xlabel("ms (compute only; gaps are waiting and communication)")
+fig, axes = plt.subplots(2, 1, figsize=(9, 3.6))
+for ax, (name, title) in zip(axes, [("timeline.json", "real layers"), ("timeline_sleep.json", "fixed-sleep stages")]):
+    events = [schedule.Event(**e) for e in json.loads((out_dir / name).read_text())]
+    events = [schedule.Event(e.rank, e.kind, e.mb, e.stage, e.start * 1e3, e.end * 1e3) for e in events]
+    plots.draw_timeline(ax, events, 2, f"measured GPipe step, 2 CPU ranks, {title}", labels=name != "timeline.json")
+axes[-1].set_xlabel("ms (boxes: compute; gaps: waiting and communication)")
+fig.tight_layout()
 plt.show()
 
 # %%
 figs = result.summary["figures"]
-names = [n for n in figs if n.startswith("wall-clock bubble")]
-ms = [int(n.split("m=")[1]) for n in names]
-plt.figure(figsize=(5, 3))
-plt.plot(ms, [figs[n]["expected"] for n in names], "o-", label="(p-1)/(m+p-1)")
-plt.plot(ms, [figs[n]["measured"] for n in names], "s--", label="measured (wall clock)")
+checks = {c["name"]: c for c in result.summary["checks"]}
+ms = sorted(int(n.split("m=")[1]) for n in figs if n.startswith("real layers: bubble") and "min-max" not in n)
+band = train.Config().sleep_band
+sleep = [next(c for n, c in checks.items() if n.startswith(f"fixed-sleep GPipe bubble, m={k}:"))["measured"] for k in ms]
+plt.figure(figsize=(5.5, 3.2))
+plt.plot(ms, [float(schedule.bubble_formula(2, k)) for k in ms], "o-", color="grey", label="(p-1)/(m+p-1)")
+plt.fill_between(ms, [max(0, float(schedule.bubble_formula(2, k)) - band) for k in ms],
+                 [float(schedule.bubble_formula(2, k)) + band for k in ms], color="grey", alpha=0.15, label="band")
+plt.plot(ms, sleep, "s--", label="fixed-sleep stages (measured)")
+plt.plot(ms, [figs[f"real layers: bubble, m={k}"]["measured"] for k in ms], "^:", label="real layers (measured)")
+plt.xscale("log", base=2)
 plt.xlabel("micro-batches m")
 plt.ylabel("bubble fraction")
-plt.legend()
+plt.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
 # ## Exercises
-# 1. Run with `--micro-batches 8` and `--micro-batches 16`: how does the measured bubble move?
-# 2. Make `gpipe_step` forget the 1/m: which checks fail, and by what factor are the gradients off?
-# 3. Write the 1F1B order by hand in `gpipe_step` (warm-up forwards, then one forward one backward).
+# The lesson's exercises come with hints and worked answers. In short:
+# 1. Run with `--micro-batches 8`: which measured bubble keeps following the formula, and why?
+# 2. Reverse the order of the backwards in `gpipe_step`: do the checks pass, does the bubble change?
+# 3. Give one stage three times the cost in `schedule.simulate`: how long is the step?
+# 4. The serial control passes every parity check: which check catches it?
+# 5. Make the sends blocking: do GPipe's stages still overlap? What would 1F1B do?

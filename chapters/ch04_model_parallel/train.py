@@ -328,7 +328,7 @@ def record_timings(cfg: Config, info, rec: RunRecorder) -> None:
         run = wallclock.measure(gpipe_step, stage, x[: k * cfg.micro_batch_size], info, k, cfg.time_repeats)
         formula = float(bubble_formula(p, k))
         rec.check(f"fixed-sleep GPipe bubble, m={k}: (p-1)/(m+p-1) +- {band:g}", "timing", run.median,
-                  [formula - band, formula + band], compare="between")
+                  [max(0.0, formula - band), formula + band], compare="between")
         rec.figure(f"fixed-sleep GPipe: bubble, m={k}, min-max", [round(run.min, 3), round(run.max, 3)])
         if k == m:
             rec.check(f"fixed-sleep GPipe: stages overlap (m-1 forwards start early), m={k}", "count",
