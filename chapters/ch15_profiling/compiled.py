@@ -79,13 +79,44 @@ def shard_per_layer(model: nn.Module) -> nn.Module:
     return fully_shard(model)
 
 
-def fsdp2_compiled_vs_eager(lr: float = 0.01, compiled_lr: float | None = None, steps: int = 3,
-                            backend: str = "aot_eager", compiled_autograd: str = "off") -> dict:
-    """On the initialised group: eager FSDP2 and torch.compile'd FSDP2 copies of one float64 MLP,
-    each rank on its own data; the largest parameter (full tensors) and loss differences.
+def compile_then_shard(model: nn.Module, backend, in_place: bool = False) -> nn.Module:
+    """torchtitan's order: compile each block (here each Linear; torchtitan: each transformer
+    block, after activation checkpointing), THEN `fully_shard` it, then the root. FSDP2's hooks
+    land on the outside of the compiled region and run eagerly around it.
 
-    compiled_autograd: "off"; "config" sets `torch._dynamo.config.compiled_autograd = True`
-    before compiling; "enable" wraps the training loop in `compiled_autograd._enable`.
+    `torch.compile(block)` returns a wrapper module whose call is compiled; `fully_shard` on the
+    wrapper puts the hooks outside. `in_place=True` uses `block.compile()` instead, which compiles
+    the block's own `__call__`, hooks included: the hooks `fully_shard` adds next end up inside the
+    compiled call, where Dynamo cannot trace them (see the lesson for what that costs)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for i, layer in enumerate(list(model)):
+        if isinstance(layer, nn.Linear):
+            if in_place:
+                layer.compile(backend=backend)
+                block = layer
+            else:
+                block = torch.compile(layer, backend=backend, fullgraph=True)
+                model[i] = block  # as torchtitan did with register_module before March 2026
+            fully_shard(block)
+    return fully_shard(model)
+
+
+ORDERS = ("root after sharding", "torchtitan", "in place")
+
+
+def fsdp2_compiled_vs_eager(order: str = "torchtitan", lr: float = 0.01, steps: int = 3,
+                            backend: str = "aot_eager", compiled_autograd: str = "off") -> dict:
+    """On the initialised group: eager FSDP2 and a torch.compile'd FSDP2 copy of one float64 MLP
+    (3 Linear layers), each rank on its own data; the largest parameter (full tensors) and loss
+    differences, and how many graphs reached the backend. The negative control compares the
+    compiled copy with eager FSDP2 trained at lr x 1.01 (`control_param_diff`): the parity
+    check must reject it.
+
+    order: "root after sharding" (fully_shard every Linear and the root, then torch.compile the
+    root), "torchtitan" (`compile_then_shard`), "in place" (the same with `block.compile()`).
+    compiled_autograd: "off", or "enable": wrap the training loop in `compiled_autograd._enable`
+    (the backward, FSDP2's hooks included, captured by Dynamo).
     """
     import contextlib
 
@@ -93,13 +124,17 @@ def fsdp2_compiled_vs_eager(lr: float = 0.01, compiled_lr: float | None = None, 
     from torch._dynamo import compiled_autograd as ca
     from torch._dynamo.utils import counters
 
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, not {order!r}")
     torch.manual_seed(0)
     model = MLP(8, 16, 1).double()
     gen = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
     xs = torch.randn(steps, 4, 8, dtype=torch.float64, generator=gen)
     ys = torch.randn(steps, 4, 1, dtype=torch.float64, generator=gen)
-    eager, comp = shard_per_layer(copy.deepcopy(model)), shard_per_layer(copy.deepcopy(model))
+    eager = shard_per_layer(copy.deepcopy(model))
     eager_losses = sgd_steps(eager, eager, xs, ys, lr)
+    control = shard_per_layer(copy.deepcopy(model))
+    sgd_steps(control, control, xs, ys, lr * 1.01)
 
     graphs = []
 
@@ -109,32 +144,41 @@ def fsdp2_compiled_vs_eager(lr: float = 0.01, compiled_lr: float | None = None, 
 
     torch._dynamo.reset()
     counters.clear()
-    torch._dynamo.config.compiled_autograd = compiled_autograd == "config"
     try:
-        step_model = torch.compile(comp, backend=counting)
+        comp = copy.deepcopy(model)
+        if order == "root after sharding":
+            step_model = torch.compile(shard_per_layer(comp), backend=counting)
+        else:
+            step_model = compile_then_shard(comp, counting, in_place=order == "in place")
         ctx = (ca._enable(torch.compile(backend=counting)) if compiled_autograd == "enable"
                else contextlib.nullcontext())
         with ctx:
-            comp_losses = sgd_steps(comp, step_model, xs, ys, lr if compiled_lr is None else compiled_lr)
+            comp_losses = sgd_steps(comp, step_model, xs, ys, lr)
     finally:
-        torch._dynamo.config.compiled_autograd = False
         torch._dynamo.reset()
 
     def full(p):  # a sharded DTensor, or what compiled autograd left behind
         return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-    param = max((full(a) - full(b)).abs().max().item()
-                for a, b in zip(eager.parameters(), comp.parameters()))
-    return {"max_param_diff": param,
+
+    def max_diff(m):
+        return max((full(a) - full(b)).abs().max().item() for a, b in zip(m.parameters(), comp.parameters()))
+    return {"max_param_diff": max_diff(eager), "control_param_diff": max_diff(control),
             "max_loss_diff": max(abs(a - b) for a, b in zip(eager_losses, comp_losses)),
             "still_sharded": all(hasattr(p, "full_tensor") for p in comp.parameters()),
             "graphs": len(graphs), "breaks": sum(counters["graph_break"].values()),
+            "ops_per_graph": [sum(n.op == "call_function" for n in g.graph.nodes) for g in graphs],
             "ca_captures": counters["compiled_autograd"]["captures"]}
 
 
 def fsdp2_compile_experiment() -> dict:
-    """Run on every rank (common.launch.run_on_ranks): compiled FSDP2 beside eager FSDP2, a
-    compiled copy trained with a 1 % larger lr (negative control), and compiled autograd."""
-    return {"compiled": fsdp2_compiled_vs_eager(),
-            "compiled, lr x 1.01": fsdp2_compiled_vs_eager(compiled_lr=0.0101),
-            "compiled autograd via config": fsdp2_compiled_vs_eager(compiled_autograd="config"),
-            "compiled autograd via _enable": fsdp2_compiled_vs_eager(compiled_autograd="enable")}
+    """Run on every rank (common.launch.run_on_ranks): compiled FSDP2 beside eager FSDP2 in the
+    three orders, and compiled autograd around torchtitan's order. Also records whether this
+    torch still has `torch._dynamo.config.skip_fsdp_hooks`."""
+    import torch._dynamo
+
+    return {"root after sharding": fsdp2_compiled_vs_eager("root after sharding"),
+            "torchtitan": fsdp2_compiled_vs_eager("torchtitan"),
+            "in place": fsdp2_compiled_vs_eager("in place"),
+            "compiled autograd via _enable": fsdp2_compiled_vs_eager("torchtitan", compiled_autograd="enable"),
+            "skip_fsdp_hooks": getattr(torch._dynamo.config, "skip_fsdp_hooks", None),
+            "torch": torch.__version__}
