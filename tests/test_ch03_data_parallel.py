@@ -20,9 +20,10 @@ from common.checkpoint import load_checkpoint
 from common.data import regression_data
 from common.launch import run_on_ranks, run_python, run_torchrun
 from common.models import MLP
+from common.results import check_ok
 
 SCRIPT = Path(train.__file__)
-TOL = 1e-10  # float64: the runs differ only by summation order (~1e-16)
+TOL = train.PARITY_TOLERANCE["float64"]  # 1e-12: the runs differ only by summation order (~1e-16)
 
 
 def reference(cfg: train.Config) -> tuple[dict, list[float]]:
@@ -65,6 +66,7 @@ def test_runs_match_an_independent_one_process_reference(nproc, tmp_path):
         assert max_diff(saved[name], expected) < TOL, name
     assert torch.allclose(saved["lrs"], torch.tensor(lrs, dtype=saved["lrs"].dtype), atol=1e-12)
     assert res.check("DDP all-reduces inside no_sync")["measured"] == 0
+    assert res.check("DDP all-reduces on the k-th micro-batch >= steps")["measured"] == cfg.steps  # one bucket
     n_params = sum(t.numel() for t in expected.values())
     assert res.check("DDP bytes all-reduced = steps x params x bytes")["measured"] == cfg.steps * n_params * 8
 
@@ -115,6 +117,14 @@ def _controls() -> dict:
         sched.step()
     out["no_divide_by_k"] = train.max_param_diff(broken, single)
 
+    # Broken 2b, the library path: DDP with no_sync accumulation, loss not divided by k.
+    good_ddp = copy.deepcopy(model)
+    train.train_ddp(good_ddp, X, Y, cfg, fake)
+    out["ddp"] = train.max_param_diff(good_ddp, single)
+    broken = copy.deepcopy(model)
+    train.train_ddp(broken, X, Y, cfg, fake, divide_by_k=False)
+    out["ddp_no_divide_by_k"] = train.max_param_diff(broken, single)
+
     # Broken 3: every rank trains on the same shard (forgot to shard the global batch).
     broken = copy.deepcopy(model)
     train.train_hand_dp(broken, X, Y, cfg, 0, world)
@@ -127,7 +137,7 @@ def _controls() -> dict:
     out["per_micro_no_sync"] = with_sync["calls_per_micro"]
 
     # Tokens: the fix matches one process; the naive mean does not.
-    out["tokens"] = token_loss.compare(cfg, fake)
+    out["tokens"] = token_loss.compare(cfg, fake, modes=("global", "naive", "local"))
     return out
 
 
@@ -142,15 +152,21 @@ class _Info:
 @pytest.mark.timeout(90)
 def test_negative_controls_are_rejected():
     res = run_on_ranks(_controls, 2, timeout=60)[0]
-    assert res["hand"] < TOL
-    assert res["skip_one_grad"] > 1e3 * TOL, "a gradient left out of the all-reduce went unnoticed"
-    assert res["no_divide_by_k"] > 1e3 * TOL, "an unnormalised accumulation went unnoticed"
-    assert res["same_shard"] > 1e3 * TOL, "training on one shard everywhere went unnoticed"
+    # The parity check the script uses, |Δθ| <= TOL, accepts the right versions ...
+    assert check_ok(res["hand"], 0.0, TOL) and check_ok(res["ddp"], 0.0, TOL)
+    # ... and rejects every broken one, by orders of magnitude.
+    for broken in ("skip_one_grad", "no_divide_by_k", "ddp_no_divide_by_k", "same_shard"):
+        assert not check_ok(res[broken], 0.0, TOL), f"{broken} passed the parity check"
+        assert res[broken] > 1e-4, broken
+    # Exercise 2's answer: one tensor (the first layer's weight) left out moves the result ~1e-2.
+    assert 1e-3 < res["skip_one_grad"] < 1, res["skip_one_grad"]
     steps, k = 6, train.Config().grad_accum_steps
     assert res["per_micro_no_sync"] == [0, 1] * steps  # one bucket, only on the last micro-batch
     assert res["calls_without"] == k * res["calls_no_sync"] == k * steps
-    assert res["tokens"]["global"] < TOL
-    assert res["tokens"]["naive"] > 1e3 * TOL
+    assert check_ok(res["tokens"]["global"], 0.0, TOL)
+    assert not check_ok(res["tokens"]["naive"], 0.0, TOL) and res["tokens"]["naive"] > 1e-4
+    # Exercise 4: the rank's own token count is right only if every rank holds N/W tokens.
+    assert not check_ok(res["tokens"]["local"], 0.0, TOL) and res["tokens"]["local"] > 1e-5
     per_rank = res["tokens"]["tokens_per_rank"]  # [rank][step]
     assert any(a != b for a, b in zip(*per_rank)), "the token demo needs uneven counts per rank"
 
@@ -167,13 +183,22 @@ def test_scaled_lr_formula():
     assert [round(train.scaled_lr(s, cfg), 12) for s in range(6)] == [0.1, 0.2, 0.3, 0.4, 0.4, 0.4]
 
 
-def test_impossible_layout_is_refused_in_one_sentence(tmp_path, monkeypatch):
+def test_impossible_layout_is_refused_in_one_sentence(monkeypatch, capsys):
     for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(SystemExit) as e:
-        train.main(train.Config(global_batch_size=7, out=str(tmp_path)))
-    assert "must divide into 1 ranks x 2 micro-batches" in str(e.value.code)
-    assert not dist.is_initialized()  # torn down in finally
+        train.parse_config(train.Config, ["--global-batch-size", "7"], validate=train.validate)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "must divide into 1 ranks x 2 micro-batches; use a multiple of 2" in err[0]
+    assert not dist.is_initialized()
     with pytest.raises(SystemExit) as e:
         train.parse_config(train.Config, ["--dtype", "float16"])
     assert e.value.code == 2
+    # The review's case: 48 samples cannot be 16 ranks x 2 micro-batches; the default 96 can,
+    # at every world the course's commands use.
+    with pytest.raises(ValueError, match="48 must divide into 16 ranks x 2 micro-batches"):
+        train.validate(train.Config(global_batch_size=48), 16)
+    for world in (1, 2, 3, 4, 8, 16):
+        train.validate(train.Config(), world)
+    train.validate(train.Config(global_batch_size=48), 3)  # the docstring's 3-rank command

@@ -113,5 +113,6 @@ plt.show()
 # 1. Run the script with `--dtype float32` on 2 and 3 processes. How large do the parity
 #    differences get, and why are they not zero?
 # 2. Change `all_reduce_gradients` to skip the bias of the last layer. Which checks fail?
-# 3. Make the token loss normalise by the *local* token count times the world size. When does
-#    that match one process, and when not?
+# 3. Make the token loss normalise by the rank's *local* token count
+#    (`token_loss.train_tokens_ddp(..., "local")`). When does that match one process, and when
+#    not? (Hints and answers: the lesson's exercises.)

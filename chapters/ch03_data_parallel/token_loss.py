@@ -50,7 +50,8 @@ def train_tokens_single(model, x, y, mask, cfg) -> None:
 
 
 def train_tokens_ddp(model, x, y, mask, cfg, info, normalise: str) -> list[int]:
-    """DDP over micro-batches; `normalise` is "global" (the fix) or "naive" (per-batch mean).
+    """DDP over micro-batches; `normalise` is "global" (the fix: the global token count),
+    "naive" (a mean per micro-batch) or "local" (the rank's own token count, exercise 4).
     Returns this rank's token count at each step."""
     ddp = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.base_lr)
@@ -65,23 +66,27 @@ def train_tokens_ddp(model, x, y, mask, cfg, info, normalise: str) -> list[int]:
         for xb, yb, mb in zip(*parts):
             if normalise == "global":
                 loss = summed_token_loss(ddp, xb, yb, mb) * info.world_size / global_tokens
-            else:
+            elif normalise == "local":
+                loss = summed_token_loss(ddp, xb, yb, mb) / local_tokens
+            elif normalise == "naive":
                 loss = summed_token_loss(ddp, xb, yb, mb) / mb.sum() / k
+            else:
+                raise ValueError(f"normalise must be global, local or naive, not {normalise!r}")
             loss.backward()
         opt.step()
     return counts
 
 
-def compare(cfg, info) -> dict:
-    """Max |Δparam| against one process for both normalisations, and each rank's token
-    count at each step."""
+def compare(cfg, info, modes=("global", "naive")) -> dict:
+    """Max |Δparam| against one process for each normalisation in `modes`, and each rank's
+    token count at each step."""
     x, y, mask = token_batches(cfg, info.device)
     torch.manual_seed(cfg.seed)
     model = MLP(cfg.d_in, 16, 1, n_layers=2).to(info.device, DTYPES[cfg.dtype])
     reference = copy.deepcopy(model)
     train_tokens_single(reference, x, y, mask, cfg)
     result = {}
-    for normalise in ("global", "naive"):
+    for normalise in modes:
         replica = copy.deepcopy(model)
         counts = train_tokens_ddp(replica, x, y, mask, cfg, info, normalise)
         result[normalise] = max_param_diff(replica, reference)
