@@ -59,6 +59,11 @@ class Config(RunConfig):
             raise ValueError("--tag must be a non-empty folder name without '/'")
 
 
+def validate(cfg: Config, world_size: int) -> None:
+    """Nothing depends on the world size: the micro-batch is per rank and ZeRO pads its flat
+    partitions to any number of ranks."""
+
+
 def ds_config(stage: int, micro_batch_size: int) -> dict:
     """DeepSpeed's JSON config (as in chapter 06): float32, no clipping, our torch optimizer."""
     return {
@@ -167,4 +172,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

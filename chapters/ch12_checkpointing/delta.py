@@ -1,8 +1,11 @@
 """Delta (incremental) checkpoints: store only the elements that changed since a base.
 
 A delta holds, per tensor, the flat indices of the changed elements and their NEW values.
-Restoring writes those values into a copy of the base: bit-exact. Storing the differences
-(new − base) in a narrower dtype to save more space is lossy: base + bf16(new − base) ≠ new.
+Restoring writes those values into a copy of the base: bit-exact. Storing differences instead
+is exact only where the subtraction is: in the tensor's own dtype (new − base) + base == new
+whenever new − base is representable (Sterbenz: new within a factor 2 of base, same sign), which
+small fine-tuning updates satisfy, and not in general (fp32 base 1.0, new 0.001 comes back as
+0.00099998713); in a narrower dtype (bf16) almost never.
 """
 
 import torch
@@ -51,6 +54,33 @@ def apply_difference_delta(base: dict, delta: dict) -> dict:
         flat[d["index"].long()] += d["values"].to(flat.dtype)
         out[name] = flat.view(d["shape"])
     return out
+
+
+def sterbenz(base: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Where Sterbenz's lemma makes new − base exact in their dtype (so that adding base back
+    gives new bit for bit): same sign and each within a factor 2 of the other, or either is 0."""
+    a, b = new.abs(), base.abs()
+    close = (torch.sign(new) == torch.sign(base)) & (a <= 2 * b) & (b <= 2 * a)
+    return close | (a == 0) | (b == 0)
+
+
+def difference_roundtrip(base: torch.Tensor, new: torch.Tensor) -> dict:
+    """Store new − base in the tensors' own dtype, add base back: how many elements come back
+    different, inside and outside the range where Sterbenz guarantees exactness."""
+    wrong = ((new - base) + base) != new
+    inside = sterbenz(base, new)
+    return {"elements": new.numel(), "outside_sterbenz": int((~inside).sum()),
+            "wrong_inside": int((wrong & inside).sum()), "wrong_outside": int((wrong & ~inside).sum())}
+
+
+def reinitialised_rows(cfg, base: dict) -> dict:
+    """The other kind of change: the touched rows re-drawn from scratch (a re-initialised head,
+    a replaced adapter), so new and base are unrelated numbers."""
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    table = base["embedding"].clone()
+    rows = torch.randperm(cfg.vocab, generator=g)[:cfg.touched_tokens]
+    table[rows] = torch.randn(len(rows), table.shape[1], generator=g)
+    return {"embedding": table}
 
 
 def delta_bytes(delta: dict) -> int:
@@ -102,6 +132,17 @@ def record_delta(cfg, rec, out) -> None:
               torch.equal(broken["embedding"], new["embedding"]), False)
     n_changed = sum(d["index"].numel() for d in delta.values())
     rec.check("changed elements = touched rows x dim", "count", n_changed, n_expected)
+    # Differences in the same dtype: exact where Sterbenz holds, not in general.
+    small = difference_roundtrip(base["embedding"], new["embedding"])
+    unrelated = difference_roundtrip(base["embedding"], reinitialised_rows(cfg, base)["embedding"])
+    rec.figure("fp32 (new-base)+base wrong: fine-tune [inside, outside Sterbenz]",
+               [small["wrong_inside"], small["wrong_outside"]], expected=[0, None])
+    rec.figure("fp32 (new-base)+base wrong: re-drawn rows [inside, outside]",
+               [unrelated["wrong_inside"], unrelated["wrong_outside"]], expected=[0, None])
+    rec.check("fp32 differences: wrong where Sterbenz holds", "count",
+              small["wrong_inside"] + unrelated["wrong_inside"], 0)
+    rec.check("fp32 differences of re-drawn rows: wrong elements (> 0)", "count",
+              unrelated["wrong_outside"], 0, compare=">")
     rec.check("delta payload = changed x (4 B index + 4 B value)", "formula",
               delta_bytes(delta), n_expected * 8)
     rec.figure("full embedding file", (out / "full_embedding.pt").stat().st_size,

@@ -5,12 +5,12 @@ state (dropout) and the data position (epoch, batch); leave out one and the resu
 Each save is atomic (temporary file, fsync, rename), so a save killed halfway leaves the previous
 checkpoint loadable and only a `.tmp` file behind, which the next start detects and removes.
 
-Run (one process by design: train.py shows the sharded, multi-rank checkpoint):
+Run (one process by design; resume_dcp.py is the same with several ranks, a sharded model and DCP):
     python chapters/ch12_checkpointing/resume.py                       # save, resume, compare
     python chapters/ch12_checkpointing/resume.py --ckpt-dir /tmp/ck --save-every 4   # resumes if /tmp/ck has one
     CH12_KILL_SAVE_AT_STEP=8 python chapters/ch12_checkpointing/resume.py --ckpt-dir /tmp/ck --save-every 4
-    torchrun, GPUs, several nodes, Slurm (srun): not needed here; each rank of a real job saves
-    its own RNG state and data position the same way (train.py saves the sharded part with DCP).
+    python chapters/ch12_checkpointing/resume.py --device cuda         # one GPU
+    torchrun, several nodes, Slurm (srun): refused (one process); use resume_dcp.py.
 """
 # launch: python
 
@@ -55,6 +55,8 @@ class Config(RunConfig):
     """Dropout probability: makes the RNG state part of the training state."""
     lr: float = 3e-3
     """Peak learning rate of AdamW (cosine schedule over --steps)."""
+    deterministic: bool = True
+    """Deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): a GPU rerun is bit-exact only with them."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -62,6 +64,22 @@ class Config(RunConfig):
             raise ValueError(f"--stop-at must lie strictly between 0 and --steps={self.steps}")
         if self.n_samples % self.batch_size:
             raise ValueError("--n-samples must be a multiple of --batch-size")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """One process by design: the several-rank version is resume_dcp.py."""
+    if world_size != 1:
+        raise ValueError("resume.py is one process; start it with python "
+                         "(resume_dcp.py is the multi-rank resume, under torchrun)")
+
+
+def make_deterministic(on: bool) -> None:
+    """Same kernels, same bits on a rerun. On GPUs, cuBLAS picks among algorithms and some
+    kernels use atomics (e.g. index_add_); deterministic mode forbids the nondeterministic ones,
+    and cuBLAS needs its workspace fixed before its first call. On the CPU nothing changes here."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
 
 
 def build(cfg: Config, device: torch.device | str = "cpu"):
@@ -113,7 +131,9 @@ def training_state(run: dict) -> dict:
 
 
 def restore(run: dict, state: dict, rng: bool = True, data: bool = True) -> None:
-    """Load a training state into freshly built objects (rng/data=False: the broken variants)."""
+    """Load a training state into freshly built objects (rng/data=False: the broken variants).
+    `state` must have been loaded onto the CPU: load_state_dict copies weights and Adam's moments
+    to the parameters' device, while torch.set_rng_state takes a CPU ByteTensor only."""
     run["model"].load_state_dict(state["model"])
     run["opt"].load_state_dict(state["optimizer"])
     run["sched"].load_state_dict(state["scheduler"])
@@ -177,7 +197,7 @@ def run_with_checkpoints(cfg: Config, X, Y, rec: RunRecorder) -> dict:
     for p in incomplete:
         log.info("removed an incomplete save: %s", p.name)
     if path is not None:
-        restore(run, load_checkpoint(path, map_location=X.device))
+        restore(run, load_checkpoint(path))  # on the CPU: set_rng_state takes CPU tensors only
         log.info("resumed from %s at step %d", path.name, run["step"])
     first, losses = run["step"], []
     while run["step"] < cfg.steps:
@@ -204,7 +224,7 @@ def resume_demo(cfg: Config, X, Y, rec: RunRecorder) -> dict:
     for name, rng, data in (("full", True, True), ("no RNG", False, True), ("no data position", True, False)):
         seed_everything(cfg.seed + 1)  # a new process: other RNG states, fresh objects
         run = new_run(cfg, X.device)
-        restore(run, load_checkpoint(path, map_location=X.device), rng=rng, data=data)
+        restore(run, load_checkpoint(path), rng=rng, data=data)  # CPU: RNG states must stay there
         tails[name] = train(cfg, run, X, Y, cfg.steps)
     for name, tail in tails.items():
         same = head + tail == reference
@@ -218,12 +238,10 @@ def resume_demo(cfg: Config, X, Y, rec: RunRecorder) -> dict:
 
 
 def main(cfg: Config) -> int:
+    make_deterministic(cfg.deterministic)  # before any CUDA work
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
-        if info.world_size > 1:
-            raise SystemExit("error: resume.py is one process; start it with python "
-                             "(train.py is the multi-rank, sharded checkpoint)")
         rec = RunRecorder(cfg, __file__, info)
         X, Y = (t.to(info.device) for t in regression_data(cfg.n_samples, 16, 1, seed=cfg.seed))
         if cfg.ckpt_dir:
@@ -241,4 +259,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

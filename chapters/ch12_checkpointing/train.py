@@ -17,8 +17,8 @@ Run:
     srun --ntasks=16 --ntasks-per-node=8 python chapters/ch12_checkpointing/train.py --out /shared/fs/ch12
 """
 
+import statistics
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,11 +43,17 @@ from chapters.ch12_checkpointing import delta as deltas
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.config import RunConfig, parse_config
 from common.data import regression_data
-from common.distributed import setup_distributed, teardown_distributed
+from common.distributed import (
+    gather_numbers,
+    reduce_number,
+    setup_distributed,
+    teardown_distributed,
+)
 from common.log import log, setup_logging
 from common.models import MLP
 from common.results import RunRecorder
 from common.seed import seed_everything
+from common.timing import Timer
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors on rank 0, {} elsewhere
 
@@ -67,15 +74,23 @@ class Config(RunConfig):
     """Rows of the embedding table of the delta demonstration."""
     touched_tokens: int = 64
     """Tokens (rows) the sparse fine-tuning updates between base and delta."""
+    save_repeats: int = 3
+    """Timed saves of each kind, after one untimed warm-up save of each kind (first-call costs)."""
     load_from: str = ""
     """Only load this DCP checkpoint (written with any world size) and compare it to its full_state.pt."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.async_steps < 1 or self.touched_tokens < 1:
-            raise ValueError("--async-steps and --touched-tokens must be at least 1")
+        if self.async_steps < 1 or self.touched_tokens < 1 or self.save_repeats < 1:
+            raise ValueError("--async-steps, --touched-tokens and --save-repeats must be at least 1")
         if self.touched_tokens > self.vocab:
             raise ValueError(f"--touched-tokens cannot exceed --vocab={self.vocab}")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Nothing depends on the world size: the batch is per rank, FSDP2 shards rows unevenly when
+    the world does not divide them (the 1-row output layer lives on rank 0 alone), and DCP
+    reshards a checkpoint onto any world."""
 
 
 def shard_model(cfg: Config, device: torch.device) -> MLP:
@@ -151,22 +166,37 @@ def adam_template(model) -> dict:
                           "step": torch.tensor(0.0)} for n, p in model.named_parameters()}}
 
 
-def reshard_check(path, cfg: Config | None = None) -> dict:
-    """Load `path` (written by any world size) onto this world's shards; compare the gathered
-    whole with full_state.pt. Returns this rank's shard rows and (rank 0) the max difference."""
+def planned_reads(state: dict, path) -> dict[str, int]:
+    """What `dcp.load(state, path)` will read on this rank: bytes per data file. DCP's file
+    reader reads each stored chunk that overlaps this rank's shard whole, then narrows it."""
+    reader = dcp.FileSystemReader(str(path))
+    meta = reader.read_metadata()
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, meta, is_coordinator=False)
+    reads: dict[str, int] = {}
+    for item in planner.create_local_plan().items:
+        info = meta.storage_data[item.storage_index]
+        reads[info.relative_path] = reads.get(info.relative_path, 0) + info.length
+    return reads
+
+
+def reshard_check(path, cfg: Config | None = None, device: torch.device | None = None) -> dict:
+    """Load `path` (written by any world size) onto this world's shards on `device` (default: the
+    CPU); compare the gathered whole with full_state.pt. Returns this rank's shard rows, the
+    bytes it read per file and (rank 0) the max difference."""
     cfg = cfg or Config()
-    cuda = torch.cuda.is_available()
-    model = shard_model(cfg, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
+    model = shard_model(cfg, device or torch.device("cpu"))
     state = {"model": get_model_state_dict(model), "optim": adam_template(model)}
-    dcp.load(state, checkpoint_id=str(path))  # each rank reads only the bytes of its shards
+    reads = planned_reads(state, path)
+    dcp.load(state, checkpoint_id=str(path))  # each rank reads only the chunks its shards need
     set_model_state_dict(model, state["model"])
     whole = snapshot(tree_map_only(DTensor, lambda t: t.full_tensor().cpu(), state))  # collectives
     shards = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
     if dist.get_rank() != 0:
-        return {"shards": shards}
+        return {"shards": shards, "reads": reads}
     saved = load_checkpoint(Path(path).parent / "full_state.pt")
     saved["optim"].pop("param_groups")  # hyper-parameters, not tensors: not in the template
-    return {"shards": shards, "max_diff": max_state_diff(whole, saved)}
+    return {"shards": shards, "reads": reads, "max_diff": max_state_diff(whole, saved)}
 
 
 def load_into_one_process(path, cfg: Config | None = None) -> dict:
@@ -207,15 +237,57 @@ def files_bytes(path: Path, pattern: str) -> list[int]:
     return [p.stat().st_size for p in sorted(path.glob(pattern))]
 
 
+def timed_saves(cfg: Config, model, opt, data, out: Path, info, async_pg) -> dict:
+    """Blocking and asynchronous DCP saves of the same state, each kind warmed up once first: the
+    first save of a process pays one-time costs (planner and writer set-up, thread pool, first
+    files) that would otherwise be charged to whichever kind runs first. Times are the slowest
+    rank's (the next collective waits for it), device synchronised. The first timed blocking save
+    is `dcp`, the first timed async one `dcp_async` (both hold the state at that moment)."""
+    def stall(t) -> float:
+        return reduce_number(t.elapsed, "max")
+
+    times = {"block": [], "async": [], "async_total": []}
+    with Timer(info.device) as t:
+        dcp.save(sharded_state(model, opt), checkpoint_id=str(out / "warmup" / "block"))
+    times["block_cold"] = stall(t)
+    with Timer(info.device) as t:
+        dcp.async_save(sharded_state(model, opt), checkpoint_id=str(out / "warmup" / "async"),
+                       process_group=async_pg).result()
+    times["async_cold"] = stall(t)
+    for i in range(cfg.save_repeats):
+        with Timer(info.device) as t:
+            dcp.save(sharded_state(model, opt), checkpoint_id=str(out / ("dcp" if i == 0 else f"timing/block{i}")))
+        times["block"].append(stall(t))
+    for i in range(cfg.save_repeats):
+        target = out / ("dcp_async" if i == 0 else f"timing/async{i}")
+        with Timer(info.device) as staged:  # returns once the state is copied aside
+            future = dcp.async_save(sharded_state(model, opt), checkpoint_id=str(target),
+                                    process_group=async_pg)
+        with Timer(info.device) as total:
+            train_steps(model, opt, data, cfg.async_steps)  # training goes on during the write
+            future.result()
+        times["async"].append(stall(staged))
+        times["async_total"].append(staged.elapsed + stall(total))
+    return times
+
+
+def spread(values: list[float]) -> list[float]:
+    """[median, min, max] in ms."""
+    ms = sorted(v * 1e3 for v in values)
+    return [round(statistics.median(ms), 2), round(ms[0], 2), round(ms[-1], 2)]
+
+
 def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)
         if cfg.load_from:  # reshard a checkpoint written by any world size onto this one
-            res = reshard_check(cfg.load_from, cfg)
+            res = reshard_check(cfg.load_from, cfg, info.device)
             rec.check(f"loaded on {info.world_size} ranks == saved state", "parity",
-                      res.get("max_diff", 0.0), 0.0)
+                      reduce_number(res.get("max_diff", 0.0), "max"), 0.0)
+            rec.figure("bytes read from the checkpoint, per rank",
+                       gather_numbers(sum(res["reads"].values())), unit="bytes")
             return rec.finish()
         seed_everything(cfg.seed)
         X, Y = regression_data(cfg.batch_size * info.world_size, cfg.d_in, 1, seed=cfg.seed)
@@ -225,28 +297,16 @@ def main(cfg: Config) -> int:
         loss = train_steps(model, opt, data, cfg.steps)
         log.info("world %d: trained %d steps, loss %.4f; saving", info.world_size, cfg.steps, loss)
 
-        # 1. Blocking sharded save, with the whole state beside it for checking.
+        # 1. The whole state beside the sharded saves, for checking; then the timed saves.
         saved = full_state(model, opt)
         if info.is_main:
             save_checkpoint(rec.out / "full_state.pt", saved)
-        dist.barrier()
-        t0 = time.perf_counter()
-        dcp.save(sharded_state(model, opt), checkpoint_id=str(rec.out / "dcp"))
-        t_block = time.perf_counter() - t0
         save_local_shards(model, rec.out / "torch_save_per_rank", info.rank)
-
-        # 2. Asynchronous save: returns after staging a copy; training goes on during the write.
         async_pg = dist.new_group(backend="gloo")  # the writer's collectives stay off training's group
-        t0 = time.perf_counter()
-        future = dcp.async_save(sharded_state(model, opt), checkpoint_id=str(rec.out / "dcp_async"),
-                                process_group=async_pg)
-        t_async = time.perf_counter() - t0
-        train_steps(model, opt, data, cfg.async_steps)
-        future.result()
-        t_async_total = time.perf_counter() - t0
+        times = timed_saves(cfg, model, opt, data, rec.out, info, async_pg)
         moved_on = full_state(model, opt)
 
-        # 3. Reload both into fresh sharded models and compare with the state at save time.
+        # 2. Reload both into fresh sharded models and compare with the state at save time.
         fresh, fresh_opt = build_sharded(cfg, info.device)
         load_sharded(rec.out / "dcp", fresh, fresh_opt)
         reloaded = full_state(fresh, fresh_opt)  # a collective: outside any `if rank == 0`
@@ -257,9 +317,9 @@ def main(cfg: Config) -> int:
         drift = max_state_diff(moved_on["model"], saved["model"]) if info.is_main else 1.0
         rec.check("DCP reload == saved state (max |diff|)", "parity", blocking_diff, 0.0)
         rec.check("async DCP reload == state at save time", "parity", async_diff, 0.0)
-        rec.check("training moved on during the async write", "parity", drift, 0.0, compare=">")
+        rec.check("training moved on during the async writes", "parity", drift, 0.0, compare=">")
 
-        # 4. Sizes beside the formula.
+        # 3. Sizes beside the formula, times with their spread.
         n_params = sum(p.numel() for p in model.parameters())
         n_tensors = len(list(model.parameters()))
         expected = expected_bytes(n_params, n_tensors)
@@ -270,11 +330,13 @@ def main(cfg: Config) -> int:
         rec.figure("DCP all files", sum(files_bytes(rec.out / "dcp", "*")), expected=expected, unit="bytes")
         rec.figure("torch.save of the full state", (rec.out / "full_state.pt").stat().st_size
                    if info.is_main else 0, expected=expected, unit="bytes")
-        rec.figure("blocking save", t_block * 1e3, unit="ms")
-        rec.figure("async save: time training waits", t_async * 1e3, unit="ms")
-        rec.figure("async save: until written", t_async_total * 1e3, unit="ms")
-        rec.check("async blocks training less than a blocking save", "timing", t_async * 1e3,
-                  t_block * 1e3, compare="<")
+        rec.figure("first blocking save (cold)", round(times["block_cold"] * 1e3, 2), unit="ms")
+        rec.figure("first async save, until written (cold)", round(times["async_cold"] * 1e3, 2), unit="ms")
+        rec.figure("blocking save [median, min, max]", spread(times["block"]), unit="ms")
+        rec.figure("async save: training waits [median, min, max]", spread(times["async"]), unit="ms")
+        rec.figure("async save: until written [median, min, max]", spread(times["async_total"]), unit="ms")
+        rec.check("async stalls training less than a blocking save (median)", "timing",
+                  spread(times["async"])[0], spread(times["block"])[0], compare="<")
         if info.is_main:
             deltas.record_delta(cfg, rec, rec.out)
         return rec.finish()
@@ -283,4 +345,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))
