@@ -91,6 +91,16 @@ def serial_order(p: int, m: int) -> list[list[schedule.Op]]:
             for s in range(p)]
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 5), (4, 8)])
+def test_a_message_delay_lengthens_only_the_fill_and_the_drain(p, m):
+    """simulate(comm=c): each of the p-1 hops of the fill and of the drain pays c once."""
+    for c in (Fraction(1, 2), 2):
+        events = schedule.simulate(schedule.gpipe_order(p, m), comm=c)
+        assert max(e.end for e in events) == 2 * (m + p - 1) + 2 * (p - 1) * c
+    one_rank = schedule.simulate(schedule.gpipe_order(1, m), comm=5)  # no message, no delay
+    assert max(e.end for e in one_rank) == 2 * m
+
+
 def test_bubble_negative_controls():
     # No micro-batch overlap: only one rank works at a time, whatever m: bubble (p-1)/p.
     assert schedule.bubble_fraction(schedule.simulate(serial_order(4, 8)), 4) == Fraction(3, 4)

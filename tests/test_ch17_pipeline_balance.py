@@ -60,6 +60,53 @@ def test_balanced_beats_uniform_on_the_skewed_model(p):
         max(partition.stage_costs(equal, partition.uniform_partition(len(equal), p)))
 
 
+def test_1f1b_step_is_at_most_the_slowest_stage_bound():
+    """The lesson's bound: with forward C_s and backward 2C_s, a 1F1B step lasts at most
+    3((m-1) max C + sum C), with equality when the slowest stage is the last one."""
+    rng = random.Random(1)
+    for _ in range(300):
+        p, m = rng.randint(2, 5), rng.randint(5, 10)
+        costs = [rng.choice([1, 2, 3, 5, 8]) for _ in range(p)]
+        span = max(e.end for e in simulate(one_f_one_b_order(p, m), costs, [2 * c for c in costs]))
+        bound = 3 * ((m - 1) * max(costs) + sum(costs))
+        assert span <= bound, (p, m, costs)
+        if costs[-1] == max(costs):
+            assert span == bound, (p, m, costs)
+
+
+def test_exercise_answers_partitions():
+    """Exercise 2: the heavy block first; exercise 4: parameters vs FLOPs on a GPT-2-medium shape."""
+    heavy_first = train.block_flops((512, 256, 32, 32, 32, 32, 32, 32), 32)
+    assert partition.balanced_partition(heavy_first, 2) == [0, 1, 8]
+    assert partition.uniform_partition(8, 2) == [0, 4, 8]
+    # d = 1024, 24 blocks, sequence 1024, vocabulary 50257, untied embedding and LM head
+    d, vocab, blocks, seq = 1024, 50257, 24, 1024
+    params = [vocab * d] + [12 * d * d] * blocks + [vocab * d]
+    flops = [0] + [24 * d * d + 4 * seq * d] * blocks + [2 * vocab * d]  # forward, per token
+    by_params, by_flops = partition.balanced_partition(params, 4), partition.balanced_partition(flops, 4)
+    assert by_params == [0, 5, 13, 21, 26] and by_flops == [0, 8, 15, 22, 26]
+    slow = max(partition.stage_costs(flops, by_params)) / max(partition.stage_costs(flops, by_flops))
+    assert round(slow, 3) == 1.143  # the parameter-balanced step is 14% slower
+
+
+def test_exercise_answer_message_cost_where_interleaving_stops_paying():
+    """Exercise 3: a message delay c (in units of one stage's forward; backward = 2) at which
+    interleaved 1F1B (v = 2, chunks half a stage) stops beating 1F1B."""
+    def spans(p, m, c):
+        one_f = max(e.end for e in simulate(one_f_one_b_order(p, m), 1, 2, comm=c))
+        inter = max(e.end for e in simulate(schedules.interleaved_order(p, m, 2), Fraction(1, 2), 1, comm=c))
+        return one_f, inter
+    for p, m, even in ((2, 4, Fraction(5, 8)), (4, 8, Fraction(11, 8))):
+        one_f, inter = spans(p, m, 0)
+        assert inter < one_f  # free messages: interleaving wins
+        one_f, inter = spans(p, m, even - Fraction(1, 8))
+        assert inter < one_f
+        one_f, inter = spans(p, m, even)
+        assert inter == one_f  # break-even
+        one_f, inter = spans(p, m, 2 * even)
+        assert inter > one_f
+
+
 # ---- schedules, counted -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("p", [2, 4])

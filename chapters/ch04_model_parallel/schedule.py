@@ -72,11 +72,13 @@ def dependencies(op: Op, n_stages: int) -> list[tuple[str, int, int]]:
 
 
 def simulate(orders: list[list[Op]], f_cost: float | Sequence[float] = 1,
-             b_cost: float | Sequence[float] = 1) -> list[Event]:
+             b_cost: float | Sequence[float] = 1, comm: float = 0) -> list[Event]:
     """Place every operation at the earliest time its rank is free and its dependencies are
-    done. Costs are per operation, one number or one per stage. Raises ValueError if the
-    orders deadlock (a rank waits for work that is queued behind its own)."""
+    done. Costs are per operation, one number or one per stage; `comm` is the delay of a
+    message (a dependency on another rank's operation), 0 by default: free communication.
+    Raises ValueError if the orders deadlock (a rank waits for work queued behind its own)."""
     n_stages = 1 + max(op.stage for ops in orders for op in ops)
+    rank_of = {op.stage: rank for rank, ops in enumerate(orders) for op in ops}
     done: dict[tuple[str, int, int], float] = {}
     events: list[Event] = []
     nxt, free = [0] * len(orders), [0.0] * len(orders)
@@ -88,7 +90,7 @@ def simulate(orders: list[list[Op]], f_cost: float | Sequence[float] = 1,
                 deps = dependencies(op, n_stages)
                 if any(d not in done for d in deps):
                     break
-                start = max([free[rank]] + [done[d] for d in deps])
+                start = max([free[rank]] + [done[d] + (comm if rank_of[d[2]] != rank else 0) for d in deps])
                 cost = _cost(f_cost if op.kind == "F" else b_cost, op.stage)
                 events.append(Event(rank, op.kind, op.mb, op.stage, start, start + cost))
                 done[(op.kind, op.mb, op.stage)] = free[rank] = start + cost
