@@ -20,7 +20,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from chapters.ch05_tensor_parallel import activations, block, checks, dtensor_tp, tp_layers, train, vocab_parallel
+from chapters.ch05_tensor_parallel import (
+    activations,
+    block,
+    checks,
+    dtensor_tp,
+    tp_layers,
+    train,
+    vocab_parallel,
+)
 from chapters.ch05_tensor_parallel.tp_layers import tp_layout_error
 from common.checkpoint import load_checkpoint
 from common.config import parse_config
@@ -218,7 +226,7 @@ def _four_ranks() -> dict:
         out["ops ring"] = _operators(rank, t)
     finally:
         tp_layers.use_ring(False)
-    cfg = train.Config(steps=2, collectives="ring")
+    cfg = train.Config(steps=1, collectives="ring")
     torch.manual_seed(cfg.seed)
     dense = block.DenseModel(cfg.d_model, cfg.n_heads, cfg.ffn_mult * cfg.d_model, cfg.n_layers,
                              cfg.dropout).double()
@@ -314,6 +322,14 @@ def _controls() -> dict:
         out["f without backward all-reduce"] = verdicts("hand TP", hand(sp=False))
     out["SP without LayerNorm/bias grad sync"] = verdicts("hand TP+SP", hand(sp=True, sync=False), sp=True)
 
+    def bias_before_g(self, x):  # exercise 2: the row-parallel bias added before the sum
+        return tp_layers.reduce_from_tp(F.linear(x, self.weight, self.bias))
+
+    with patched(tp_layers.RowParallelLinear, "forward", bias_before_g):
+        run = hand(sp=False)
+        out["bias before g"] = verdicts("hand TP", run)
+        out["bias before g: diffs"] = checks.compare(run, refs["dense"], checks.Expect(rank, t, False, True))
+
     def same_mask_everywhere(x, p, seed, seq_offset=0, seq_total=None):
         return block.seeded_dropout(x, p, seed, 0, seq_total)  # every rank takes rows 0..S/t
 
@@ -336,6 +352,13 @@ def _controls() -> dict:
     out["DTensor SP plan without SequenceParallel on ln2"] = verdicts(
         "DTensor TP+SP", dtensor([no_ln2] * cfg.n_layers, sp=True), "dense p=0", "dtensor", sp=True,
         sharded=False)
+    # exercise 5: PrepareModuleInput before attention and the MLP without sequence parallelism
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+    keep = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))
+    prepared = full | {"attn": keep, "mlp": keep}
+    out["TP with PrepareModuleInput: backward"] = dtensor_tp.counts(
+        dtensor([prepared] * cfg.n_layers, sp=False)["modes"])["backward"]
     raised = {}
     for sp, plan in ((False, full), (True, full_sp)):  # any one Linear left out: shapes break
         for key in [k for k in plan if k.count(".") == 1]:
@@ -398,6 +421,10 @@ def test_negative_controls_fail_the_scripts_own_checks():
     assert parity_failed(no_sync, "hand TP+SP", "gradients")
     assert "hand TP+SP: grad-sync all-reduces per layer (2 LayerNorms x 2, 2 biases)" in no_sync
     assert parity_failed(c["SP dropout mask not sliced per rank"], "hand TP+SP", "output")
+    assert parity_failed(c["bias before g"], "hand TP", "output")  # exercise 2
+    assert c["bias before g: diffs"]["output"] > 1e-2, c["bias before g: diffs"]
+    L = train.Config().n_layers
+    assert c["TP with PrepareModuleInput: backward"] == {"all_reduce": 2 * L}  # exercise 5
     view = c["SP dropout mask kept as a view"]  # right numbers, memory not saved
     assert view == ["activation bytes SP saves per rank per layer = (1-1/t)(2BSh*b + 4BS*b + 2BSh)"], view
 
@@ -415,7 +442,6 @@ def test_negative_controls_fail_the_scripts_own_checks():
     # reduces them inside clip_grad_norm_ and again at the optimizer's update
     assert c["ln grad placements"] == ["Partial"]
     assert c["ln grad local share vs whole"] > 0.1  # relative: a share, not the sum
-    L = train.Config().n_layers
     assert c["lazy counts"].get("grad sync", {}) == {}
     assert c["lazy counts"]["optimizer step"] == {"all_reduce": 4 * L}
     assert all(d < TOL for d in c["lazy parity"].values()), c["lazy parity"]

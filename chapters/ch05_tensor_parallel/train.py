@@ -33,7 +33,11 @@ import torch
 from chapters.ch05_tensor_parallel import checks, dtensor_tp, tp_layers, vocab_parallel
 from chapters.ch05_tensor_parallel.activations import SavedTensors
 from chapters.ch05_tensor_parallel.block import DenseModel
-from chapters.ch05_tensor_parallel.tp_layers import TPModel, shard_state, sync_sequence_parallel_grads
+from chapters.ch05_tensor_parallel.tp_layers import (
+    TPModel,
+    shard_state,
+    sync_sequence_parallel_grads,
+)
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, parse_config, require_at_least_one
 from common.distributed import reduce_number, setup_distributed, teardown_distributed
@@ -97,6 +101,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if error := tp_layers.tp_layout_error(world_size, cfg.n_heads, cfg.ffn_mult * cfg.d_model,
                                           cfg.seq_len, sequence_parallel=True):
         raise ValueError(error)
+    if world_size > 1 and cfg.backend == "gloo" and cfg.device == "cuda":
+        raise ValueError("gloo has no all-gather or reduce-scatter on CUDA tensors, which sequence "
+                         "parallelism needs: use NCCL (one GPU per rank) or the CPU")
     if cfg.vocab_size % world_size:
         raise ValueError(f"tensor-parallel degree {world_size} does not divide the vocabulary "
                          f"size {cfg.vocab_size}")
