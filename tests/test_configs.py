@@ -40,6 +40,8 @@ REFUSED: dict[tuple[str, int], str] = {
     # ch04, ch17: a pipeline needs two stages, one per rank
     ("ch04_model_parallel/train", 1): "needs at least 2 ranks",
     ("ch17_pipeline_balance/train", 1): "needs at least 2 ranks",
+    # ch05: the TP degree is the world size and must split whole attention heads (16)
+    ("ch05_tensor_parallel/train", 3): "does not divide the 16 attention heads",
 }
 
 
