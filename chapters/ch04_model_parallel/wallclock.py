@@ -26,6 +26,7 @@ from chapters.ch04_model_parallel.train import Config, SleepStage, build_stage
 from common.distributed import reduce_number
 from common.models import MLP
 from common.seed import seed_everything
+from common.timing import synchronize
 
 
 @dataclass
@@ -51,6 +52,7 @@ def timed_step(step_fn, stage, x, info, n_micro: int) -> list[Event]:
     own start after a barrier (good to the barrier's skew, about a message latency)."""
     events: list = []
     dist.barrier()
+    synchronize(info.device)  # the step starts once the device has nothing queued
     start = time.perf_counter()
     step_fn(stage, x, x, info.rank, info.world_size, x, n_micro, events=events)
     origin = reduce_number(start, "min") if one_machine(info) else start

@@ -78,7 +78,8 @@ def torch_order(schedule, n_ranks: int) -> list[list[Op]]:
         for action in schedule.pipeline_order[r]:
             if action is None:
                 continue
-            kind = {"FORWARD": "F", "FULL_BACKWARD": "B"}.get(action.computation_type.name)
+            # FULL_BACKWARD since torch 2.5 (zero-bubble schedules split it into two halves)
+            kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD": "B"}.get(action.computation_type.name)
             if kind:
                 ops.append(Op(kind, action.microbatch_index, action.stage_index))
         orders.append(ops)
