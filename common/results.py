@@ -151,9 +151,12 @@ class RunRecorder:
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
 
-    def figure(self, name: str, measured, expected=None, unit: str = "") -> None:
-        """Record a measured figure beside the value theory predicts (if it predicts one)."""
+    def figure(self, name: str, measured, expected=None, unit: str = "", spread=None) -> None:
+        """Record a measured figure beside the value theory predicts (if it predicts one).
+        `spread=(low, high)` records the range over repeats (a timing's min and max)."""
         self.figures[name] = {"measured": _plain(measured), "expected": _plain(expected), "unit": unit}
+        if spread is not None:
+            self.figures[name]["spread"] = [_plain(spread[0]), _plain(spread[1])]
 
     def check(self, name: str, kind: str, measured, expected, tolerance: float = 0.0,
               relative: bool = False, compare: str = "==") -> bool:
@@ -212,7 +215,9 @@ class RunRecorder:
     def print_table(self) -> None:
         rows = [("figure", "unit", "expected", "measured", "", "")]
         rows += [(n, f["unit"], _fmt(f["expected"]) if f["expected"] is not None else "-",
-                  _fmt(f["measured"]), "", "") for n, f in self.figures.items()]
+                  _fmt(f["measured"]) + (f" ({_fmt(f['spread'][0])}-{_fmt(f['spread'][1])})"
+                                         if "spread" in f else ""), "", "")
+                 for n, f in self.figures.items()]
         rows += [("check", "kind", "expected", "measured", "tolerance", "ok")]
         rows += [(c["name"], c["kind"], expected_text(c), _fmt(c["measured"]),
                   (_fmt(c["tolerance"]) + (" rel" if c["relative"] else ""))

@@ -280,6 +280,7 @@ def test_recorder_writes_summary_and_metrics(tmp_path):
     rec = results.RunRecorder(cfg, "/x/chapters/ch99_demo/train.py")
     rec.metrics(1, loss=torch.tensor(0.5), lr=0.1)
     rec.figure("busbw", measured=0.9, expected=1.0, unit="GB/s")
+    rec.figure("step time", measured=2.0, unit="ms", spread=(1.5, 3.0))
     assert rec.check("equal", "parity", measured=1e-13, expected=0.0, tolerance=1e-12)
     assert not rec.check("slow", "timing", measured=2.0, expected=1.0, tolerance=0.1, relative=True)
     assert rec.finish() == 0  # a failed timing check is not fatal
@@ -288,6 +289,7 @@ def test_recorder_writes_summary_and_metrics(tmp_path):
                             "config", "figures", "checks"}
     assert (summary["chapter"], summary["script"]) == ("ch99_demo", "train")
     assert summary["figures"]["busbw"] == {"measured": 0.9, "expected": 1.0, "unit": "GB/s"}
+    assert summary["figures"]["step time"]["spread"] == [1.5, 3.0]
     assert [c["ok"] for c in summary["checks"]] == [True, False]
     assert set(summary["checks"][0]) >= {"name", "kind", "measured", "expected", "compare",
                                          "tolerance", "ok"}
