@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from chapters.ch16_stability import precision, train
+from chapters.ch16_stability import plots, precision, train
 from common.checkpoint import load_checkpoint
 from common.data import regression_data
 from common.launch import run_on_ranks, run_torchrun
@@ -60,6 +61,13 @@ def test_two_ranks_match_an_independent_reference(tmp_path):
     assert (saved["hand_norm"] > cfg.max_norm).any(), "clipping never acted: the test proves nothing"
 
 
+def shard_local_norms(grads: list[torch.Tensor], world: int) -> list[float]:
+    """Each rank's norm over its own rows only (FSDP2 shards dim 0 like torch.chunk): what a
+    global_grad_norm without its all-reduce returns on each rank."""
+    return [math.sqrt(sum((g.chunk(world)[r] ** 2).sum().item() for g in grads
+                          if r < len(g.chunk(world)))) for r in range(world)]
+
+
 def _sharded_checks() -> dict:
     """On gloo ranks: norms and clipped gradients of FSDP2 shards vs one unsharded model;
     a poisoned step skipped bitwise; the negative controls."""
@@ -82,6 +90,7 @@ def _sharded_checks() -> dict:
     out["ref_norm"] = ref_norm
     out["hand_norm"] = train.global_grad_norm(params).item()
     out["local_only_norm"] = train.global_grad_norm(params, sharded=False).item()  # broken
+    out["chunk_model_norm"] = shard_local_norms([p.grad for p in plain.parameters()], world)[rank]
     saved = [train.local_shard(p.grad).clone() for p in params]
     train.clip_by_global_norm(params, cfg.max_norm)
     hand_clipped = [p.grad.full_tensor() for p in params]
@@ -109,7 +118,7 @@ def _sharded_checks() -> dict:
     loss.backward()
     params = list(model.parameters())
     out["decision_local_loss"] = not torch.isfinite(loss).item()
-    out["decision_agreed"] = train.all_ranks_agree(train.step_is_bad(loss, params), x.device)
+    out["decision_agreed"] = train.all_ranks_agree(train.step_is_bad(loss, params))
     out["grad_shard_finite"] = bool(torch.isfinite(train.local_grad_sq_norm(params)))
     return out
 
@@ -152,6 +161,8 @@ def test_sharded_norm_clipping_and_skipping_on_three_uneven_ranks():
         assert r["hand_vs_ref"] < 1e-14 and r["torch_vs_ref"] < 1e-14
         # Negative control: a norm from the local shard only is smaller and the check rejects it.
         assert abs(r["local_only_norm"] - r["ref_norm"]) > 1e-3 * r["ref_norm"]
+        # ... and it is the norm of this rank's rows (torch.chunk on dim 0), as exercise 3 uses.
+        assert r["local_only_norm"] == pytest.approx(r["chunk_model_norm"], rel=1e-12)
         assert r["local_vs_ref"] > 1e-6
         p = r["poison"]
         assert p["skipped"] == [5] and p["untouched"] and p["n_state"] == 4 * 6
@@ -182,21 +193,41 @@ def test_bf16_running_sum_stagnates_where_the_formula_says():
     assert precision.naive_sum([v] * n, precision.round_fp32) == n * v  # exact in fp32
 
 
-def test_accumulation_fixes_bring_the_error_down_within_their_bounds():
+def test_accumulation_bounds_hold_and_broken_sums_break_them():
     errors = precision.accumulation_errors(100_000, seed=1)
     naive = errors["bf16 naive"]
     assert naive["rel_error"] > 0.9 and naive["sum"] == naive["stagnation"]
+    # Higham's bounds: those below 1 say something at n = 10⁵ and hold; naive bf16 has none
+    # ((n−1)u ≥ 1) and Kahan's 2u + n·u² is above 1, so the script checks them otherwise.
+    meaningful = {name for name, e in errors.items() if e["bound"] < 1}
+    assert meaningful == {"bf16 inputs, fp32 accumulator", "bf16 pairwise", "fp32 naive"}
     for name, e in errors.items():
         assert e["rel_error"] <= e["bound"], name
         if name != "bf16 naive":
             assert e["rel_error"] < naive["rel_error"] / 100, name
-    # Negative control: Kahan without its compensation is the naive sum again.
-    values = torch.rand(20_000, generator=torch.Generator().manual_seed(1)).mul(1e-3).bfloat16().float().tolist()
-    exact = math.fsum(values)
-    broken = precision.kahan_sum(values, compensate=False)
-    assert broken == precision.naive_sum(values)
-    assert abs(broken - exact) / exact > naive["rel_error"] / 100 * 10
-    assert abs(precision.kahan_sum(values) - exact) / exact < 2 * precision.U_BF16
+    assert errors["bf16 Kahan"]["rel_error"] <= 2 * precision.U_BF16_OP
+    # The bounds recomputed by hand: γ_k = k·u / (1 − k·u).
+    n, u, u32 = 100_000, precision.U_BF16_OP, 2.0**-24
+    assert errors["bf16 pairwise"]["bound"] == pytest.approx(17 * u / (1 - 17 * u), rel=1e-15)
+    assert errors["fp32 naive"]["bound"] == pytest.approx((n - 1) * u32 / (1 - (n - 1) * u32), rel=1e-15)
+
+    # Negative controls: each broken sum breaks the check that guards it.
+    broken = precision.accumulation_errors(100_000, seed=1, methods={
+        "bf16 inputs, fp32 accumulator": (precision.naive_sum, "bf16"),      # accumulates in bf16
+        "bf16 pairwise": (precision.naive_sum, "bf16"),                      # sequential after all
+        "fp32 naive": (precision.naive_sum, "fp32"),                         # rounds to bf16
+        "bf16 Kahan": (lambda v: precision.kahan_sum(v, compensate=False), "bf16"),  # no carry
+    })
+    for name in meaningful:
+        assert broken[name]["rel_error"] > broken[name]["bound"], name
+    assert broken["bf16 Kahan"]["rel_error"] > 2 * precision.U_BF16_OP
+
+    # Kahan's own limit: a constant power of two v stops at 2¹⁶·v (naive: 2⁸·v); without the
+    # carry it is the naive sum again.
+    v = 2.0**-12
+    assert precision.kahan_sum([v] * 2**17) == precision.kahan_stagnation_point(v) == 2**16 * v
+    assert precision.kahan_sum([v] * 2**15) == 2**15 * v  # exact below it
+    assert precision.kahan_sum([v] * 2**17, compensate=False) == precision.naive_sum([v] * 2**17) == 2**8 * v
 
 
 def test_fp32_master_weights_keep_updates_below_half_an_ulp():
@@ -220,3 +251,47 @@ def test_impossible_settings_are_refused():
         with pytest.raises(SystemExit) as e:
             train.parse_config(train.Config, argv)
         assert e.value.code == 2
+    for world in (1, 2, 3, 4, 8, 16):
+        train.validate(train.Config(), world)
+    with pytest.raises(ValueError, match="must divide into 5 ranks"):
+        train.validate(train.Config(), 5)
+
+
+def test_exercise_answers():
+    cfg = train.Config()
+    # 1. inf instead of NaN, or the poison on rank 0: the same step is skipped (a world of one).
+    assert plots.one_process_run(train.Config(poison_value=float("inf")))["skipped_bad"] == [8]
+    assert plots.one_process_run(train.Config(poison_rank=0))["skipped_bad"] == [8]
+    # 2. False spikes: none at factor 1.5 with a window of 5; a shorter window (3) or a lower
+    # factor (1.2) flags ordinary steps; the mean of the window instead of its median too.
+    assert plots.one_process_run(train.Config(spike_factor=1.5))["spikes"] == [13]
+    assert plots.one_process_run(train.Config(spike_factor=1.5, spike_window=3))["spikes"] == [13, 19]
+    assert plots.one_process_run(train.Config(spike_factor=1.2))["spikes"] == [11, 12, 13, 14]
+    mean_rule = lambda loss, history, c: (len(history[-c.spike_window:]) == c.spike_window  # noqa: E731
+                                          and loss > c.spike_factor * statistics.mean(history[-c.spike_window:]))
+    original = train.is_spike
+    try:
+        train.is_spike = mean_rule
+        assert plots.one_process_run(train.Config(spike_factor=1.5))["spikes"] == [11, 12, 13]
+    finally:
+        train.is_spike = original
+    # 3. Without the all-reduce each rank's norm covers its own rows only: on the first step's
+    # gradient (0.9915), 0.889 and 0.440 on 2 ranks, 0.838, 0.420 and 0.322 on 3 (rank 0 holds
+    # the last layer's single row, where most of the norm is).
+    X, Y = regression_data(cfg.steps * cfg.global_batch_size, cfg.d_in, 1, seed=cfg.seed,
+                           dtype=torch.float64)
+    torch.manual_seed(cfg.seed)
+    model = MLP(cfg.d_in, cfg.d_hidden, 1).double()
+    F.mse_loss(model(X[:cfg.global_batch_size]), Y[:cfg.global_batch_size]).backward()
+    grads = [p.grad for p in model.parameters()]
+    assert shard_local_norms(grads, 1)[0] == pytest.approx(0.9915, abs=5e-5)
+    assert shard_local_norms(grads, 2) == pytest.approx([0.8886, 0.4398], abs=5e-5)
+    assert shard_local_norms(grads, 3) == pytest.approx([0.8381, 0.4204, 0.3224], abs=5e-5)
+    # 4. Signed terms in [-1e-3, 1e-3): the running sum stays small, so naive bf16 loses little
+    # relative to Σ|x| (4.2e-4, against 0.99 for positive terms); relative to the sum itself
+    # (0.055) its error is 38 %: cancellation, which the bounds (relative to Σ|x|) do not see.
+    signed = precision.accumulation_errors(100_000, seed=0, low=-1e-3)
+    naive = signed["bf16 naive"]
+    assert naive["rel_error"] == pytest.approx(4.236e-4, rel=1e-3)
+    assert abs(naive["sum"] - naive["exact"]) / abs(naive["exact"]) == pytest.approx(0.384, abs=1e-3)
+    assert signed["bf16 inputs, fp32 accumulator"]["rel_error"] < 1e-5

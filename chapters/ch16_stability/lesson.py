@@ -79,7 +79,17 @@ plt.legend()
 plt.show()
 
 # %% [markdown]
-# 10⁵ random values in [0, 10⁻³): each fix against the naive bf16 sum, beside its worst-case bound.
+# Kahan's compensated sum carries what each addition lost, but in bf16 the carry has 8 bits too:
+# it stops at 2¹⁶·v instead of 2⁸·v.
+
+# %%
+v = 2.0**-10
+print("naive:", precision.naive_sum([v] * 2**17), " Kahan:", precision.kahan_sum([v] * 2**17),
+      " predicted:", precision.stagnation_point(v), precision.kahan_stagnation_point(v))
+
+# %% [markdown]
+# 10⁵ random values in [0, 10⁻³): each fix against the naive bf16 sum, beside Higham's worst-case
+# bound (inf: no bound exists; a bound of 1 or more says nothing for a sum of positive terms).
 
 # %%
 errors = precision.accumulation_errors(100_000)
@@ -113,6 +123,6 @@ for check in result.summary["checks"]:
 
 # %% [markdown]
 # ## Exercises
-# 1. Run with `--poison-value inf` and with `--poison-step -1`. Which checks change?
-# 2. Set `--spike-factor 1.5`. How many false spikes does the detector report, and why?
-# 3. Change `accumulation_errors` to values in [-1e-3, 1e-3). Which bound becomes tight?
+# The lesson's exercises (with hints and answers): other poisons and ranks, false spikes with a
+# lower factor or a shorter window, a global norm without its all-reduce, and signed terms
+# (`precision.accumulation_errors(100_000, low=-1e-3)`).

@@ -75,37 +75,65 @@ def pairwise_sum(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(())
 
 
+def gamma(k: int, u: float) -> float:
+    """Higham's γ_k = k·u / (1 − k·u): the bound on the relative error of k roundings in a row
+    (Lemma 3.1). Defined for k·u < 1; beyond that no bound exists (inf)."""
+    return k * u / (1 - k * u) if k * u < 1 else math.inf
+
+
+# One bf16 operation in torch (and in `round_bf16`) rounds the exact result to fp32, then to bf16:
+# twice, so its relative error is at most u_bf16 + u_fp32 + u_bf16·u_fp32, a hair above u_bf16.
+U_BF16_OP = U_BF16 + U_FP32 + U_BF16 * U_FP32
+
+
 def error_bounds(n: int) -> dict[str, float]:
-    """Worst-case relative error |ŝ − s| / Σ|x| of each method for n terms (Higham, ch. 4);
-    for the fp32 accumulator the final rounding to bf16 (u_bf16) dominates."""
+    """Worst-case bounds on |ŝ − s| / Σ|xᵢ| for n terms (Higham, *Accuracy and Stability of
+    Numerical Algorithms*, 2nd ed., §4.2-4.3): recursive summation γ_{n−1}, pairwise summation
+    γ_{⌈log₂ n⌉}, compensated (Kahan) summation 2u + O(n·u²). inf where no bound exists.
+    A bound ≥ 1 says nothing here (a sum of positive terms that stagnates is off by less than
+    100 %): naive bf16 (γ undefined: (n−1)·u ≥ 1) and Kahan, whose n·u² term is 1.5 at n = 10⁵
+    (Knuth and Higham leave its constant unstated; n·u² is its size)."""
+    g32 = gamma(n - 1, U_FP32)
     return {
-        "bf16 naive": (n - 1) * U_BF16,
-        "bf16 inputs, fp32 accumulator": (n - 1) * U_FP32 + U_BF16,
-        "bf16 Kahan": 2 * U_BF16 + n * U_BF16**2,
-        "bf16 pairwise": math.ceil(math.log2(n)) * U_BF16,
-        "fp32 naive": (n - 1) * U_FP32,
+        "bf16 naive": gamma(n - 1, U_BF16_OP),
+        "bf16 inputs, fp32 accumulator": g32 + U_BF16_OP * (1 + g32),  # then one rounding to bf16
+        "bf16 Kahan": 2 * U_BF16_OP + n * U_BF16_OP**2,
+        "bf16 pairwise": gamma(math.ceil(math.log2(n)), U_BF16_OP),
+        "fp32 naive": g32,
     }
 
 
-def accumulation_errors(n: int = 100_000, seed: int = 0) -> dict[str, dict[str, float]]:
-    """Sum n uniform values in [0, 1e-3) five ways; relative error of each against the exact
-    (float64) sum of the same inputs, beside its worst-case bound."""
+def bf16_inputs_fp32_accumulator(values: list[float]) -> float:
+    """bf16 terms summed in an fp32 accumulator, the result rounded to bf16 once (what a GPU
+    matmul or `tensor.sum(dtype=torch.float32)` then `.bfloat16()` does)."""
+    return round_bf16(naive_sum(values, round_fp32))
+
+
+# name -> (how it sums, which inputs: the bf16-rounded terms or the fp32 ones)
+METHODS = {
+    "bf16 naive": (naive_sum, "bf16"),
+    "bf16 inputs, fp32 accumulator": (bf16_inputs_fp32_accumulator, "bf16"),
+    "bf16 Kahan": (kahan_sum, "bf16"),
+    "bf16 pairwise": (lambda v: pairwise_sum(torch.tensor(v, dtype=torch.bfloat16)).item(), "bf16"),
+    "fp32 naive": (lambda v: naive_sum(v, round_fp32), "fp32"),
+}
+
+
+def accumulation_errors(n: int = 100_000, seed: int = 0, low: float = 0.0, high: float = 1e-3,
+                        methods: dict | None = None) -> dict[str, dict[str, float]]:
+    """Sum n uniform values in [low, high) five ways; the relative error |ŝ − s| / Σ|xᵢ| of each
+    against the exact (math.fsum) sum of the same inputs, beside its worst-case bound.
+    `methods` replaces some of `METHODS` (the tests pass broken ones)."""
     g = torch.Generator().manual_seed(seed)
-    x32 = torch.rand(n, generator=g, dtype=torch.float32) * 1e-3
-    x16 = x32.to(torch.bfloat16)
-    v16, v32 = x16.float().tolist(), x32.tolist()
-    exact16, exact32 = math.fsum(v16), math.fsum(v32)
-    got = {
-        "bf16 naive": (naive_sum(v16), exact16),
-        "bf16 inputs, fp32 accumulator": (round_bf16(naive_sum(v16, round_fp32)), exact16),
-        "bf16 Kahan": (kahan_sum(v16), exact16),
-        "bf16 pairwise": (pairwise_sum(x16).item(), exact16),
-        "fp32 naive": (naive_sum(v32, round_fp32), exact32),
-    }
+    x32 = low + torch.rand(n, generator=g, dtype=torch.float32) * (high - low)
+    inputs = {"bf16": x32.to(torch.bfloat16).float().tolist(), "fp32": x32.tolist()}
     bounds = error_bounds(n)
-    out = {name: {"sum": s, "exact": e, "rel_error": abs(s - e) / e, "bound": bounds[name]}
-           for name, (s, e) in got.items()}
-    out["bf16 naive"]["stagnation"] = stagnation_point(max(v16))
+    out = {}
+    for name, (fn, kind) in {**METHODS, **(methods or {})}.items():
+        v = inputs[kind]
+        s, exact, mass = fn(v), math.fsum(v), math.fsum(abs(x) for x in v)
+        out[name] = {"sum": s, "exact": exact, "rel_error": abs(s - exact) / mass, "bound": bounds[name]}
+    out["bf16 naive"]["stagnation"] = stagnation_point(max(inputs["bf16"]))
     return out
 
 
@@ -114,6 +142,14 @@ def stagnation_point(max_term: float) -> float:
     [2ᵉ, 2ᵉ⁺¹) half an ulp is 2ᵉ⁻⁸, so once 2ᵉ ≥ 2⁸·max_term every term rounds away. For a
     constant power of two v the sum sticks at exactly 2⁸·v (s + v is a tie, kept at the even s)."""
     return 2.0 ** math.ceil(math.log2(2.0**8 * max_term))
+
+
+def kahan_stagnation_point(v: float) -> float:
+    """Where Kahan's bf16 sum of a constant power of two v stops: 2¹⁶·v, the square of the naive
+    sum's reach. The carry y = v − c grows by v per lost term until it reaches half an ulp of the
+    sum; at s = 2¹⁶·v half an ulp is 2⁸·v, and y = 2⁸·v + v is no longer a bf16 number: it rounds
+    to the tie 2⁸·v, which rounds away. This is the O(n·u²) term of Kahan's bound at work."""
+    return 2.0**16 * v
 
 
 def running_sums(v: float, n: int) -> tuple[list[float], list[float]]:
