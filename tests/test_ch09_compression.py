@@ -2,8 +2,11 @@
 
 One real torchrun launch trains every method and checks itself; this module re-derives the
 byte formulas by hand, checks each hook's one-step output against a reference computed here
-from the ranks' own gradients (on two spawned gloo ranks, one start), and tests QSGD's
-unbiasedness with its own loop, rejecting a biased rounding with the same test.
+from the ranks' own gradients, checks the wire tap that counts the bytes (on known collectives,
+on torch's fp16/bf16/PowerSGD hooks, and against a hook that sends fp32 while claiming fp16),
+and shows that the replica check fails for a hook whose ranks decode different payloads (all
+on two spawned gloo ranks, one start). QSGD's unbiasedness is tested with its own loop,
+rejecting a biased rounding with the same test.
 """
 
 import copy
@@ -16,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from chapters.ch09_compression import hooks, train
+from chapters.ch09_compression.wire import WireTap
 from common.checkpoint import load_checkpoint
 from common.data import regression_data
 from common.launch import run_on_ranks, run_torchrun
@@ -50,10 +54,14 @@ def test_every_method_sends_its_formula_and_converges(tmp_path):
     cfg, figs = train.Config(), res.summary["figures"]
     dense_bytes = by_hand_bytes(cfg)["dense"]
     for method, nbytes in by_hand_bytes(cfg).items():
-        if method != "powersgd_builtin":  # torch's hook is counted by torch (the ratio below)
-            assert res.check(f"bytes/step {method} = formula")["measured"] == nbytes, method
+        # what reached the collectives at every step from step 2 on: one value, the formula's
+        assert res.check(f"bytes/step {method} = formula")["measured"] == [nbytes], method
         assert figs[f"compression ratio {method}"]["measured"] == pytest.approx(dense_bytes / nbytes)
-        assert figs[f"step time {method}"]["unit"] == "ms"  # reported, never asserted
+        assert figs[f"step time {method}: median, min, max"]["unit"] == "ms"  # reported, never asserted
+    # torch's PowerSGD all-reduces the dense bucket until start_powerSGD_iter=2, then compresses
+    assert figs["bytes sent by torch's PowerSGD, steps 0-2"]["measured"] == \
+        [dense_bytes, dense_bytes, by_hand_bytes(cfg)["powersgd"]]
+    assert res.check("replicas identical after every method")["tolerance"] == 0.0
     curves = load_checkpoint(tmp_path / "curves.pt")
     assert set(curves) == set(train.METHODS) and all(len(c) == cfg.steps for c in curves.values())
     final = {m: c[-1].item() for m, c in curves.items()}
@@ -77,11 +85,34 @@ def _local_and_mean_grads(model, x, y):
     return grads, mean
 
 
-def _hook_step(method: str, model, x, y, state):
+def _hook_step(method: str, model, x, y, state, tap=None):
     ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=100)
-    ddp.register_comm_hook(state, train.METHODS[method][0])
-    F.mse_loss(ddp(x), y).backward()
+    ddp.register_comm_hook(state, train.METHODS[method][0] if isinstance(method, str) else method)
+    with tap or WireTap():
+        F.mse_loss(ddp(x), y).backward()
     return [p.grad.clone() for p in ddp.module.parameters()]
+
+
+def _own_payload_only(state, bucket):
+    """Broken Top-K: each rank applies its own top-k, gathered from nobody. The replicas
+    receive different gradients and drift apart: the replica check must see it."""
+    buf = bucket.buffer()
+    values, indices = hooks.topk_compress(buf, hooks.topk_size(buf.numel(), state.density))
+    buf.copy_(hooks.topk_decompress(values, indices, buf.numel()))
+    return hooks.completed(buf)
+
+
+def _replica_gap_after(hook, model, X, Y, steps: int = 5) -> float:
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=100)
+    ddp.register_comm_hook(hooks.HookState(density=0.05), hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(steps):
+        x, y = X[step::steps].chunk(world)[rank], Y[step::steps].chunk(world)[rank]
+        opt.zero_grad()
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return train.replica_gap(ddp.module)
 
 
 def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
@@ -102,19 +133,51 @@ def _hooks_on_ranks() -> dict:
     flat_mean = torch.cat([g.flatten() for g in mean])
     out = {}
 
+    # The tap on known collectives: an all-reduce of 3 fp32 is 12 bytes; the deprecated
+    # all_gather_into_tensor (which calls all_gather_single) counts once; nothing after the block.
+    with WireTap() as tap:
+        dist.all_reduce(torch.ones(3))
+        dist.all_gather_into_tensor(torch.empty(2 * world, dtype=torch.int8), torch.ones(2, dtype=torch.int8))
+    dist.all_reduce(torch.ones(5))
+    out["tap_known"] = [(s.kind, str(s.dtype), s.nbytes) for s in tap.sent]
+
     # Top-K: mean over ranks of each rank's own top-k; the residual is exactly what was dropped.
-    state = hooks.HookState(density=0.05)
-    got = torch.cat([g.flatten() for g in _hook_step("topk", model, x, y, state)])
+    state, tap = hooks.HookState(density=0.05), WireTap()
+    got = torch.cat([g.flatten() for g in _hook_step("topk", model, x, y, state, tap)])
     k = math.ceil(0.05 * flat_local.numel())
     kept = torch.zeros_like(flat_local)
     idx = flat_local.abs().topk(k).indices
     kept[idx] = flat_local[idx]
     out["topk"] = (got - sum(_gathered(kept)) / world).abs().max().item()
     out["topk_residual"] = (state.residuals[0] - (flat_local - kept)).abs().max().item()
-    out["topk_sent"] = state.bytes_sent
+    out["topk_sent"] = tap.nbytes()
     dense = hooks.HookState(density=1.0)
     got = torch.cat([g.flatten() for g in _hook_step("topk", model, x, y, dense)])
     out["topk_density_1"] = (got - flat_mean).abs().max().item()
+
+    # torch's fp16/bf16 hooks, and a broken "fp16" hook that sends the fp32 bucket: the bytes
+    # and dtype read off the tensors sent tell them apart (the configured dtype would not).
+    for name, hook in (("fp16", hooks.fp16_hook), ("bf16", hooks.bf16_hook),
+                       ("fp32_as_fp16", hooks.dense_hook)):
+        tap = WireTap()
+        _hook_step(hook, model, x, y, hooks.HookState(), tap)
+        out[f"sent_{name}"] = (tap.nbytes("all_reduce"), tap.dtypes())
+    # torch's PowerSGD chains its P and Q all-reduces in future callbacks, run on another
+    # thread: the tap still sees them (a thread-local tap would count the plain part only).
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=100)
+    state = train.psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                     start_powerSGD_iter=2, random_seed=0)
+    ddp.register_comm_hook(state, train.psgd.powerSGD_hook)
+    out["psgd_builtin_sent"] = []
+    for _ in range(3):
+        with WireTap() as tap:
+            F.mse_loss(ddp(x), y).backward()
+        out["psgd_builtin_sent"].append(tap.nbytes())
+
+    # Replicas: identical after Top-K (deterministic decode of the same gathered payloads),
+    # apart after a hook whose ranks apply different payloads (the check's negative control).
+    out["replica_gap_topk"] = _replica_gap_after(hooks.topk_hook, model, X, Y)
+    out["replica_gap_broken"] = _replica_gap_after(_own_payload_only, model, X, Y)
 
     # SignSGD: mean over ranks of (per-tensor mean |g|) * sign(g).
     state = hooks.HookState()
@@ -146,9 +209,16 @@ def _hooks_on_ranks() -> dict:
 @pytest.mark.timeout(90)
 def test_hooks_match_references_on_two_ranks():
     res = run_on_ranks(_hooks_on_ranks, 2, timeout=80)
+    n = 5313
     for r in res:
+        assert r["tap_known"] == [("all_reduce", "torch.float32", 12), ("all_gather", "torch.int8", 2)]
+        assert r["sent_fp16"] == (2 * n, ["torch.float16"]) and r["sent_bf16"] == (2 * n, ["torch.bfloat16"])
+        assert r["sent_fp32_as_fp16"] == (4 * n, ["torch.float32"])  # rejected by "bytes = 2n"
+        assert r["psgd_builtin_sent"] == [4 * n, 4 * n, by_hand_bytes(train.Config())["powersgd"]]
+        assert r["replica_gap_topk"] == 0.0  # the replicas are copies
+        assert r["replica_gap_broken"] > 1e-6  # ... and the same check sees them drift
         assert r["topk"] < 1e-7 and r["topk_residual"] < 1e-7
-        assert r["topk_sent"] == math.ceil(0.05 * 5313) * 8
+        assert r["topk_sent"] == math.ceil(0.05 * n) * 8
         assert r["topk_density_1"] < 1e-7
         assert r["signsgd"] < 1e-7
         assert 0 < r["qsgd_err"] <= r["qsgd_bound"]
@@ -182,6 +252,33 @@ def test_qsgd_is_unbiased_and_rounding_to_nearest_is_not():
     assert err > b
 
 
+def test_topk_decode_is_deterministic_and_exact_in_rank_order():
+    """Overlapping indices from two ranks: the decode adds rank 0's value, then rank 1's, as
+    written out here, bit for bit; and the order it fixes is the same on every run."""
+    values = torch.tensor([[1.0, 2.0**-30, 3.0], [2.0**-30, 5.0, -1.0]])
+    indices = torch.tensor([[0, 1, 2], [1, 2, 0]], dtype=torch.int32)
+    got = hooks.topk_decompress(values, indices, 4)
+    want = torch.zeros(4)
+    for v, i in zip(values, indices):
+        for vv, ii in zip(v, i.long()):
+            want[ii] += vv
+    assert torch.equal(got, want) and torch.equal(got, hooks.topk_decompress(values, indices, 4))
+    assert got.tolist() == [0.0, 2.0**-29, 8.0, 0.0]
+
+
+def test_gathered_payloads_stop_paying_at_large_worlds():
+    """All-gathered payloads arrive W-1 times; a ring all-reduce brings 2(W-1)/W of the bucket.
+    Top-K at 1 % receives more than dense from W = n/K on (5313/54 = 98.4 -> 99 ranks)."""
+    cfg = train.Config()
+    shapes_ = [torch.Size(s) for s in shapes(cfg.d_hidden)]
+    state = hooks.HookState(density=cfg.density, levels=cfg.levels, chunk=cfg.chunk, rank=cfg.rank)
+    assert hooks.break_even_world("topk", shapes_, state) == 99
+    assert hooks.break_even_world("qsgd", shapes_, state) == 8       # 2 x 21252 / 5460 = 7.8
+    assert hooks.break_even_world("signsgd", shapes_, state) == 62   # 2 x 21252 / 689 = 61.7
+    assert hooks.break_even_world("powersgd", shapes_, state) is None
+    assert hooks.received_bytes("dense", shapes_, state, 2) == 21252
+
+
 def test_compressors_round_trip():
     v = torch.randn(1001, generator=torch.Generator().manual_seed(0))
     packed = hooks.pack_signs(v)
@@ -198,7 +295,14 @@ def test_compressors_round_trip():
 
 
 def test_bad_settings_exit_with_one_line():
-    for args in (["--density", "0"], ["--levels", "200"], ["--methods", "gzip"]):
+    for args in (["--density", "0"], ["--levels", "200"], ["--methods", "gzip"], ["--steps", "3"]):
         with pytest.raises(SystemExit) as e:
             train.parse_config(train.Config, args)
         assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:  # refused before any rank starts
+        train.parse_config(train.Config, ["--global-batch-size", "64"], validate=train.validate,
+                           world_size=3)
+    assert e.value.code == 2
+    with pytest.raises(ValueError, match="gloo cannot all-gather CUDA tensors"):
+        train.validate(train.Config(device="cuda", backend="gloo"), 2)
+    train.validate(train.Config(device="cuda", backend="gloo", methods=train.ALL_REDUCE_ONLY), 2)

@@ -2,10 +2,14 @@
 
 Each compressor is a pair of small pure functions (compress, decompress) and a hook that
 sends the compressed payload with a real collective: Top-K values and indices, QSGD int8
-levels and norms, packed sign bits and a scale, PowerSGD's low-rank factors P and Q. Every
-hook counts the bytes of the tensors it hands to a collective, so the compression ratio is
-measured from what was sent, not assumed. Error feedback keeps, per bucket, what compression
-dropped and adds it back to the next step's gradient.
+levels and norms, packed sign bits and a scale, PowerSGD's low-rank factors P and Q. The hooks
+do not count their own bytes: `wire.WireTap` records what reaches the collectives, so the
+compression ratio is measured from what was sent, not from what a hook says it sent. Error
+feedback keeps, per bucket, what compression dropped and adds it back to the next step's
+gradient.
+
+Every rank decodes the same gathered payloads with the same deterministic operations, so the
+replicas receive the same averaged gradient bit for bit (no atomics: see `topk_decompress`).
 
 No `from __future__ import annotations` here: DDP inspects a hook's annotations when it is
 registered and rejects the strings that import would turn them into.
@@ -18,12 +22,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from common.distributed import all_gather_single as gather  # all_gather_into_tensor before 2.14
-
 
 @dataclass
 class HookState:
-    """What a hook keeps between steps: its settings, byte counters and residuals."""
+    """What a hook keeps between steps: its settings and residuals."""
 
     density: float = 0.01
     """Top-K: fraction of each bucket's coordinates sent."""
@@ -37,8 +39,6 @@ class HookState:
     """Add back what the previous compression dropped."""
     seed: int = 0
     """Seeds QSGD's rounding (with the rank) and PowerSGD's shared initial Q."""
-    bytes_sent: int = 0
-    collectives: int = 0
     residuals: dict = field(default_factory=dict)
     warm_q: dict = field(default_factory=dict)
     generator: torch.Generator | None = None
@@ -51,20 +51,19 @@ def completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return fut
 
 
-def all_gather_counted(state: HookState, tensor: torch.Tensor) -> torch.Tensor:
-    """all_gather this rank's payload into (world_size, *shape), counting the bytes sent.
+def all_gather_payload(tensor: torch.Tensor) -> torch.Tensor:
+    """all_gather this rank's payload into (world_size, *shape), rank 0 first.
     gloo cannot gather tensors of unequal sizes: every payload here has a fixed size."""
-    state.bytes_sent += tensor.numel() * tensor.element_size()
-    state.collectives += 1
     out = tensor.new_empty(dist.get_world_size() * tensor.numel())
+    # common.distributed.all_gather_single names the same function (all_gather_into_tensor
+    # before torch 2.14); looked up on `dist` at call time so that wire.WireTap sees the call.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, tensor.contiguous().flatten())  # the ranks' payloads, concatenated
     return out.view(-1, *tensor.shape)
 
 
-def all_reduce_counted(state: HookState, tensor: torch.Tensor) -> torch.Tensor:
-    """Sum `tensor` over the ranks in place, counting the bytes sent."""
-    state.bytes_sent += tensor.numel() * tensor.element_size()
-    state.collectives += 1
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over the ranks, in place."""
     dist.all_reduce(tensor)
     return tensor
 
@@ -85,21 +84,18 @@ def keep_residual(state: HookState, key, corrected: torch.Tensor, sent: torch.Te
 def dense_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The uncompressed baseline: all-reduce the fp32 bucket and average."""
     buf = bucket.buffer()
-    all_reduce_counted(state, buf).div_(dist.get_world_size())
+    all_reduce_sum(buf).div_(dist.get_world_size())
     return completed(buf)
 
 
 def fp16_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's `fp16_compress_hook`, counting what it sends: the bucket cast to 16 bits."""
-    state.bytes_sent += bucket.buffer().numel() * 2
-    state.collectives += 1
+    """torch's `fp16_compress_hook`: the bucket cast to fp16 and divided by the world size
+    (before the sum, so that it cannot overflow), all-reduced, cast back."""
     return default_hooks.fp16_compress_hook(None, bucket)
 
 
 def bf16_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's `bf16_compress_hook` (bf16 keeps fp32's exponent range), counted the same way."""
-    state.bytes_sent += bucket.buffer().numel() * 2
-    state.collectives += 1
+    """torch's `bf16_compress_hook` (bf16 keeps fp32's exponent range, with 8 bits of precision)."""
     return default_hooks.bf16_compress_hook(None, bucket)
 
 
@@ -117,9 +113,18 @@ def topk_compress(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def topk_decompress(values: torch.Tensor, indices: torch.Tensor, n: int) -> torch.Tensor:
-    """Scatter-add (values, indices), of one rank or all ranks stacked, into a dense vector."""
+    """The sum of the sparse vectors (values, indices) of one rank, or of all ranks stacked
+    (world, K), as a dense vector of n.
+
+    One rank at a time, in rank order: a rank's K indices are distinct, so each write is a plain
+    scatter and every element is added in the same order on every rank and in every run.
+    (`index_add_` of all ranks at once adds repeated indices with atomics on CUDA, in an order
+    that varies: the replicas would receive gradients that differ in the last bits.)"""
     out = torch.zeros(n, dtype=values.dtype, device=values.device)
-    return out.index_add_(0, indices.flatten().long(), values.flatten())
+    k = values.shape[-1]
+    for v, i in zip(values.reshape(-1, k), indices.reshape(-1, k)):
+        out[i.long()] += v
+    return out
 
 
 def topk_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -129,8 +134,8 @@ def topk_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     corrected = add_residual(state, bucket.index(), buf)
     values, indices = topk_compress(corrected, topk_size(n, state.density))
     keep_residual(state, bucket.index(), corrected, topk_decompress(values, indices, n))
-    all_values = all_gather_counted(state, values)
-    all_indices = all_gather_counted(state, indices)
+    all_values = all_gather_payload(values)
+    all_indices = all_gather_payload(indices)
     buf.copy_(topk_decompress(all_values, all_indices, n) / dist.get_world_size())
     return completed(buf)
 
@@ -167,7 +172,7 @@ def qsgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     if state.generator is None:
         state.generator = torch.Generator(buf.device).manual_seed(state.seed + dist.get_rank())
     q, norms = qsgd_quantize(buf, state.levels, state.chunk, state.generator)
-    all_q, all_norms = all_gather_counted(state, q), all_gather_counted(state, norms)
+    all_q, all_norms = all_gather_payload(q), all_gather_payload(norms)
     buf.copy_(qsgd_dequantize(all_q, all_norms, state.levels, buf.numel()).mean(0))
     return completed(buf)
 
@@ -203,7 +208,7 @@ def signsgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     packed = pack_signs(corrected)
     per_coord = scales.repeat_interleave(torch.tensor(sizes, device=buf.device), dim=-1)
     keep_residual(state, bucket.index(), corrected, per_coord * unpack_signs(packed, n, buf.dtype))
-    all_packed, all_scales = all_gather_counted(state, packed), all_gather_counted(state, scales)
+    all_packed, all_scales = all_gather_payload(packed), all_gather_payload(scales)
     per_coord = all_scales.repeat_interleave(torch.tensor(sizes, device=buf.device), dim=-1)
     buf.copy_((per_coord * unpack_signs(all_packed, n, buf.dtype)).mean(0))
     return completed(buf)
@@ -236,7 +241,7 @@ def powersgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     plan = powersgd_plan([g.shape for g in grads], state.rank)
     plain = [g for g, r in zip(grads, plan) if r == 0]
     if plain:
-        flat = all_reduce_counted(state, torch.cat([g.flatten() for g in plain])) / world
+        flat = all_reduce_sum(torch.cat([g.flatten() for g in plain])) / world
         for g, part in zip(plain, flat.split([g.numel() for g in plain])):
             g.copy_(part.view_as(g))
     keys = [(bucket.index(), i) for i, r in enumerate(plan) if r]
@@ -249,12 +254,12 @@ def powersgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if not keys:
         return completed(bucket.buffer())
     ps = [m @ state.warm_q[k] for k, m in zip(keys, mats)]
-    ps = all_reduce_counted(state, torch.cat([p.flatten() for p in ps])).split([p.numel() for p in ps])
+    ps = all_reduce_sum(torch.cat([p.flatten() for p in ps])).split([p.numel() for p in ps])
     ps = [orthonormalise(p.view(m.shape[0], -1)) for p, m in zip(ps, mats)]
     qs = [m.T @ p for m, p in zip(mats, ps)]
     for k, m, p, q in zip(keys, mats, ps, qs):
         keep_residual(state, k, m, p @ q.T)  # this rank's own error, before Q is averaged
-    flat_q = all_reduce_counted(state, torch.cat([q.flatten() for q in qs])) / world
+    flat_q = all_reduce_sum(torch.cat([q.flatten() for q in qs])) / world
     for k, m, p, q in zip(keys, mats, ps, flat_q.split([q.numel() for q in qs])):
         state.warm_q[k] = q.view(m.shape[1], -1)
         grads[k[1]].copy_((p @ state.warm_q[k].T).view_as(grads[k[1]]))
@@ -284,3 +289,29 @@ def expected_bytes(method: str, shapes: list[torch.Size], state: HookState, elem
             total += elem * (r * (rows + cols) if r else rows * cols)
         return total
     raise ValueError(f"unknown method {method!r}")
+
+
+GATHERED = ("topk", "qsgd", "signsgd")  # methods whose payloads are all-gathered, not reduced
+
+
+def received_bytes(method: str, shapes: list[torch.Size], state: HookState, world: int) -> float:
+    """Bytes one rank receives per step over a ring: an all-reduce of B bytes brings in
+    2(W−1)/W·B (reduce-scatter, then all-gather), an all-gather of B-byte payloads (W−1)·B.
+    Sparse and quantised payloads cannot be summed on the way, so they are gathered: what a
+    rank receives grows with W, while an all-reduce's stays below 2B."""
+    sent = expected_bytes(method, shapes, state)
+    if method.startswith(GATHERED):
+        return (world - 1) * sent
+    return 2 * (world - 1) / world * sent
+
+
+def break_even_world(method: str, shapes: list[torch.Size], state: HookState,
+                     max_world: int = 1 << 20) -> int | None:
+    """The smallest world size at which `method` receives at least as many bytes per rank as
+    the dense all-reduce does (None if it never does, as for the all-reduced methods)."""
+    for world in range(2, max_world + 1):
+        if received_bytes(method, shapes, state, world) >= received_bytes("dense", shapes, state, world):
+            return world
+        if not method.startswith(GATHERED):
+            return None  # the ratio of two all-reduces does not depend on W
+    return None

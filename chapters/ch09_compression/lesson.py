@@ -108,14 +108,28 @@ print(hooks.powersgd_plan([torch.Size([64, 16]), torch.Size([64]), torch.Size([1
 cfg = train.Config()
 shapes = [torch.Size(s) for s in [(64, 16), (64,), (64, 64), (64,), (1, 64), (1,)]]
 n = sum(math.prod(s) for s in shapes)
+state = hooks.HookState(density=cfg.density, levels=cfg.levels, chunk=cfg.chunk, rank=cfg.rank)
 for method in train.METHODS:
-    nbytes = hooks.expected_bytes(method, shapes, hooks.HookState(density=cfg.density))
+    nbytes = hooks.expected_bytes(method, shapes, state)
     print(f"{method:17s} {nbytes:6d} bytes/step   ratio {4 * n / nbytes:5.1f}")
 
 # %% [markdown]
+# ## ... and what a rank receives
+# A ring all-reduce of B bytes brings 2(W−1)/W·B into each rank; an all-gather of B-byte
+# payloads brings (W−1)·B. Gathered payloads (Top-K, QSGD, SignSGD) stop paying at some world
+# size; all-reduced ones (PowerSGD, fp16) never do:
+
+# %%
+print(f"{'method':9s}" + "".join(f"{'W=' + str(w):>10s}" for w in (2, 8, 64, 256)) + "   break-even W")
+for method in ("dense", "topk", "qsgd", "signsgd", "powersgd"):
+    row = "".join(f"{hooks.received_bytes(method, shapes, state, w):10.0f}" for w in (2, 8, 64, 256))
+    print(f"{method:9s}{row}   {hooks.break_even_world(method, shapes, state)}")
+
+# %% [markdown]
 # ## The real run: every method as a DDP hook on two processes
-# The hooks count the bytes they hand to `all_gather`/`all_reduce`; the script checks them
-# against the formulas, and each method's final loss against dense training.
+# A `WireTap` (chapters/ch09_compression/wire.py) records every tensor handed to a
+# `torch.distributed` collective during each step, whoever calls it; the script checks those
+# bytes against the formulas, and each method's final loss against dense training.
 
 # %%
 out_dir = REPO_ROOT / "runs" / "notebooks" / "ch09"
@@ -125,6 +139,8 @@ print(result.output[result.output.index("\nmethod "):result.output.index("figure
 # %%
 for check in result.summary["checks"]:
     print(f"{'ok ' if check['ok'] else 'FAIL'} {check['name']}: {check['measured']}")
+print("torch's PowerSGD, bytes at steps 0-2:",
+      result.summary["figures"]["bytes sent by torch's PowerSGD, steps 0-2"]["measured"])
 
 # %%
 curves = load_checkpoint(out_dir / "curves.pt")
@@ -136,8 +152,11 @@ plt.show()
 
 # %% [markdown]
 # ## Exercises
-# 1. Run with `--density 0.001`. Does Top-K with error feedback still converge? How many steps
-#    does a coordinate wait, at most, before it is sent?
+# (Hints and worked answers are in the lesson, README.md.)
+# 1. Run with `--density 0.001`. Does Top-K with error feedback still converge in 80 steps?
+#    With `--steps 400`?
 # 2. Run with `--levels 1` (ternary QSGD). What happens to the variance bound and the loss?
 # 3. Run with `--momentum 0.9 --lr 0.02`. Which methods suffer, and why does error feedback
 #    interact with momentum (hint: DeepSpeed's 1-bit Adam compresses the momentum instead)?
+# 4. From which world size does each method make a rank receive more than the dense all-reduce?
+# 5. Make `topk_hook` asynchronous and compare the step time.
