@@ -10,6 +10,7 @@ same checks must reject.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gzip
 import json
@@ -163,6 +164,27 @@ class SkipFirstBucket(BucketedDDP):
             super()._launch_bucket(i)
 
 
+class NoSyncBucketedDDP(BucketedDDP):
+    """Exercise 3's worked answer: `no_sync()` for gradient accumulation. Inside it the hooks do
+    nothing and the gradients accumulate in .grad; the next backward launches the buckets."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._sync = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _grad_ready(self, p):
+        if self._sync:
+            super()._grad_ready(p)
+
+
 class WithUnused(nn.Module):
     def __init__(self):
         super().__init__()
@@ -250,6 +272,29 @@ def _controls() -> dict:
         out[f"sleep_done_during_{overlap}"] = [done_during_backward(log) for log in logs]
         out[f"sleep_good_{overlap}"] = max_diff(model.state_dict(), ref)
 
+    # Exercise 3: accumulation over 3 micro-batches with no_sync() equals one process.
+    model, events = gpt(cfg, vocab, seed=0), EventLog()
+    events.watch(model)
+    wrapper, k, launches = NoSyncBucketedDDP(model, 16 / 1024), 3, []
+    with events.observe_all_reduce():
+        for step in range(cfg.steps):
+            events.start_step()
+            for p in model.parameters():
+                p.grad = None
+            xs, ys = (t[step].chunk(2)[rank].chunk(k) for t in (X, Y))
+            for i in range(k):
+                with wrapper.no_sync() if i < k - 1 else contextlib.nullcontext():
+                    _, loss = wrapper(xs[i], ys[i])
+                    (loss / k).backward()
+            wrapper.finish_gradient_sync()
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p -= cfg.lr * p.grad
+            launches.append(sum(e["kind"] == "launch" for e in events.events))
+    out["no_sync_good"] = max_diff(model.state_dict(), ref)
+    out["no_sync_launches"] = launches
+
     model = gpt(cfg, vocab, seed=0)
     train_wrapped(SkipFirstBucket(model, 16 / 1024), model, X, Y, cfg.steps, cfg.lr)
     out["skip_bucket"] = max_diff(model.state_dict(), ref)
@@ -326,6 +371,7 @@ def test_wrapper_tied_frozen_overlap_and_negative_controls():
         # completion, not only launch: with backward busy (sleeping) the early buckets finish
         # inside it, on every rank, in most steps (a fixed-sleep mechanism; see DESIGN.md)
         assert sum(d > 0 for d in res["sleep_done_during_True"]) >= 2, res["sleep_done_during_True"]
+        assert res["no_sync_good"] < TOL and res["no_sync_launches"] == [res["n_buckets"]] * 3
         assert res["skip_bucket"] > BROKEN, "a bucket never all-reduced went unnoticed"
         assert res["no_wait"] > BROKEN, "an optimizer step before the wait went unnoticed"
         assert "finish_gradient_sync()" in res["no_wait_error"]

@@ -87,17 +87,23 @@ def hierarchical_time(size: float, ranks_per_node: int, nodes: int, alpha_intra:
 
 def fit_latency_bandwidth(sizes: list[float], times: list[float]) -> tuple[float, float]:
     """Fit t = a + b·S by least squares on *relative* errors (weights 1/t), so the small
-    messages set the latency a and the large ones the inverse bandwidth b. Returns (a, b)."""
-    w = [1 / t for t in times]
+    messages set the latency a and the large ones the inverse bandwidth b. Neither may be
+    negative (noisy timings can tilt an unconstrained line below zero): if one comes out
+    negative it is set to 0 and the other refitted alone. Returns (a, b)."""
+    w2 = [1 / t**2 for t in times]
     # minimise Σ w²(a + b S − t)²: the 2×2 normal equations
-    s00 = sum(wi * wi for wi in w)
-    s01 = sum(wi * wi * s for wi, s in zip(w, sizes))
-    s11 = sum(wi * wi * s * s for wi, s in zip(w, sizes))
-    r0 = sum(wi * wi * t for wi, t in zip(w, times))
-    r1 = sum(wi * wi * s * t for wi, s, t in zip(w, sizes, times))
+    s00 = sum(w2)
+    s01 = sum(w * s for w, s in zip(w2, sizes))
+    s11 = sum(w * s * s for w, s in zip(w2, sizes))
+    r0 = sum(w * t for w, t in zip(w2, times))
+    r1 = sum(w * s * t for w, s, t in zip(w2, sizes, times))
     det = s00 * s11 - s01 * s01
     a = (r0 * s11 - r1 * s01) / det
     b = (s00 * r1 - s01 * r0) / det
+    if b < 0:
+        return r0 / s00, 0.0
+    if a < 0:
+        return 0.0, r1 / s11
     return a, b
 
 

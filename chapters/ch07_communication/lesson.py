@@ -75,8 +75,16 @@ for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcas
 # %% [markdown]
 # ## The α–β model: ring against trees
 # Each message costs α + m·β. The ring takes 2(n−1) steps (latency grows with n) but moves the
-# minimum data; NCCL's double binary tree takes about 2·log2(n) steps. At 512 ranks, small
-# messages belong to the tree and large ones to the ring.
+# minimum data; NCCL's double binary tree takes about 2·log2(n) steps and, in this model, moves
+# 2S per rank, only n/(n−1) times the ring's 2(n−1)/n·S. So the ring wins only above a size that
+# grows like n²·α/β, and that size collapses as soon as the tree runs a little below the link's
+# bandwidth (η = 0.92 is what NCCL's tuner assumes for a tree all-reduce):
+
+# %%
+for n in (8, 64, 512):
+    exact, slower = (cost_model.ring_tree_crossover(n, 5e-6, 1 / 25e9, eta) for eta in (1.0, 0.92))
+    print(f"n = {n:3d}: ring beats the double tree above {exact / 1e6:10.1f} MB (η = 1), "
+          f"{slower / 1e6:7.1f} MB (η = 0.92)")
 
 # %%
 sizes = [2.0**k for k in range(3, 33)]
@@ -88,6 +96,24 @@ ax.set_xlabel("message size (bytes)")
 ax.set_ylabel("predicted busbw (GB/s)")
 ax.legend()
 plt.show()
+
+# %% [markdown]
+# ## Two levels: the hierarchical all-reduce
+# Reduce-scatter inside each node, all-reduce one chunk across nodes, all-gather inside the node.
+# Bytes each rank sends at each level, for S = 1 MiB of float32 on 2 nodes of 8 ranks, against a
+# flat ring's 2(n−1)/n·S, which the rank at each node's border sends entirely across the network:
+
+# %%
+print(inspect.getsource(collectives.hierarchical_all_reduce))
+n, g = 16, 8
+intra, inter = collectives.expected_hierarchical_bytes(S // 4, n, g, 0, 4)
+flat = collectives.expected_bytes_sent("ring", S // 4, n, g - 1, 4)
+print(f"hierarchy: {intra / S:.3f}·S inside the node, {inter / S:.4f}·S across nodes, per rank")
+print(f"flat ring: {flat / S:.4f}·S across nodes from each border rank")
+t_flat = cost_model.predicted_time("ring", 2**28, n, 5e-6, 1 / 25e9)
+t_hier = cost_model.hierarchical_time(2**28, g, n // g, 2e-6, 1 / 300e9, 5e-6, 1 / 25e9)
+print(f"256 MiB, NVLink 300 GB/s inside, 25 GB/s between: flat {t_flat * 1e3:.1f} ms, "
+      f"hierarchical {t_hier * 1e3:.2f} ms")
 
 # %% [markdown]
 # ## The real run: two processes under torchrun
@@ -110,13 +136,16 @@ ax.set_title("all-reduce bus bandwidth, 2 CPU processes")
 plt.show()
 
 # %% [markdown]
-# busbw = algbw × 2(n−1)/n for all-reduce: with n = 2 it equals algbw. On CPU and loopback
-# the curves are noisy (other programs share the cores); on GPUs with NVLink the library's
-# curve climbs to hundreds of GB/s and the hand ring, which has no pipelining inside a step and
-# no channels, falls far behind it.
+# busbw = algbw × 2(n−1)/n for all-reduce: with n = 2 it equals algbw. With two ranks tree and
+# naive send the very same messages, so any gap between their curves is noise; 4 ranks show them
+# differ in bytes (the lesson's 4-process run). On CPU and loopback the curves are noisy (other
+# programs share the cores); on GPUs with NVLink the library's curve is expected to climb to
+# hundreds of GB/s and the hand ring, which has no pipelining inside a step and no channels, to
+# fall far behind it.
 
 # %% [markdown]
 # ## Exercises
-# 1. Run the script with 3 and 4 processes and compare the fitted α: does it grow like 2(n−1)?
-# 2. Break `ring_all_gather_` by stopping one step early. Which checks fail?
-# 3. Run `broadcast_test.py --size-mib 64` and compare its bus bandwidth with all-reduce's.
+# The lesson's exercises, each with a hint and a worked answer: try them with this notebook's
+# functions (`collectives`, `cost_model`) and the script. For instance exercise 1: run the script
+# with 3 and 4 processes and compare the fitted α; exercise 6: `--ranks-per-node 1`, `2`, `4` on
+# 4 processes.

@@ -1,7 +1,9 @@
 """Figures for the chapter 07 lesson (regenerate with `python tools/figures.py ch07`).
 
-`alpha_beta.png` is the α–β model (no run needed); `bandwidth.png` runs the benchmark for
-real on two CPU processes (about 30 s) and draws bus bandwidth against message size.
+`alpha_beta.png` is the α–β model (no run needed), with the size where the ring starts to beat
+the double tree marked; `bandwidth.png` runs the benchmark for real on two CPU processes (to
+32 MiB) and on four (to 2 MiB, two simulated nodes of two), about a minute, and draws bus
+bandwidth against message size.
 """
 
 from __future__ import annotations
@@ -10,15 +12,37 @@ import json
 import tempfile
 from pathlib import Path
 
-from chapters.ch07_communication.cost_model import bus_bandwidth, predicted_time
+from chapters.ch07_communication.cost_model import (
+    bus_bandwidth,
+    predicted_time,
+    ring_tree_crossover,
+)
 
 ALGORITHMS = ("ring", "double_tree", "tree", "naive")
+MODEL = dict(alpha=5e-6, beta=1 / 25e9)  # 5 µs, 25 GB/s: a 200 Gb/s InfiniBand link
 
 
 def model_curves(n: int, alpha: float, beta: float, sizes: list[float]) -> dict[str, list[float]]:
     """Predicted all-reduce busbw (GB/s) of each algorithm at each size."""
     return {a: [bus_bandwidth("all_reduce", s, predicted_time(a, s, n, alpha, beta), n) for s in sizes]
             for a in ALGORITHMS}
+
+
+def draw_model(ax, n: int, sizes: list[float]) -> None:
+    """The α–β model's busbw at n ranks, with the ring/double-tree crossover marked."""
+    for name, bw in model_curves(n, MODEL["alpha"], MODEL["beta"], sizes).items():
+        ax.plot(sizes, bw, label=name)
+    for eta, style in ((1.0, ":"), (0.92, "--")):
+        s = ring_tree_crossover(n, MODEL["alpha"], MODEL["beta"], eta)
+        if s <= sizes[-1]:
+            size = f"{s / 1e9:.3g} GB" if s >= 1e9 else f"{s / 1e6:.3g} MB"
+            ax.axvline(s, color="0.3", ls=style, lw=1,
+                       label=f"ring wins above {size}" + ("" if eta == 1 else f" (tree at {eta:.0%})"))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("all-reduce busbw (GB/s)")
+    ax.set_title(f"α–β model, {n} ranks (α = 5 µs, 1/β = 25 GB/s)", fontsize=9)
+    ax.legend(fontsize=7)
 
 
 def draw_bandwidth(ax, rows: list[dict], op: str = "all_reduce") -> None:
@@ -32,40 +56,40 @@ def draw_bandwidth(ax, rows: list[dict], op: str = "all_reduce") -> None:
     ax.legend(fontsize=8)
 
 
+def benchmark_rows(nproc: int, max_bytes: int) -> list[dict]:
+    from common.launch import run_torchrun
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(__file__).with_name("train.py")
+        run_torchrun(script, nproc=nproc, args=["--max-bytes", str(max_bytes)], out_dir=tmp, timeout=600)
+        return [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+
+
 def make_figures(fig_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
-    from common.launch import run_torchrun
-
     fig_dir.mkdir(parents=True, exist_ok=True)
-    sizes = [2.0**k for k in range(3, 33)]
+    sizes = [2.0**k for k in range(3, 36)]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, n in zip(axes, (8, 512)):
-        for name, bw in model_curves(n, 5e-6, 1 / 25e9, sizes).items():
-            ax.plot(sizes, bw, label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("message size (bytes)")
-        ax.set_ylabel("all-reduce busbw (GB/s)")
-        ax.set_title(f"α–β model, {n} ranks (α = 5 µs, 1/β = 25 GB/s)", fontsize=9)
-        ax.legend(fontsize=8)
+        draw_model(ax, n, sizes)
     fig.tight_layout()
     paths = [fig_dir / "alpha_beta.png"]
     fig.savefig(paths[0], dpi=120)
     plt.close(fig)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(__file__).with_name("train.py")
-        run_torchrun(script, nproc=2, args=["--max-bytes", str(32 * 2**20)], out_dir=tmp, timeout=300)
-        rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    draw_bandwidth(axes[0], rows, "all_reduce")
-    axes[0].set_title("all-reduce, 2 CPU processes (gloo), measured", fontsize=9)
-    draw_bandwidth(axes[1], rows, "all_gather")
-    draw_bandwidth(axes[1], [dict(r, impl=f"{r['impl']} ({r['op']})") for r in rows
+    two, four = benchmark_rows(2, 32 * 2**20), benchmark_rows(4, 2 * 2**20)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
+    draw_bandwidth(axes[0], two, "all_reduce")
+    axes[0].set_title("all-reduce, 2 CPU processes (gloo), one run", fontsize=9)
+    draw_bandwidth(axes[1], four, "all_reduce")
+    axes[1].set_title("all-reduce, 4 CPU processes on 2 cores, one run", fontsize=9)
+    draw_bandwidth(axes[2], two, "all_gather")
+    draw_bandwidth(axes[2], [dict(r, impl=f"{r['impl']} ({r['op']})") for r in two
                              if r["op"] in ("reduce_scatter", "broadcast")], "reduce_scatter")
-    draw_bandwidth(axes[1], [dict(r, op="x", impl="torch (broadcast)") for r in rows
+    draw_bandwidth(axes[2], [dict(r, op="x", impl="torch (broadcast)") for r in two
                              if r["op"] == "broadcast"], "x")
-    axes[1].set_title("all-gather, reduce-scatter, broadcast, measured", fontsize=9)
+    axes[2].set_title("all-gather, reduce-scatter, broadcast, 2 processes", fontsize=9)
     fig.tight_layout()
     paths.append(fig_dir / "bandwidth.png")
     fig.savefig(paths[1], dpi=120)

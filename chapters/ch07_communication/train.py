@@ -221,13 +221,13 @@ def collective_calls(op: str, size: int, dtype: torch.dtype, comm: P2P, levels: 
     return big.numel() * elem, {"torch": lambda: dist.all_to_all_single(other, big)}
 
 
-def slowest_median(fn, cfg: Config, device) -> float:
-    """Median seconds per call on this rank (warm-up, repeats; `benchmark` synchronises the GPU
-    after every call, so an NCCL collective is timed to its end, not its launch), then the
-    slowest rank's median: a collective is as slow as its last rank."""
+def slowest_timing(fn, cfg: Config, device) -> tuple[float, float, float]:
+    """(median, min, max) seconds per call, each the slowest rank's: warm-up, then repeats;
+    `benchmark` synchronises the GPU after every call, so an NCCL collective is timed to its
+    end, not its launch. A collective is as slow as its last rank."""
     dist.barrier()
     stats = benchmark(fn, warmup=cfg.warmup, repeats=cfg.steps, device=device)
-    return reduce_number(stats.median, "max")
+    return tuple(reduce_number(v, "max") for v in (stats.median, stats.min, stats.max))
 
 
 def run_benchmark(cfg: Config, comm: P2P, levels: Levels, device) -> list[dict]:
@@ -235,17 +235,18 @@ def run_benchmark(cfg: Config, comm: P2P, levels: Levels, device) -> list[dict]:
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"):
         log.info("\n# %s   %s, %d ranks   busbw = algbw x %s", op, cfg.dtype, n,
                  {"all_reduce": "2(n-1)/n", "broadcast": "1"}.get(op, "(n-1)/n"))
-        log.info("# %12s %12s %7s %12s %12s %12s", "size(B)", "count", "impl", "time(us)",
-                 "algbw(GB/s)", "busbw(GB/s)")
+        log.info("# %11s %10s %5s %10s %21s %11s %11s", "size(B)", "count", "impl", "time(us)",
+                 "min-max(us)", "algbw(GB/s)", "busbw(GB/s)")
         for size in message_sizes(cfg):
             nbytes, calls = collective_calls(op, size, DTYPES[cfg.dtype], comm, levels, device)
             for impl, fn in calls.items():
-                t = slowest_median(fn, cfg, device)
+                t, t_min, t_max = slowest_timing(fn, cfg, device)
                 row = dict(op=op, impl=impl, size=nbytes, count=nbytes * 8 // torch.finfo(DTYPES[cfg.dtype]).bits,
-                           time_us=t * 1e6, algbw=alg_bandwidth(nbytes, t), busbw=bus_bandwidth(op, nbytes, t, n))
+                           time_us=t * 1e6, min_us=t_min * 1e6, max_us=t_max * 1e6,
+                           algbw=alg_bandwidth(nbytes, t), busbw=bus_bandwidth(op, nbytes, t, n))
                 rows.append(row)
-                log.info("  %12d %12d %7s %12.1f %12.4f %12.4f", row["size"], row["count"], impl,
-                         row["time_us"], row["algbw"], row["busbw"])
+                log.info("  %11d %10d %5s %10.1f %10.1f-%-10.1f %11.4f %11.4f", row["size"], row["count"],
+                         impl, row["time_us"], row["min_us"], row["max_us"], row["algbw"], row["busbw"])
     return rows
 
 

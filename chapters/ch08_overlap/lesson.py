@@ -17,7 +17,8 @@
 # communicate, never both. Here the gradients are packed into buckets in reverse layer order,
 # and each bucket's all-reduce is started with `async_op=True` from a gradient hook the moment
 # the bucket is full, while backward keeps computing the earlier layers. One call,
-# `finish_gradient_sync()`, waits for them before the optimizer step. The lesson is
+# `finish_gradient_sync()`, waits for them before the optimizer step. A control launches the very
+# same buckets only after backward, so overlap can be told apart from "fewer messages". The lesson is
 # [chapters/ch08_overlap/README.md](../chapters/ch08_overlap/README.md).
 
 # %%
@@ -43,7 +44,7 @@ cfg = train.Config()
 model = train.build_model(cfg, vocab_size=96, device=torch.device("cpu"))
 print(inspect.getsource(bucketed.build_buckets))
 for kb in (16, 64, 256, 4096):
-    layout = train.bucket_names(model, kb * 1024)
+    layout = train.bucket_names(model, bucketed.cap_bytes_of(kb / 1024))  # MiB, as DDP takes it
     print(f"cap {kb:5d} KiB: {len(layout):2d} buckets; bucket 0 = {layout[0]}; last = {layout[-1][-2:]}")
 
 # %% [markdown]
@@ -59,23 +60,38 @@ print(inspect.getsource(bucketed.BucketedDDP._launch_bucket))
 print(inspect.getsource(bucketed.BucketedDDP.finish_gradient_sync))
 
 # %% [markdown]
-# ## The real run: three ways on two processes
-# Naive (chapter 03's `all_reduce_gradients` after backward), `BucketedDDP` and torch DDP,
-# each checked against one process on the global batch; then a sweep over bucket sizes and a
-# profiler trace of each variant (`trace_*.json.gz`, open it in https://ui.perfetto.dev).
+# ## How the log sees launches and completions
+# The event log replaces `dist.all_reduce` while a variant trains, so it sees every launch (with
+# the bytes handed to it) whoever makes it, and asks each `Work` `is_completed()` at every
+# gradient and at the end of backward:
+
+# %%
+print(inspect.getsource(bucketed.EventLog.observe_all_reduce))
+print(inspect.getsource(bucketed.EventLog.poll))
+
+# %% [markdown]
+# ## The real run: four ways on two processes
+# Naive (chapter 03's `all_reduce_gradients` after backward), the same buckets launched after
+# backward (`BucketedDDP(overlap=False)`), `BucketedDDP` and torch DDP, each checked against one
+# process on the global batch. A fixed 20 ms sleep in each block's backward stands in for
+# accelerator compute, so that the early buckets have something to hide behind (two steps, no
+# sweep, no traces, to stay quick; the lesson shows the default run too).
 
 # %%
 out_dir = REPO_ROOT / "runs" / "notebooks" / "ch08"
-result = run_torchrun(REPO_ROOT / "chapters/ch08_overlap/train.py", nproc=2, out_dir=out_dir)
+result = run_torchrun(REPO_ROOT / "chapters/ch08_overlap/train.py", nproc=2, out_dir=out_dir,
+                      args=["--backward-sleep-ms", "20", "--steps", "3", "--profile-steps", "0",
+                            "--sweep-kb", "64"])
 print(result.output[result.output.index("figure"):])
 
 # %% [markdown]
-# ## Timeline of one step on rank 0
-# Grey ticks: a gradient is ready; blue: an all-reduce is launched; green: it is waited for;
-# red: `backward()` returned. The naive loop launches only after the red line; the bucketed
-# wrapper launches its first bucket when 3 of 27 gradients exist; DDP does the same with its
-# own bucket layout (it rebuilds its buckets after the first step in the order gradients
-# actually arrived, and waits inside backward, so its waits are not in the log).
+# ## Timeline of one step on rank 0 (order, not time)
+# Grey ticks: a gradient is ready; blue: an all-reduce is launched; green: it is seen complete;
+# red: the end of backward. The naive loop and the deferred buckets launch only after the red
+# line; the bucketed wrapper launches its first bucket when 3 of 27 gradients exist and sees the
+# early ones complete before the red line; DDP (its buckets rebuilt after the first step in the
+# order gradients arrived) waits for all of them inside backward. The x axis is the position in
+# the log: a 20 ms sleep and a tiny copy each take one slot.
 
 # %%
 logs = json.loads((out_dir / "events.json").read_text())
@@ -85,30 +101,30 @@ fig.tight_layout()
 plt.show()
 first = next(e for e in logs["bucketed"] if e["kind"] == "launch")
 print("first bucketed launch:", first)
+print("DDP's first step:", [e["what"] for e in logs["ddp_first_step"] if e["kind"] == "launch"])
 
 # %% [markdown]
-# ## Step time against bucket size (reported, never asserted)
-# On two processes sharing two cores the gain of the bucketed versions over the naive one is
-# mostly *fewer, larger* messages (each all-reduce pays a fixed latency); the 4096 KiB cap is
-# one bucket, launched at the end of backward: no overlap, one message. See the lesson for
-# what a GPU shows instead.
+# ## Step times: overlap alone, and fewer messages alone (reported, never asserted)
+# The deferred control sends the same buckets as the overlapped wrapper, so bucketed ÷ deferred
+# is what overlap alone buys; deferred ÷ naive is what fewer, larger messages alone buy. Each bar
+# is the slowest rank's median step, the whisker its fastest and slowest step: one run on a
+# shared machine, expect it to move.
 
 # %%
 figures = result.summary["figures"]
-names = [n for n in figures if n.startswith("bucketed step time, cap")]
-labels = ["naive"] + [n.split("cap ")[1] for n in names] + ["DDP"]
-values = [figures["naive step time"]["measured"]] + [figures[n]["measured"] for n in names] \
-    + [figures["ddp step time"]["measured"]]
-plt.figure(figsize=(8, 3))
-plt.bar(labels, values, color=["tab:gray"] + ["tab:blue"] * len(names) + ["tab:orange"])
-plt.ylabel("median step time (ms)")
-plt.xticks(fontsize=8)
+kinds = list(train.VARIANTS)
+median = [figures[f"{k} step time (median)"]["measured"] for k in kinds]
+low, high = zip(*(figures[f"{k} step time min-max"]["measured"] for k in kinds))
+plt.figure(figsize=(6, 3))
+plt.bar(kinds, median, yerr=[[m - lo for m, lo in zip(median, low)], [hi - m for m, hi in zip(median, high)]],
+        color=["tab:gray", "tab:purple", "tab:blue", "tab:orange"], capsize=4)
+plt.ylabel("step time (ms)")
 plt.show()
+print("bucketed / deferred:", round(figures["bucketed / deferred step time"]["measured"], 3),
+      "  deferred / naive:", round(figures["deferred / naive step time"]["measured"], 3))
 
 # %% [markdown]
 # ## Exercises
-# 1. Run the script with `--sweep-kb 1 4 16 64 256 1024`. Where is the best cap, and why does
-#    a very small cap get slower again?
-# 2. Make `_grad_ready` launch a bucket as soon as it is full, not in bucket order. Run it on
-#    two ranks with a model whose gradients arrive out of order. What happens, and why?
-# 3. Add a `no_sync()` context manager to `BucketedDDP` for gradient accumulation (chapter 03).
+# The lesson's five exercises carry hints and worked answers. Two start from this notebook:
+# exercise 1 (sweep the bucket cap: where does the per-message latency take over?) and
+# exercise 3 (`no_sync()` for gradient accumulation, compared with chapter 03).
