@@ -9,16 +9,19 @@ controls: broken lines must be rejected, noise and single hiccups must not be fl
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from chapters.ch14_monitoring import monitor, train
 from common.checkpoint import load_checkpoint
 from common.launch import run_torchrun
 from common.log import setup_logging
+from common.models import MLP
 
 SCRIPT = Path(train.__file__)
 GOOD = {"step": 3, "time_s": 0.5, "loss": 0.25, "lr": 0.01, "grad_norm": 1.5, "samples_per_s": 900.0,
@@ -49,6 +52,10 @@ def test_slowed_rank_is_flagged_and_the_others_are_not(slowed):
     assert monitor.find_stragglers(times["compute"].tolist())["flagged"] == [1]
     # Whole step times hide the straggler: the all-reduce makes everybody as slow as rank 1.
     assert times["whole"][0].median().item() >= 0.030
+    # The validator counts: the script's broken copy of a line has its two errors found.
+    assert slowed.check("errors in a broken line (lr missing, loss 'nan')")["measured"] == 2
+    # MFU's denominator on a CPU is a measured matmul, and the run says so.
+    assert slowed.summary["figures"]["peak source"]["measured"].startswith("measured 256x256 matmul")
 
 
 @pytest.mark.timeout(150)
@@ -142,17 +149,63 @@ def test_missing_wandb_is_one_line_and_the_run_goes_on(tmp_path, monkeypatch, ca
     assert len(out) == 1 and "wandb is not installed" in out[0]
 
 
-def test_bad_input_is_refused_in_one_sentence(tmp_path, monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)
+def test_bad_input_is_refused_in_one_sentence(capsys):
+    # A slowed rank that does not exist is refused before any process group exists.
+    with pytest.raises(ValueError, match="--slow-rank 3 does not exist in a world of 2 ranks"):
+        train.validate(train.Config(slow_rank=3), 2)
     with pytest.raises(SystemExit) as e:
-        train.main(train.Config(slow_rank=3, out=str(tmp_path), wandb=False, tensorboard=False))
-    assert "--slow-rank 3 does not exist in a world of 1 ranks" in str(e.value.code)
-    assert not dist.is_initialized()  # torn down in finally
-    for argv in (["--slow-ms", "-1"], ["--straggler-factor", "1"], ["--slow-rank", "-2"]):
+        train.parse_config(train.Config, ["--slow-rank", "3"], validate=train.validate, world_size=2)
+    assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    for world in (1, 2, 3, 4, 8, 16):
+        train.validate(train.Config(), world)
+    assert not dist.is_initialized()
+    for argv in (["--slow-ms", "-1"], ["--straggler-factor", "1"], ["--slow-rank", "-2"],
+                 ["--straggler-min-gap-ms", "-1"]):
         with pytest.raises(SystemExit) as e:
             train.parse_config(train.Config, argv)
         assert e.value.code == 2
+
+
+def test_grad_norm_check_rejects_a_norm_that_misses_a_tensor():
+    torch.manual_seed(0)
+    model = MLP(16, 64, 1)
+    torch.nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 1)).backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=math.inf).item()
+    assert abs(train.grad_norm(model) - total) <= 1e-5 * total  # the script's relative tolerance
+    weights_only = math.sqrt(sum(p.grad.double().pow(2).sum().item()
+                                 for n, p in model.named_parameters() if n.endswith("weight")))
+    assert abs(weights_only - total) > 1e-5 * total  # broken: biases left out
+
+
+def synthetic(n: int, base: float, noise: float, slow: int | None = None, extra: float = 0.0):
+    """Deterministic step times: base ± noise·base in a fixed pattern, rank `slow` `extra` slower."""
+    rows = [[base * (1 + noise * ((r * 7 + t * 3) % 5 - 2) / 2) for t in range(40)] for r in range(n)]
+    if slow is not None:
+        rows[slow] = [t + extra for t in rows[slow]]
+    return rows
+
+
+def test_exercise_answers():
+    # 1. Three ranks, rank 2 3 ms slower on a 1 ms step: below the 5 ms floor, not flagged; with
+    # the floor at 1 ms (--straggler-min-gap-ms 1) it is. A 300 ms GPU step with 1 % noise and a
+    # rank 30 ms slower: the factor term (0.5 x 300 ms) decides and hides it; factor 1.05 and a
+    # 1 ms floor flag it.
+    cpu = synthetic(3, 0.001, 0.1, slow=2, extra=0.003)
+    assert monitor.find_stragglers(cpu)["flagged"] == []
+    assert monitor.find_stragglers(cpu, min_gap_s=0.001)["flagged"] == [2]
+    gpu = synthetic(8, 0.300, 0.01, slow=3, extra=0.030)
+    assert monitor.find_stragglers(gpu)["flagged"] == []
+    assert monitor.find_stragglers(gpu, factor=1.05, min_gap_s=0.001)["flagged"] == [3]
+    # 2. A new key in the schema: every old line is rejected, with one error each.
+    schema = {**monitor.METRICS_SCHEMA, "tokens_per_s": "number"}
+    assert monitor.validate_line(json.dumps(GOOD), schema) == ["missing key 'tokens_per_s'"]
+    # 4. Sums over ranks keep the mean and spread of all ranks together, not who is slow: two
+    # worlds with different stragglers give the same (sum, sum of squares, max).
+    a, b = [10, 10, 40], [40, 10, 10]  # ms per rank
+    stats = lambda xs: (sum(xs), sum(x * x for x in xs), max(xs))  # noqa: E731
+    assert stats(a) == stats(b)
+    assert monitor.find_stragglers([[x / 1e3] * 5 for x in a])["flagged"] == [2]
+    assert monitor.find_stragglers([[x / 1e3] * 5 for x in b])["flagged"] == [0]
 
 
 def test_learning_rate_warms_up_then_decays_to_ten_percent():

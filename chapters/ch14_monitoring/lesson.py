@@ -114,9 +114,17 @@ print("on whole step times the detector flags:", monitor.find_stragglers(times["
 print(inspect.getsource(monitor.find_stragglers))
 
 # %% [markdown]
+# ## MFU and its denominator
+# Each line logs MFU = 6·N·(samples per rank) / (step time × peak). On a GPU the peak is the
+# datasheet's; on this CPU it is a measured matmul, noisy and not a hardware promise.
+
+# %%
+figures = {k: v["measured"] for k, v in result.summary["figures"].items()}
+print("peak:", figures["peak source"], f"{figures['peak used for MFU']:.1f} GFLOP/s")
+print("MFU of the last logged step:", lines[-1]["mfu"])
+
+# %% [markdown]
 # ## Exercises
-# 1. Run with 3 ranks and `--slow-ms 3`. Is rank 1 still flagged? Which term of the threshold
-#    decides, and what would you set on GPUs where a step takes 300 ms?
-# 2. Log the per-rank compute times to TensorBoard as one chart per rank
-#    (`SummaryWriter.add_scalars`).
-# 3. Add a `tokens_per_s` key to the schema and watch the validator reject the old lines.
+# The lesson's exercises (with hints and answers): a small straggler and the threshold's three
+# terms (`--straggler-min-gap-ms`), a new schema key, per-rank charts with `add_scalars`, and what
+# an all-reduce of (sum, sum of squares, max) can and cannot tell.
