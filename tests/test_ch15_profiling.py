@@ -180,6 +180,13 @@ def test_breakdown_of_hand_made_traces_and_their_broken_variants(tmp_path):
     # Broken: matching "broadcast" anywhere in a name makes aten::broadcast_tensors communication.
     assert not trace_breakdown.is_collective(CPU_TRACE[5])
     assert trace_breakdown.is_collective({"name": "nccl:broadcast", "cat": "user_annotation"})
+    # Without GPU-side ranges the step is found from the kernels it launched (correlation ids).
+    launches = [{"ph": "X", "name": "cudaLaunchKernel", "ts": 5 + i, "dur": 1, "cat": "cuda_runtime",
+                 "tid": 1, "args": {"correlation": i}} for i in range(3)]
+    kernels = [{**e, "args": {"correlation": i}} for i, e in enumerate(GPU_TRACE[5:])]
+    no_ranges = GPU_TRACE[:3] + launches + kernels
+    b = breakdown(no_ranges, timeline="gpu")
+    assert {k: b[k] for k in GPU_ANSWER} == GPU_ANSWER
     # Broken: step ranges matched by name only count each GPU step three times (CPU range and
     # its projection on two streams), which the script's "steps in the trace" check rejects.
     assert len(trace_breakdown.spans(GPU_TRACE, "train_step", category=None)) == 3

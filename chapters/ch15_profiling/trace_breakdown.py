@@ -126,9 +126,24 @@ def spans(events: list[dict], name: str, category: str | None = "user_annotation
 
 def step_spans(events: list[dict], step_name: str = "train_step", timeline: Timeline = "cpu") -> list[Interval]:
     """Each profiled step's interval on the chosen timeline. The GPU-side projection may come once
-    per stream the step used; merged, they give one interval per step."""
+    per stream the step used; merged, they give one interval per step. A trace without GPU-side
+    ranges falls back to the kernels the step launched (matched to their launch by the
+    `correlation` id Kineto gives both): from the first one's start to the last one's end."""
     found = spans(events, step_name, STEP_CATEGORY[timeline])
-    return union(found) if timeline == "gpu" else found
+    if timeline == "cpu":
+        return found
+    if found:
+        return union(found)
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    kernels = [e for e in events if e.get("cat") == "kernel"
+               and e.get("args", {}).get("correlation") in launched]
+    out = []
+    for lo, hi in spans(events, step_name, STEP_CATEGORY["cpu"]):
+        mine = [k for k in kernels if lo <= launched[k["args"]["correlation"]] <= hi]
+        if mine:
+            out.append((min(k["ts"] for k in mine), max(k["ts"] + k["dur"] for k in mine)))
+    return union(out)
 
 
 def breakdown(events: list[dict], step_name: str = "train_step", timeline: Timeline = "cpu") -> dict:
