@@ -16,8 +16,9 @@
 # Data parallelism keeps N identical copies of the parameters, the gradients and the optimizer
 # states. ZeRO keeps one: each rank holds a 1/N slice of the optimizer states (stage 1), of the
 # gradients (stage 2) and of the parameters (stage 3), and collectives bring a slice to where
-# it is needed. This notebook looks at the hand-written stages, the memory formula, ZeRO++'s
-# int8 weight all-gather and DeepSpeed's config, then runs every stage on two processes.
+# it is needed. This notebook looks at the hand-written stages, the memory formula, the mesh
+# layout, ZeRO++'s int8 weight all-gather and DeepSpeed's config, then runs every stage on two
+# processes and draws what they held and sent, counted from the tensors.
 # The lesson is [chapters/ch06_hybrid_zero/README.md](../chapters/ch06_hybrid_zero/README.md).
 
 # %%
@@ -27,7 +28,8 @@ import json
 import matplotlib.pyplot as plt
 import torch
 
-from chapters.ch06_hybrid_zero import deepspeed_zero, memory, zero, zeropp
+from chapters.ch06_hybrid_zero import deepspeed_zero, memory, mesh, plots, zero, zeropp
+from common.checkpoint import load_checkpoint
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
 
@@ -47,18 +49,20 @@ for i, p in enumerate(params):
 # %% [markdown]
 # ## ZeRO-2: reduce-scatter each gradient as soon as it exists, then free it
 # A post-accumulate-grad hook fires once per parameter when backward has finished its gradient
-# (once for a tied weight, after both uses). It reduce-scatters the gradient by owner and drops
-# it, so no rank ever holds all the gradients at once.
+# (once for a tied weight, after both uses). It reduce-scatters the gradient by owner, in fp32,
+# and drops it, so no rank ever holds all the gradients at once. After backward the training
+# loop calls `reduce_gradients()`, which averages the slice and hands it to the optimizer.
 
 # %%
 print(inspect.getsource(zero.reduce_scatter_param_grad))
-print(inspect.getsource(zero.ZeroTwo._grad_ready))
+print(inspect.getsource(zero._Sharded._reduce))
+print(inspect.getsource(zero._Sharded.reduce_gradients))
 
 # %% [markdown]
-# ## ZeRO-3: gather a layer's weights just in time
+# ## ZeRO-3: gather a module's weights just in time
 # The parameters' storage is freed (`untyped_storage().resize_(0)`); a forward pre-hook
-# gathers a module's weights, a forward hook frees them and registers a hook on the output's
-# gradient that gathers them again before backward needs them.
+# gathers a module's weights (in the compute dtype), a forward hook frees them and registers a
+# hook on the output's gradient that gathers them again before backward needs them.
 
 # %%
 print(inspect.getsource(zero.ZeroThree.gather))
@@ -67,13 +71,25 @@ print(inspect.getsource(zero.ZeroThree.gather))
 # ## The memory calculator and the ZeRO paper's table
 # Mixed-precision Adam: 2 bytes of weights + 2 of gradients + K = 12 of optimizer states per
 # parameter. For Ψ = 7.5B on N_d = 64 devices the paper lists 120, 31.4, 16.6 and 1.88 GB.
+# These are formulas; the run below measures the tiny model.
 
 # %%
 for stage, gb in memory.paper_table(7.5e9, 64, 12).items():
-    print(f"{stage:10s} {gb:8.3f} GB per device")
+    print(f"{stage:10s} {gb:8.3f} GB per device (formula)")
 for stage in range(4):
-    print(f"stage {stage}: the largest model whose states fit in 80 GB on 64 GPUs: "
-          f"{memory.max_params_that_fit(80, 64, stage) / 1e9:7.1f} B parameters")
+    fits = [memory.max_params_that_fit(80, n, stage) / 1e9 for n in (8, 64, 1024)]
+    print(f"stage {stage}: largest model whose states fit in 80 GB on 8 / 64 / 1024 GPUs: "
+          + " / ".join(f"{b:.1f}B" for b in fits))
+
+# %% [markdown]
+# ## A dp × tp mesh: which ranks talk to which
+# `mesh.py` numbers the ranks row by row: the tp groups are rows of consecutive ranks (one node),
+# the dp groups are columns. Each run checks this against the `DeviceMesh`'s own groups.
+
+# %%
+groups = mesh.mesh_groups(world_size=8, tp=4)
+print("tp groups (split matrices, all-reduce activations):", groups["tp"])
+print("dp groups (same TP shard, different data, ZeRO slices):", groups["dp"])
 
 # %% [markdown]
 # ## ZeRO++ qwZ: int8 weights, one scale per block
@@ -92,40 +108,37 @@ print(f"bytes: {x.numel() * 2} as bf16, {q.numel() + 4 * scale.numel()} as int8 
 # ## DeepSpeed: ZeRO is one block of a JSON config
 # `deepspeed_zero.py` trains the same model with `deepspeed.initialize(model, optimizer,
 # config)`; the run is in the tests (DeepSpeed needs a one-time build of a communication op).
-# This is the config it uses for stage 3 with 6 sequences per rank:
+# This is the config it uses for stage 3 with 24 sequences per rank (48 over 2 ranks):
 
 # %%
-print(json.dumps(deepspeed_zero.ds_config(3, 6), indent=2))
+print(json.dumps(deepspeed_zero.ds_config(3, 24), indent=2))
 
 # %% [markdown]
-# ## The real run: DDP, ZeRO-1, ZeRO-2, ZeRO-3 and FSDP2 on two processes
-# Every stage must end with DDP + Adam's parameters, and every rank's bytes must equal the
-# formula.
+# ## The real run: six ways to train on two processes
+# DDP, the hand ZeRO-1/2/3, `ZeroRedundancyOptimizer` and FSDP2 must all end with DDP + Adam's
+# parameters; every rank's bytes at rest, at the peak of a step and sent to collectives must
+# equal the formulas; the bf16 wrappers must match FSDP2's mixed-precision policy.
 
 # %%
 out_dir = REPO_ROOT / "runs" / "notebooks" / "ch06"
 result = run_torchrun(REPO_ROOT / "chapters/ch06_hybrid_zero/train.py", nproc=2, out_dir=out_dir)
-print(result.output[result.output.index("figure"):])
+print(result.output[result.output.index("check "):])
+
+# %% [markdown]
+# What one rank held (pale: at rest after the step; solid: each category's peak during it) and
+# what one step handed to collectives, in units of Ψ bytes, beside the paper's 2Ψ and 3Ψ.
 
 # %%
-names = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2"]
-measured = [result.summary["figures"][f"{n} bytes per rank"]["measured"] / 1e3 for n in names]
-paper = memory.paper_table(7.5e9, 64, 12)
-fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
-axes[0].bar(list(paper), list(paper.values()))
-axes[0].set_title("ZeRO paper: 7.5B parameters, 64 GPUs (formula)")
-axes[0].set_ylabel("GB per device")
-axes[1].bar(names, measured, color="C1")
-axes[1].set_title("this run: tiny GPT, 2 ranks (measured from the tensors)")
-axes[1].set_ylabel("kB per rank")
+saved = load_checkpoint(out_dir / "final_params.pt")
+psi_bytes = result.summary["figures"]["trainable parameters psi"]["measured"] * 8  # float64
+fig, axes = plt.subplots(1, 2, figsize=(13, 3.8))
+plots.measured_bars(axes[0], saved, plots.WAYS)
+plots.volume_bars(axes[1], saved, psi_bytes)
 plt.tight_layout()
 plt.show()
 
 # %% [markdown]
 # ## Exercises
-# 1. Run `train.py` with 3 processes: Ψ is not a multiple of 3. Where does the padding show
-#    up in the byte counts?
-# 2. Give ZeRO-3 one gather for the whole model instead of one per module. What happens to the
-#    peak memory, and to the number of collectives?
-# 3. Run `mesh.py` on 4 processes with `--tp 4` and with `--tp 1`. How do the bytes per rank
-#    and the communication change?
+# The lesson's exercises (with hints and answers) use this run: the padding on 3 ranks, where
+# ZeRO-3's 55 all-to-alls come from, qwZ's bytes, the mesh's bytes per rank for each `--tp`,
+# and which ZeRO stages stop scaling with the number of GPUs.

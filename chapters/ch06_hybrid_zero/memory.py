@@ -1,4 +1,4 @@
-"""Memory per device under ZeRO: the formulas of Rajbhandari et al. (2020), table 1.
+"""Memory and communication per device under ZeRO: the formulas of Rajbhandari et al. (2020).
 
 Mixed-precision Adam holds, per parameter, 2 bytes of fp16/bf16 weights, 2 bytes of gradients
 and K = 12 bytes of optimizer states (fp32 master weights, momentum, variance): (2 + 2 + K)·Ψ.
@@ -10,7 +10,10 @@ ZeRO shards those three across the N_d data-parallel ranks, one more at each sta
     stage 3 (P_os+g+p) (2 + 2 + K)Ψ/N_d
 
 `per_rank_bytes` states the same with any dtypes and with the padding a real flat layout
-needs (each rank's slice is S = ⌈Ψ/N⌉ long), which is what the course's code measures.
+needs (each rank's slice is S = ⌈Ψ/N⌉ long), which is what the course's code measures;
+`paper_volume` gives the bytes moved per step (2Ψ, 2Ψ, 2Ψ, 3Ψ). The second half states both
+with this chapter's model and implementation (frozen and tied tensors, padding, what a step
+materialises for a moment), which is what train.py checks its counts against.
 """
 
 from __future__ import annotations
@@ -46,10 +49,96 @@ def max_params_that_fit(device_gb: float, n_d: int, stage: int, k: int = 12) -> 
     return device_gb * 1e9 / per_param
 
 
-def zeropp_volume(stage3_psi: float, nodes_gpus: int = 8) -> dict[str, float]:
-    """Communication per rank per step in units of Ψ parameters' bytes (fp16), ZeRO-3 vs
-    ZeRO++: ZeRO-3 all-gathers weights twice (forward, backward) and reduce-scatters gradients
-    once, 3Ψ; qwZ halves the forward all-gather (int8), hpZ keeps a secondary copy of the
-    weights inside each node so the backward all-gather never leaves it, and qgZ sends int4
-    gradients: 0.5Ψ + 0 + 0.25Ψ = 0.75Ψ across nodes (Wang et al., 2023)."""
-    return {"ZeRO-3 cross-node": 3 * stage3_psi, "ZeRO++ cross-node": 0.75 * stage3_psi}
+def paper_volume(stage: int) -> int:
+    """Communication per rank per step, in units of Ψ parameters' bytes, the paper's
+    convention (section 7): DDP all-reduces the gradients (a reduce-scatter and an all-gather,
+    2Ψ); stages 1 and 2 reduce-scatter the gradients and all-gather the updated parameters
+    (2Ψ); stage 3 all-gathers the parameters before forward and again before backward and
+    reduce-scatters the gradients (3Ψ). A ring sends (N−1)/N of this from each rank."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, not {stage}")
+    return 3 if stage == 3 else 2
+
+
+# --- the same formulas with this chapter's model and implementation: what train.py checks ---
+
+def sizes(model) -> dict[str, int]:
+    """Ψ (trainable numbers), b (bytes each), frozen bytes, trainable tensors, and in numbers
+    the largest trainable tensor, the tied matrix and the largest module's own parameters."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return {"psi": sum(p.numel() for p in trainable), "b": trainable[0].element_size(),
+            "frozen": sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad),
+            "tensors": len(trainable), "largest": max(p.numel() for p in trainable),
+            "tied": model.tok_emb.weight.numel(),
+            "module": max(sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad)
+                          for m in model.modules())}
+
+
+def expected_rest(stage: int, z: dict, world_size: int) -> list[int]:
+    """[params, grads, optim] bytes per rank after a step: the ZeRO formula with this model's
+    numbers (Adam's two states of b bytes, K = 2b; one 4-byte step counter per tensor it
+    updates, one for the wrappers' flat slice), frozen parameters whole on every rank."""
+    b = z["b"]
+    f = per_rank_bytes(stage, z["psi"], world_size, b, b, 2 * b)
+    counters = z["tensors"] if stage == 0 else 1
+    return [int(f["params"]) + z["frozen"], int(f["grads"]), int(f["optim"]) + 4 * counters]
+
+
+def expected_peak(stage: int, z: dict, world_size: int) -> list[int]:
+    """[params, grads, optim, buffers] bytes per rank at their highest during a step (DDP,
+    ZeRO-1, ZeRO-2): at rest plus what the stage materialises for a moment. DDP and ZeRO-2: one
+    whole fresh gradient (the largest tensor's) before DDP copies it into its bucket, or the
+    ZeRO-2 hook reduce-scatters and frees it. ZeRO-1: the gradients stay whole until step(),
+    which copies them into a flat buffer (N·S) and receives its slice (S): 2Ψ of gradients
+    for a moment, the transient the paper's 2Ψ + 2Ψ + KΨ/N leaves out. ZeRO-2's all-gather sends
+    a copy of the slice (S)."""
+    params, grads, optim = expected_rest(stage, z, world_size)
+    b, S = z["b"], math.ceil(z["psi"] / world_size)
+    buffers = 0
+    if stage in (0, 2):
+        grads += z["largest"] * b
+    if stage == 1:
+        grads, buffers = grads + S * b, (world_size * S + S) * b  # + the slice's .grad at step()
+    if stage == 2:
+        buffers = S * b
+    return [params, grads, optim, buffers]
+
+
+def zero3_peak_bounds(z: dict, world_size: int) -> dict[str, list[int]]:
+    """ZeRO-3's peak parameter bytes lie between the slice plus the largest module (it must be
+    whole to run) and the slice plus the tied matrix (gathered from the head's backward until
+    the embedding's) plus two modules (one freed as the next is gathered); its collective
+    buffers hold at most N copies of one piece (all_to_all's input). Gathering the whole model
+    at once breaks the upper bound."""
+    b, S = z["b"], math.ceil(z["psi"] / world_size)
+    rest = S * b + z["frozen"]
+    return {"params": [rest + z["module"] * b, rest + (z["tied"] + 2 * z["module"]) * b],
+            "buffers": [0, world_size * min(S, z["largest"]) * b]}
+
+
+def fsdp2_volume(model, world_size: int) -> int:
+    """FSDP2's bytes to collectives in a step: every unit all-gathered in forward, again in
+    backward except the root (FSDP2 keeps the root's parameters after forward), gradients
+    reduce-scattered; each tensor padded to N·⌈rows/N⌉ rows (it shards along dim 0)."""
+    def padded(p):
+        rows = p.shape[0]
+        return math.ceil(rows / world_size) * world_size * (p.numel() // rows) * p.element_size()
+    blocks = [p for blk in model.blocks for p in blk.parameters()]
+    in_blocks = {id(p) for p in blocks}
+    root = [p for p in model.parameters() if id(p) not in in_blocks]
+    return (sum(map(padded, blocks + root)) + sum(map(padded, blocks))
+            + sum(padded(p) for p in blocks + root if p.requires_grad))
+
+
+def expected_volume(name: str, z: dict, world_size: int) -> int:
+    """Bytes handed to collectives in one step, the paper's convention (all-reduce 2Ψ,
+    reduce-scatter or all-gather Ψ, broadcast Ψ), with this implementation's details: the flat
+    buffer is padded to N·S; ZeRO-3 gathers the tied matrix in both modules that use it;
+    ZeroRedundancyOptimizer broadcasts every parameter it was given, the frozen one too."""
+    psi, b = z["psi"], z["b"]
+    NS = world_size * math.ceil(psi / world_size)
+    return {"DDP": 2 * psi * b,                                      # all-reduce of the gradients
+            "ZeRO-1": 2 * NS * b,                                    # reduce-scatter + all-gather, flat
+            "ZeroRedundancyOptimizer": 3 * psi * b + z["frozen"],    # all-reduce + broadcast from owners
+            "ZeRO-2": psi * b + NS * b,                              # per-tensor reduce-scatter + all-gather
+            "ZeRO-3": (3 * psi + z["tied"]) * b}[name]               # gather fwd + bwd + reduce-scatter

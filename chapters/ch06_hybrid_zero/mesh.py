@@ -1,13 +1,16 @@
 """2D parallelism on a device mesh: FSDP2 (ZeRO-3) across one axis, tensor parallelism across the other.
 
-The ranks are laid out as a dp × tp grid: ranks in a row split every matrix (Megatron's column
-then row split, chapter 05), ranks in a column see different data and shard what the row left
-them with FSDP2 — ZeRO with TP. A rank holds 1/(dp·tp) of the model states. The run is checked
-against one process training the whole model on the whole batch (which is DDP + Adam, chapter 03).
+The ranks are laid out as a dp × tp grid, rank = dp_index · tp + tp_index: ranks in a row (tp
+consecutive ranks) split every matrix (Megatron's column then row split, chapter 05), ranks in
+a column see different data and shard what the row left them with FSDP2 — ZeRO with TP. A rank
+holds 1/(dp·tp) of the model states. The run is checked against single-process Adam: one
+process training the whole model on the whole global batch (chapter 03 showed DDP + Adam equals
+it), in float64. The mesh needs --tp to divide the world size, so an odd world is refused.
 
-Run (world size must be a multiple of --tp):
+Run:
     torchrun --standalone --nproc_per_node=4 chapters/ch06_hybrid_zero/mesh.py            # 2 x 2 mesh
     torchrun --standalone --nproc_per_node=2 chapters/ch06_hybrid_zero/mesh.py            # 1 x 2 (TP only)
+    torchrun --standalone --nproc_per_node=3 chapters/ch06_hybrid_zero/mesh.py  # refused: --tp 2 does not divide 3
     torchrun --standalone --nproc_per_node=8 chapters/ch06_hybrid_zero/mesh.py --tp 4     # 8 GPUs: 2 x 4
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         chapters/ch06_hybrid_zero/mesh.py --tp 8      # TP inside a node, FSDP across nodes
@@ -21,13 +24,15 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from chapters.ch06_hybrid_zero.train import let_gloo_workers_finish
 from chapters.ch06_hybrid_zero.zero import bytes_held
-from common.config import RunConfig, parse_config
+from common.config import RunConfig, check_global_batch, parse_config
 from common.data import regression_data
-from common.distributed import setup_distributed, teardown_distributed
+from common.distributed import reduce_number, setup_distributed, teardown_distributed
 from common.log import log, setup_logging
 from common.models import MLP
 from common.results import RunRecorder
@@ -51,6 +56,23 @@ class Config(RunConfig):
         super().__post_init__()
         if self.tp < 1 or self.d_model < 1 or self.global_batch_size < 1:
             raise ValueError("--tp, --d-model and --global-batch-size must be at least 1")
+        if self.d_model % self.tp:
+            raise ValueError(f"--tp {self.tp} must divide --d-model {self.d_model} (TP splits the width)")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """The mesh is dp x tp: tp must divide the world, and dp = world / tp the global batch."""
+    if world_size % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} must divide the world size {world_size} (a dp x tp mesh); "
+                         f"use an even number of processes or --tp 1")
+    check_global_batch(cfg.global_batch_size, world_size // cfg.tp)
+
+
+def mesh_groups(world_size: int, tp: int) -> dict[str, list[list[int]]]:
+    """Which ranks form each group of a ("dp", "tp") mesh, rank = dp_index * tp + tp_index:
+    tp groups are rows of consecutive ranks (put them in one node), dp groups are columns."""
+    grid = [list(range(row * tp, (row + 1) * tp)) for row in range(world_size // tp)]
+    return {"tp": grid, "dp": [list(col) for col in zip(*grid)]}
 
 
 def build_model(cfg: Config) -> nn.Sequential:
@@ -97,7 +119,8 @@ def train(model: nn.Module, X, Y, cfg: Config, dp_rank: int, dp: int):
 
 
 def train_reference(model: nn.Module, X, Y, cfg: Config) -> list[float]:
-    """One process, whole batch: what DDP + Adam computes."""
+    """Single-process Adam: one process, the whole global batch, every rank computing it alone
+    (chapter 03 checked that DDP + Adam ends where this ends)."""
     return train(model, X, Y, cfg, 0, 1)[0]
 
 
@@ -120,15 +143,7 @@ def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
-        if info.world_size % cfg.tp or cfg.d_model % cfg.tp:
-            raise SystemExit(
-                f"error: --tp {cfg.tp} must divide the world size ({info.world_size}) and "
-                f"--d-model ({cfg.d_model}); e.g. torchrun --standalone --nproc_per_node=4 "
-                f"chapters/ch06_hybrid_zero/mesh.py")
         dp = info.world_size // cfg.tp
-        if cfg.global_batch_size % dp:
-            raise SystemExit(f"error: --global-batch-size {cfg.global_batch_size} must divide "
-                             f"into {dp} data-parallel ranks")
         from torch.distributed.device_mesh import init_device_mesh
 
         # Our blocks never modify their outputs in place, which is what FSDP2 warns about for
@@ -151,8 +166,13 @@ def main(cfg: Config) -> int:
         losses, opt = train(model, X, Y, cfg, dp_rank, dp)
         for step, (loss, ref) in enumerate(zip(losses, ref_losses)):
             rec.metrics(step, loss=ref, lr=cfg.lr, local_loss=loss)
-        rec.check(f"FSDP2 x TP ({dp}x{cfg.tp}) == DDP + Adam (max |dparam|)", "parity",
-                  max_diff(model, reference), 0.0, 1e-10)
+        groups = mesh_groups(info.world_size, cfg.tp)
+        mine = {axis: dist.get_process_group_ranks(mesh[axis].get_group()) for axis in ("dp", "tp")}
+        rec.check("this rank's dp and tp groups = mesh_groups (the lesson's diagram)", "count",
+                  [mine["dp"], mine["tp"]],
+                  [next(g for g in groups[a] if info.rank in g) for a in ("dp", "tp")])
+        rec.check(f"FSDP2 x TP ({dp}x{cfg.tp}) == single-process Adam (max |dparam|)", "parity",
+                  reduce_number(max_diff(model, reference), "max"), 0.0, 1e-10)
         held = bytes_held(model, opt)
         p_bytes = expected_local_bytes(build_model(cfg), dp, cfg.tp)
         n_tensors = len(list(model.parameters()))
@@ -163,7 +183,7 @@ def main(cfg: Config) -> int:
             broken = parallelize(build_model(cfg).to(info.device), mesh)
             broken.set_requires_gradient_sync(False)
             train(broken, X, Y, cfg, dp_rank, dp)
-            diff = max_diff(broken, reference)
+            diff = reduce_number(max_diff(broken, reference), "max")
             rec.check("negative control: no dp gradient sync differs", "parity", diff, 1e-6,
                       compare=">")
         whole = sum(p.numel() * p.element_size() for p in reference.parameters())
@@ -173,7 +193,8 @@ def main(cfg: Config) -> int:
         return rec.finish()
     finally:
         teardown_distributed()
+        let_gloo_workers_finish()
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

@@ -1,15 +1,24 @@
-"""ZeRO stages 1, 2 and 3 written by hand, reusable on any model and any `torch.optim` optimizer.
+"""ZeRO stages 1, 2 and 3 written by hand, usable on any model with any `torch.optim` optimizer.
 
 All three lay the trainable parameters end to end in one flat vector of Ψ numbers, pad it to
-N·⌈Ψ/N⌉ and give rank r the slice [r·S, (r+1)·S), S = ⌈Ψ/N⌉. The inner optimizer only ever sees
-that slice, so its states are 1/N of the baseline (ZeRO-1, P_os). ZeRO-2 (P_os+g) also keeps
-only the gradient slice: each gradient is reduce-scattered the moment backward produces it and
-then freed. ZeRO-3 (P_os+g+p) also keeps only the parameter slice: a layer's weights are
+N·⌈Ψ/N⌉ and give rank r the slice [r·S, (r+1)·S), S = ⌈Ψ/N⌉. The optimizer only ever sees that
+slice, so its states are 1/N of the baseline (ZeRO-1, P_os). ZeRO-2 (P_os+g) also keeps only the
+gradient slice: each gradient is reduce-scattered the moment backward produces it and then
+freed. ZeRO-3 (P_os+g+p) also keeps only the parameter slice: a module's weights are
 all-gathered just before its forward (and again before its backward) and freed right after.
 
-Communication is reduce-scatter + all-gather, never all-reduce + broadcast: a ring reduce-scatter
-plus a ring all-gather move exactly what one ring all-reduce moves (2·(N−1)/N·Ψ per rank), so
-stages 1 and 2 cost no more bandwidth than DDP; stage 3 adds one more all-gather (3·(N−1)/N·Ψ).
+- `ZeroOneOptimizer(params, torch.optim.Adam, lr=...)` is a `torch.optim.Optimizer`, like
+  `torch.distributed.optim.ZeroRedundancyOptimizer`: parameter groups, `state_dict`,
+  `zero_grad(set_to_none=...)`, `step(closure)`, LR schedulers.
+- `ZeroTwo(module)` and `ZeroThree(module)` wrap a module, like FSDP2's `fully_shard`: their
+  `parameters()` are the flat fp32 slice, so the caller builds any optimizer on them, and the
+  loop calls `reduce_gradients()` between `backward()` and `optimizer.step()`. With
+  `compute_dtype=torch.bfloat16` they gather and compute in bf16, reduce gradients in fp32 and
+  keep fp32 master slices (FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`).
+
+Communication is reduce-scatter + all-gather, never all-reduce + broadcast: a reduce-scatter plus
+an all-gather move what one all-reduce moves (2Ψ in the paper's convention), so stages 1 and 2
+cost no more bandwidth than DDP; stage 3 gathers the weights twice, forward and backward (3Ψ).
 Frozen parameters (requires_grad=False) are not sharded: every rank keeps them whole.
 """
 
@@ -21,22 +30,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.distributed import all_gather_single, reduce_scatter_single  # torch 2.11 and 2.14 names
+from chapters.ch06_hybrid_zero.probe import count_held
+from common.distributed import (  # torch 2.11 and 2.14 names
+    all_gather_single,
+    broadcast_from_rank0,
+    reduce_scatter_single,
+    trainable_params,
+)
 
 
 def shard_size(numel: int, world_size: int) -> int:
     """S = ⌈Ψ/N⌉: every rank's slice has the same length; the last one is zero-padded."""
     return math.ceil(numel / world_size)
-
-
-def trainable_params(params) -> list[nn.Parameter]:
-    """Parameters that need a gradient, each once (tied weights are one parameter)."""
-    seen, out = set(), []
-    for p in params:
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
 
 
 class FlatLayout:
@@ -67,16 +72,11 @@ class FlatLayout:
         return start, start + hi - lo
 
 
-def broadcast_from_rank0(module: nn.Module) -> None:
-    """Every rank starts from rank 0's weights (as DDP does when it wraps a model)."""
-    for t in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(t.data, src=0)
-
-
-def flatten_into_buffer(layout: FlatLayout) -> torch.Tensor:
-    """Copy the parameters into one padded flat buffer and make each parameter a view of it."""
+def flatten_into_buffer(layout: FlatLayout, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Copy the parameters into one padded flat buffer (of `dtype`, default theirs) and make
+    each parameter a view of it."""
     p0 = layout.params[0]
-    flat = torch.zeros(layout.world_size * layout.shard, dtype=p0.dtype, device=p0.device)
+    flat = torch.zeros(layout.world_size * layout.shard, dtype=dtype or p0.dtype, device=p0.device)
     for i, p in enumerate(layout.params):
         view = flat[layout.offsets[i]:layout.offsets[i + 1]].view_as(p)
         view.copy_(p.data)
@@ -85,8 +85,9 @@ def flatten_into_buffer(layout: FlatLayout) -> torch.Tensor:
 
 
 def reduce_scatter_flat(grads: list[torch.Tensor | None], layout: FlatLayout) -> torch.Tensor:
-    """ZeRO-1: concatenate every gradient into one padded buffer, reduce-scatter it (SUM),
-    and divide by N: this rank's slice of the averaged gradient."""
+    """ZeRO-1: copy every gradient into one padded buffer, reduce-scatter it (SUM) and divide by
+    N: this rank's slice of the averaged gradient. The copy is a second, transient, full
+    gradient (N·S numbers) next to the gradients themselves: ZeRO-1's peak."""
     p0 = layout.params[0]
     flat = torch.zeros(layout.world_size * layout.shard, dtype=p0.dtype, device=p0.device)
     for i, g in enumerate(grads):
@@ -99,10 +100,10 @@ def reduce_scatter_flat(grads: list[torch.Tensor | None], layout: FlatLayout) ->
 
 def reduce_scatter_param_grad(grad: torch.Tensor, i: int, layout: FlatLayout,
                               grad_shard: torch.Tensor) -> None:
-    """ZeRO-2/3: reduce-scatter one parameter's gradient by owner and add this rank's piece
-    (summed over the ranks) into its gradient slice. Pieces are uneven, some empty: the list
-    form of reduce_scatter takes that."""
-    flat = grad.reshape(-1)
+    """ZeRO-2/3: reduce-scatter one parameter's gradient by owner, in the gradient slice's
+    dtype (fp32 when computing in bf16), and add this rank's piece, summed over the ranks, into
+    the slice. Pieces are uneven, some empty: the list form of reduce_scatter takes that."""
+    flat = grad.reshape(-1).to(grad_shard.dtype)
     pieces = [flat[lo:hi].contiguous() for lo, hi in layout.pieces(i)]
     start, end = layout.my_range(i)
     mine = torch.empty(end - start, dtype=flat.dtype, device=flat.device)
@@ -111,111 +112,244 @@ def reduce_scatter_param_grad(grad: torch.Tensor, i: int, layout: FlatLayout,
 
 
 def all_gather_flat(flat: torch.Tensor, shard: torch.Tensor) -> None:
-    """Every rank's updated slice to every rank: the padded flat buffer is whole again."""
-    all_gather_single(flat, shard.detach().clone())
+    """Every rank's slice to every rank, in the flat buffer's dtype: the buffer is whole again."""
+    all_gather_single(flat, shard.detach().to(flat.dtype, copy=True))
 
 
-class ZeroOneOptimizer:
-    """ZeRO-1 (P_os): `ZeroOneOptimizer(params, torch.optim.Adam, lr=...)`, the shape of
-    `torch.distributed.optim.ZeroRedundancyOptimizer`. Call it on local (not averaged)
-    gradients: `step()` reduce-scatters them, updates this rank's slice with the inner
-    optimizer and all-gathers the slices back into every parameter."""
+class ZeroOneOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 (P_os), a `torch.optim.Optimizer` shaped like `ZeroRedundancyOptimizer`:
 
-    def __init__(self, params, optimizer_class: type[torch.optim.Optimizer], **kwargs):
-        self.layout = FlatLayout(trainable_params(params), dist.get_world_size(), dist.get_rank())
-        self.flat = flatten_into_buffer(self.layout)
-        r, S = self.layout.rank, self.layout.shard
-        self.shard_param = self.flat[r * S:(r + 1) * S]  # a view: no second copy of the weights
-        self.grad_shard = None
-        self.optim = optimizer_class([self.shard_param], **kwargs)
+        opt = ZeroOneOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+        opt = ZeroOneOptimizer([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+                               torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
 
-    def zero_grad(self) -> None:
-        for p in self.layout.params:
-            p.grad = None
+    Use it on local (not averaged) gradients, without DDP: `step()` reduce-scatters them,
+    updates this rank's slice with `optimizer_class` and all-gathers the slices back into every
+    parameter. Each parameter group gets its own flat buffer, so groups keep their own
+    hyperparameters (an LR scheduler changes `param_groups[i]["lr"]` here; `step()` hands it to
+    the inner optimizer). `state_dict()` is this rank's shard: save one per rank and load it into
+    the same rank of the same world."""
 
-    def step(self) -> None:
-        self.grad_shard = reduce_scatter_flat([p.grad for p in self.layout.params], self.layout)
-        self.shard_param.grad = self.grad_shard
+    def __init__(self, params, optimizer_class: type[torch.optim.Optimizer], **defaults):
+        self.optim = None  # the inner optimizer, over the slices; built once the groups exist
+        self._flat: list[tuple[FlatLayout, torch.Tensor | None, torch.Tensor | None]] = []
+        super().__init__(params, defaults)  # calls add_param_group for every group
+        self.optim = optimizer_class([self._inner_group(i) for i in range(len(self._flat))],
+                                     **defaults)
+        self._sync_hyperparameters(self.optim.param_groups, self.param_groups)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """A new group: its own flat buffer and its own slice in the inner optimizer."""
+        super().add_param_group(param_group)
+        params = trainable_params(self.param_groups[-1]["params"])
+        layout = FlatLayout(params, dist.get_world_size(), dist.get_rank())
+        flat = shard = None
+        if params:
+            flat = flatten_into_buffer(layout)
+            shard = flat[layout.rank * layout.shard:(layout.rank + 1) * layout.shard]  # a view
+        self._flat.append((layout, flat, shard))
+        if self.optim is not None:
+            self.optim.add_param_group(self._inner_group(len(self._flat) - 1))
+
+    def _inner_group(self, i: int) -> dict:
+        shard = self._flat[i][2]
+        options = {k: v for k, v in self.param_groups[i].items() if k != "params"}
+        return {"params": [] if shard is None else [shard], **options}
+
+    @staticmethod
+    def _sync_hyperparameters(src: list[dict], dst: list[dict]) -> None:
+        for a, b in zip(src, dst):
+            b.update({k: v for k, v in a.items() if k != "params"})
+
+    def slices(self) -> list[torch.Tensor]:
+        """This rank's slice of each group's flat parameter buffer (views)."""
+        return [shard for _, _, shard in self._flat if shard is not None]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparameters(self.param_groups, self.optim.param_groups)  # e.g. a new lr
+        for layout, _, shard in self._flat:
+            if shard is not None:
+                shard.grad = reduce_scatter_flat([p.grad for p in layout.params], layout)
         self.optim.step()
-        self.shard_param.grad = self.grad_shard = None  # transient: only 1/N of it anyway
-        all_gather_flat(self.flat, self.shard_param)
+        self._sync_hyperparameters(self.optim.param_groups, self.param_groups)
+        for _, flat, shard in self._flat:
+            if shard is not None:
+                shard.grad = None  # transient: 1/N of the gradient
+                all_gather_flat(flat, shard)
+        return loss
 
+    def state_dict(self) -> dict:
+        """The groups' hyperparameters (as any optimizer's) and this rank's inner state."""
+        state = super().state_dict()
+        state["zero"] = {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
+                         "numel": [layout.numel for layout, _, _ in self._flat],
+                         "inner": self.optim.state_dict()}
+        return state
 
-class ZeroTwo(nn.Module):
-    """ZeRO-2 (P_os+g): wrap any module; gradients are reduce-scattered as backward produces
-    them (a post-accumulate-grad hook per parameter) and freed, so a rank keeps only the
-    gradient slice it updates. `step()` updates the slice and all-gathers the parameters."""
-
-    def __init__(self, module: nn.Module, optimizer_class: type[torch.optim.Optimizer], **kwargs):
-        super().__init__()
-        self.module = module
-        broadcast_from_rank0(module)
-        self.layout = FlatLayout(trainable_params(module.parameters()),
-                                 dist.get_world_size(), dist.get_rank())
-        self.flat = flatten_into_buffer(self.layout)
-        r, S = self.layout.rank, self.layout.shard
-        self.shard_param = self.flat[r * S:(r + 1) * S]
-        self.grad_shard = torch.zeros_like(self.shard_param)
-        self.optim = optimizer_class([self.shard_param], **kwargs)
-        for i, p in enumerate(self.layout.params):
-            p.register_post_accumulate_grad_hook(self._grad_ready(i))
-
-    def _grad_ready(self, i: int):
-        def hook(p: torch.Tensor) -> None:
-            reduce_scatter_param_grad(p.grad, i, self.layout, self.grad_shard)
-            p.grad = None  # the full gradient is gone as soon as it is reduced
-        return hook
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.grad_shard.zero_()
-
-    def step(self) -> None:
-        self.shard_param.grad = self.grad_shard / self.layout.world_size
-        self.optim.step()
-        self.shard_param.grad = None
-        all_gather_flat(self.flat, self.shard_param)
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.module.named_parameters()}
+    def load_state_dict(self, state_dict: dict) -> None:
+        zero = state_dict["zero"]
+        here = (dist.get_rank(), dist.get_world_size(), [layout.numel for layout, _, _ in self._flat])
+        if (zero["rank"], zero["world_size"], zero["numel"]) != here:
+            raise ValueError(f"this state was saved by rank {zero['rank']} of {zero['world_size']} "
+                             f"for groups of {zero['numel']} numbers; this is rank {here[0]} of "
+                             f"{here[1]} with {here[2]}")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "zero"})
+        self.optim.load_state_dict(zero["inner"])
+        self._sync_hyperparameters(self.param_groups, self.optim.param_groups)
 
 
 def _free(p: torch.Tensor) -> None:
     p.untyped_storage().resize_(0)
 
 
-class ZeroThree(ZeroTwo):
-    """ZeRO-3 (P_os+g+p): as ZeRO-2, and the parameters themselves are sharded. Every module
-    that owns parameters all-gathers them in a forward pre-hook, frees them after its forward,
-    gathers them again when the gradient of its output arrives (before its backward needs
-    them), and frees them once their gradients are reduce-scattered."""
+def _cast_inputs(args, kwargs, dtype):
+    cast = (lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
-    def __init__(self, module: nn.Module, optimizer_class: type[torch.optim.Optimizer], **kwargs):
-        nn.Module.__init__(self)
+
+class _Sharded(nn.Module):
+    """What ZeRO-2 and ZeRO-3 share: the fp32 master slice as the only trainable parameter,
+    gradients reduce-scattered in backward hooks into an fp32 slice, and `reduce_gradients()`."""
+
+    def _setup(self, module: nn.Module, compute_dtype: torch.dtype | None,
+               slice_is_view: bool) -> torch.Tensor:
+        """Broadcast rank 0's weights, build the layout and the master slice (a view of the flat
+        buffer when `slice_is_view`, else a copy); return the flat buffer of the whole
+        parameters (master dtype), each parameter a view of it."""
         self.module = module
         broadcast_from_rank0(module)
         self.layout = FlatLayout(trainable_params(module.parameters()),
                                  dist.get_world_size(), dist.get_rank())
-        r, S = self.layout.rank, self.layout.shard
         flat = flatten_into_buffer(self.layout)
-        self.shard_param = flat[r * S:(r + 1) * S].clone()  # the only copy a rank keeps
-        for p in self.layout.params:
-            p.data = p.data.clone()  # own storage again, so each can be freed on its own
-            _free(p)
-        del flat
-        self.index = {id(p): i for i, p in enumerate(self.layout.params)}
-        self.grad_shard = torch.zeros_like(self.shard_param)
-        self.optim = optimizer_class([self.shard_param], **kwargs)
+        self.master_dtype = flat.dtype
+        self.compute_dtype = compute_dtype or flat.dtype
+        r, S = self.layout.rank, self.layout.shard
+        mine = flat[r * S:(r + 1) * S]
+        self.shard = nn.Parameter(mine if slice_is_view else mine.clone())  # what the optimizer steps
+        self._acc: torch.Tensor | None = None  # gradient slice, summed over ranks, during backward
+        # Frozen tensors are not sharded; under a compute dtype they are used in it (as FSDP2
+        # casts them), and their full-precision values are kept for full_parameters().
+        self._frozen = {}
+        for name, p in module.named_parameters():
+            if not p.requires_grad and p.dtype != self.compute_dtype and p.is_floating_point():
+                self._frozen[name] = p.detach().clone()
+                p.data = p.data.to(self.compute_dtype)
         for i, p in enumerate(self.layout.params):
             p.register_post_accumulate_grad_hook(self._grad_ready(i))
+        return flat
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """What an optimizer steps: the master slice only. (The module's own parameters are
+        views of the gathered buffer, or empty placeholders under ZeRO-3.)"""
+        yield (f"{prefix}." if prefix else "") + "shard", self.shard
+
+    def forward(self, *args, **kwargs):
+        if self.compute_dtype != self.master_dtype:  # as FSDP2's cast_forward_inputs
+            args, kwargs = _cast_inputs(args, kwargs, self.compute_dtype)
+        return self.module(*args, **kwargs)
+
+    def _reduce(self, p: torch.Tensor, i: int) -> None:
+        if self._acc is None:
+            self._acc = torch.zeros_like(self.shard, memory_format=torch.contiguous_format)
+        reduce_scatter_param_grad(p.grad, i, self.layout, self._acc)
+        p.grad = None  # the full gradient is gone as soon as it is reduced
+
+    def reduce_gradients(self) -> None:
+        """Call after `backward()`, before `optimizer.step()`: every gradient was
+        reduce-scattered during backward as it appeared; average the slice over the ranks and
+        hand it to the master slice's `.grad` (added, if the optimizer did not clear it)."""
+        if self._acc is None:
+            raise RuntimeError("reduce_gradients() needs a backward() first: no gradient was reduced")
+        grad, self._acc = self._acc.div_(self.layout.world_size), None
+        if self.shard.grad is None:
+            self.shard.grad = grad
+        else:
+            self.shard.grad += grad
+
+    def states(self) -> dict[str, list]:
+        """The tensors that are model states now: parameters (the module's, gathered or not,
+        the master slice, frozen originals) and gradients (the module's, the slices)."""
+        params = [*self.module.parameters(), self.shard, *self._frozen.values()]
+        grads = [p.grad for p in self.module.parameters()] + [self.shard.grad, self._acc]
+        return {"params": params, "grads": grads}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Whole parameters in the master dtype, on every rank (a collective: every rank calls
+        it), gathered from the master slices."""
+        S, N = self.layout.shard, self.layout.world_size
+        flat = torch.empty(N * S, dtype=self.master_dtype, device=self.shard.device)
+        all_gather_flat(flat, self.shard)
+        index = {id(p): i for i, p in enumerate(self.layout.params)}
+        out = {}
+        for name, p in self.module.named_parameters():
+            if id(p) in index:
+                i = index[id(p)]
+                out[name] = flat[self.layout.offsets[i]:self.layout.offsets[i + 1]].view(p.shape).clone()
+            else:
+                out[name] = self._frozen.get(name, p).detach().clone()
+        return out
+
+
+class ZeroTwo(_Sharded):
+    """ZeRO-2 (P_os+g): wrap any module; build the optimizer on `wrapper.parameters()`.
+
+        model = ZeroTwo(module)                       # compute_dtype=torch.bfloat16 for bf16
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        loss = model(x).loss; loss.backward(); model.reduce_gradients(); opt.step()
+
+    Each gradient is reduce-scattered as backward finishes it (a post-accumulate-grad hook per
+    parameter) and freed, so a rank keeps only its gradient slice. The whole parameters stay in
+    one flat buffer (of the compute dtype); the next forward all-gathers the updated slices into
+    it (once per optimizer step: it notices the slice changed)."""
+
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        same = compute_dtype in (None, next(p for p in module.parameters() if p.requires_grad).dtype)
+        flat = self._setup(module, compute_dtype, slice_is_view=same)  # no second copy if it can
+        if same:
+            self.flat = flat
+        else:
+            self.flat = flatten_into_buffer(self.layout, self.compute_dtype)  # params now bf16 views
+            del flat
+        self._gathered_version = self.shard._version
+        self.register_forward_pre_hook(lambda _m, _a: self.gather_parameters())
+
+    def _grad_ready(self, i: int):
+        return lambda p: self._reduce(p, i)
+
+    def gather_parameters(self) -> None:
+        """All-gather the slices into the flat buffer if the optimizer changed this rank's."""
+        if self.shard._version != self._gathered_version:
+            all_gather_flat(self.flat, self.shard)
+            self._gathered_version = self.shard._version
+
+
+class ZeroThree(_Sharded):
+    """ZeRO-3 (P_os+g+p): as ZeRO-2, and the parameters themselves are sharded. Every module
+    that owns parameters all-gathers them (in the compute dtype) in a forward pre-hook, frees
+    them after its forward, gathers them again when the gradient of its output arrives (before
+    its backward needs them), and frees them once their gradients are reduce-scattered."""
+
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        flat = self._setup(module, compute_dtype, slice_is_view=False)
+        for p in self.layout.params:
+            p.data = torch.empty(p.shape, dtype=self.compute_dtype, device=p.device)  # own storage
+            _free(p)
+        del flat  # the slice is the only copy a rank keeps
+        self.index = {id(p): i for i, p in enumerate(self.layout.params)}
         for m in module.modules():
             own = [p for p in m.parameters(recurse=False) if id(p) in self.index]
             if own:
                 m.register_forward_pre_hook(lambda _m, _a, own=own: self.gather(own))
                 m.register_forward_hook(lambda _m, _a, out, own=own: self._after_forward(own, out))
 
+    @torch.no_grad()
     def gather(self, params: list[torch.Tensor]) -> None:
         """All-gather whole parameters from every rank's slice. The pieces are uneven, which
         gloo's all_gather refuses, so it is an all_to_all_single that sends my piece to all."""
@@ -225,13 +359,11 @@ class ZeroThree(ZeroTwo):
             i = self.index[id(p)]
             sizes = [hi - lo for lo, hi in self.layout.pieces(i)]
             start, end = self.layout.my_range(i)
-            mine = self.shard_param.detach()[start:end]
-            full = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
-            dist.all_to_all_single(full, mine.repeat(self.layout.world_size),
+            mine = self.shard.detach()[start:end].to(self.compute_dtype)
+            p.untyped_storage().resize_(p.numel() * p.element_size())
+            dist.all_to_all_single(p.data.view(-1), mine.repeat(self.layout.world_size),
                                    output_split_sizes=sizes,
                                    input_split_sizes=[end - start] * self.layout.world_size)
-            p.untyped_storage().resize_(p.numel() * p.element_size())
-            p.data.view(-1).copy_(full)
 
     def _after_forward(self, params: list[torch.Tensor], output) -> None:
         for p in params:
@@ -243,56 +375,36 @@ class ZeroThree(ZeroTwo):
 
     def _grad_ready(self, i: int):
         def hook(p: torch.Tensor) -> None:
-            reduce_scatter_param_grad(p.grad, i, self.layout, self.grad_shard)
-            p.grad = None
+            self._reduce(p, i)
             _free(p)
         return hook
 
-    def step(self) -> None:
-        self.shard_param.grad = self.grad_shard / self.layout.world_size
-        self.optim.step()
-        self.shard_param.grad = None  # no all-gather: the next forward gathers what it needs
+    def reduce_gradients(self) -> None:
+        super().reduce_gradients()
         for p in self.layout.params:
-            _free(p)  # a parameter that got no gradient this step
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Whole parameters on every rank (for checks and checkpoints)."""
-        S, N = self.layout.shard, self.layout.world_size
-        flat = torch.empty(N * S, dtype=self.shard_param.dtype, device=self.shard_param.device)
-        all_gather_flat(flat, self.shard_param)
-        out = {}
-        for name, p in self.module.named_parameters():
-            if id(p) in self.index:
-                i = self.index[id(p)]
-                out[name] = flat[self.layout.offsets[i]:self.layout.offsets[i + 1]].view(p.shape).clone()
-            else:
-                out[name] = p.detach().clone()
-        return out
+            _free(p)  # a parameter gathered but given no gradient this step
 
 
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once;
-    a DTensor counts its local shard)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        t = t.to_local() if hasattr(t, "to_local") else t
-        s = t.untyped_storage()
-        if s.data_ptr() in seen and s.nbytes() > 0:
-            continue
-        seen.add(s.data_ptr())
-        total += s.nbytes()
-    return total
+def model_states(model: nn.Module, optimizer=None) -> dict[str, list]:
+    """The tensors one rank holds as model states, by category, whatever the wrapper: a ZeRO-2/3
+    module's `states()`, or a module's parameters and gradients; the optimizer's state tensors
+    (through a ZeRO-1 or ZeroRedundancyOptimizer wrapper to the optimizer inside)."""
+    if hasattr(model, "states"):
+        groups = model.states()
+    else:
+        params = list(model.parameters())
+        groups = {"params": params, "grads": [p.grad for p in params]}
+    if optimizer is not None:
+        if isinstance(optimizer, ZeroOneOptimizer):
+            groups["grads"] = groups["grads"] + [s.grad for s in optimizer.slices()]
+        inner = getattr(optimizer, "optim", optimizer)
+        groups["optim"] = [v for s in inner.state.values() for v in s.values()
+                           if isinstance(v, torch.Tensor)]
+    return groups
 
 
 def bytes_held(model: nn.Module, optimizer) -> dict[str, int]:
-    """What one rank holds for parameters, gradients and optimizer states, counted from the
-    tensors themselves. `optimizer` is a torch optimizer or one of the ZeRO wrappers above."""
-    inner = getattr(optimizer, "optim", optimizer)
-    params = list(model.parameters())
-    extra_p = [getattr(optimizer, "shard_param", None)]
-    grads = [p.grad for p in params] + [getattr(optimizer, "grad_shard", None)]
-    states = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return {"params": _storage_bytes(params + extra_p), "grads": _storage_bytes(grads),
-            "optim": _storage_bytes(states)}
+    """What one rank holds right now for parameters, gradients and optimizer states, counted
+    from the tensors' storages (views of one buffer count once; a DTensor counts its shard)."""
+    held = count_held(model_states(model, optimizer))
+    return {k: held[k] for k in ("params", "grads", "optim")}
