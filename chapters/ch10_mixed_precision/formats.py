@@ -1,10 +1,13 @@
 """Floating-point formats of mixed precision: their range and precision, FP8 per-tensor
-scaling, and the fp16 gradient underflow that loss scaling exists to prevent.
+scaling, the fp16 gradient underflow that loss scaling exists to prevent, the updates a
+low-precision weight cannot take (why master weights), and the error of a low-precision sum.
 
 Helper module of chapter 10 (no main guard); `train.py` and the tests import it.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -41,16 +44,39 @@ def format_table() -> list[dict]:
     return rows
 
 
+MAN_BITS = {dtype: m for dtype, _, m in FORMATS.values()}
+
+
+def mean_rounding_error(dtype: torch.dtype) -> float:
+    """Expected relative error of rounding to nearest in `dtype` for values whose significands
+    are log-uniform (Benford; Gaussian data is close): the error is uniform on ±ulp/2 and
+    E[1/significand] = 1/(2 ln 2) over [1, 2), so E|δ| = (eps/4)·(1/(2 ln 2))·2 = eps/(8 ln 2)."""
+    return torch.finfo(dtype).eps / (8 * math.log(2))
+
+
 def fp8_roundtrip_error(x: torch.Tensor, dtype: torch.dtype, per_tensor_scale: bool) -> dict:
     """Cast x to FP8 and back, with or without the per-tensor scale amax → the format's max.
 
-    Returns the mean relative error, the fraction flushed to zero and the scale used. The
-    scale is what a float8 recipe stores beside each tensor (and recomputes from its amax).
+    Rounding to nearest keeps every element within a relative error u = eps/2 **only if** its
+    scaled value is a normal number of the format: |x|·scale ≥ smallest normal, i.e.
+    amax/|x| ≤ max/smallest normal (448/2⁻⁶ = 28672 for e4m3, 57344/2⁻¹⁴ ≈ 9.4e8 for e5m2).
+    Below that the element is a subnormal (fewer significant bits) or flushed to zero.
+
+    Returns the mean relative error, the largest relative error among the elements inside that
+    range and among those outside it (nan when there are none), the fraction inside, the
+    fraction flushed to zero and the scale used (what a float8 recipe stores beside each
+    tensor and recomputes from its amax).
     """
-    scale = torch.finfo(dtype).max / x.abs().max().clamp(min=1e-12) if per_tensor_scale else torch.tensor(1.0)
+    fi = torch.finfo(dtype)
+    scale = fi.max / x.abs().max().clamp(min=1e-12) if per_tensor_scale else torch.tensor(1.0)
     back = (x * scale).to(dtype).to(x.dtype) / scale
-    rel = ((back - x).abs() / x.abs().clamp(min=1e-30)).mean().item()
-    return {"rel_error": rel, "zeros": (back == 0).float().mean().item(), "scale": float(scale)}
+    rel = (back - x).abs() / x.abs().clamp(min=1e-30)
+    inside = ((x * scale).abs() >= fi.tiny) & ((x * scale).abs() <= fi.max)
+    return {"rel_error": rel.mean().item(),
+            "max_rel_in_range": rel[inside].max().item() if inside.any() else float("nan"),
+            "max_rel_out_of_range": rel[~inside].max().item() if (~inside).any() else float("nan"),
+            "in_range": inside.float().mean().item(),
+            "zeros": (back == 0).float().mean().item(), "scale": float(scale)}
 
 
 def underflow_grads(loss_scale: float, device: torch.device, half: bool = True) -> torch.Tensor:
@@ -69,3 +95,34 @@ def underflow_grads(loss_scale: float, device: torch.device, half: bool = True) 
     loss = 1e-8 * (y.float() ** 2).sum() / 2                   # a loss whose gradient is tiny
     (loss * loss_scale).backward()                             # dL/dy is cast back to fp16 here
     return w.grad / loss_scale                                 # unscale in fp32
+
+
+def rounds_back(w: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """Which elements of `w + update` round back to `w` in w's dtype (the update is lost).
+
+    Rounding to nearest loses an update smaller than half the spacing of w's format next to w,
+    in the update's direction: with |w| = m·2^e (m in [0.5, 1)) the spacing above is
+    2^(e-1-mantissa bits), and it halves below an exact power of two. For bf16 (7 mantissa
+    bits) half the spacing is between 2⁻⁹ and 2⁻⁸ of |w|: updates under 0.2–0.4 % of a weight
+    vanish. Zero weights and zero updates are never counted as lost.
+    """
+    wf, uf = w.float(), update.float()
+    m, e = torch.frexp(wf)
+    spacing = torch.ldexp(torch.ones_like(wf), e - 1 - MAN_BITS[w.dtype])
+    shrinking = (m.abs() == 0.5) & (torch.sign(uf) == -torch.sign(wf))
+    spacing = torch.where(shrinking, spacing / 2, spacing)
+    return (uf.abs() < spacing / 2) & (uf != 0) & (wf != 0)
+
+
+def low_precision_sum_error(world: int, dtype: torch.dtype = torch.bfloat16, n: int = 4096,
+                            seed: int = 0) -> float:
+    """Relative error (norm) of summing `world` gradient-like vectors one after the other in
+    `dtype`, as a ring reduction does, against the exact sum: each addition rounds, so the
+    error grows with the number of ranks (worst case (W-1)·u, typically ~√W·u)."""
+    g = torch.Generator().manual_seed(seed)
+    parts = torch.randn(world, n, generator=g, dtype=torch.float64)
+    exact = parts.sum(0)
+    acc = parts[0].to(dtype)
+    for part in parts[1:]:
+        acc = acc + part.to(dtype)
+    return ((acc.double() - exact).norm() / exact.norm()).item()

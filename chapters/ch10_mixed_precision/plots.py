@@ -34,7 +34,7 @@ def make_figures(fig_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     fig_dir.mkdir(parents=True, exist_ok=True)
-    cfg = train.Config(steps=60)
+    cfg = train.Config()
     curves = loss_curves(cfg)
     fig, (ax, gap) = plt.subplots(1, 2, figsize=(10, 3.4))
     for i, (name, losses) in enumerate(curves.items()):
@@ -52,11 +52,12 @@ def make_figures(fig_dir: Path) -> list[Path]:
     fig.savefig(paths[0], dpi=120)
     plt.close(fig)
 
-    tcfg = train.Config(steps=30)
-    X, Y = regression_data(tcfg.steps * tcfg.global_batch_size, tcfg.d_in, 1, seed=0)
-    X, Y = X.view(tcfg.steps, -1, tcfg.d_in), Y.view(tcfg.steps, -1, 1)
-    torch.manual_seed(0)
-    model, inf_steps = MLP(tcfg.d_in, tcfg.d_hidden, 1), {5, 6, 12}
+    # the script's data and model (seed 0), its first TRACE_STEPS steps
+    X, Y = regression_data(cfg.steps * cfg.global_batch_size, cfg.d_in, 1, seed=cfg.seed)
+    X = X.view(cfg.steps, -1, cfg.d_in)[:train.TRACE_STEPS]
+    Y = Y.view(cfg.steps, -1, 1)[:train.TRACE_STEPS]
+    torch.manual_seed(cfg.seed)
+    model, inf_steps = MLP(cfg.d_in, cfg.d_hidden, 1), {5, 6, 12}
     fig, ax = plt.subplots(figsize=(7, 3.2))
     for name, scaler, style in (
             ("GradScaler", torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3), "-o"),
