@@ -16,7 +16,8 @@
 # A checkpoint is only useful if training can continue from it as if nothing had happened. This
 # notebook saves a full training state and resumes it bit for bit (and shows what goes wrong
 # without the RNG state or the data position), looks at an atomic save, builds a delta
-# checkpoint, and runs the sharded (DCP) save and load on two processes.
+# checkpoint, runs the sharded (DCP) save and load on two processes, and resumes a two-process
+# run whose per-rank state DCP would cross-wire under one key.
 # The lesson is [chapters/ch12_checkpointing/README.md](../chapters/ch12_checkpointing/README.md).
 
 # %%
@@ -29,7 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from chapters.ch12_checkpointing import delta as deltas
-from chapters.ch12_checkpointing import plots, resume, train
+from chapters.ch12_checkpointing import plots, resume, resume_dcp, train
 from common.checkpoint import atomic_write, load_checkpoint
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
@@ -93,6 +94,16 @@ lossy = deltas.apply_difference_delta(base, deltas.make_difference_delta(base, n
 print("bf16 differences restore bit for bit:", torch.equal(lossy["embedding"], new["embedding"]))
 
 # %% [markdown]
+# Differences in the *same* dtype are exact only where the subtraction is: Sterbenz's lemma covers
+# new and old within a factor 2 of each other (small fine-tuning steps); re-drawn rows are not.
+
+# %%
+print("fp32 (0.001 - 1) + 1 =", ((torch.tensor(0.001) - 1) + 1).item())
+print("small steps: ", deltas.difference_roundtrip(base["embedding"], new["embedding"]))
+redrawn = deltas.reinitialised_rows(train.Config(), base)["embedding"]
+print("re-drawn rows:", deltas.difference_roundtrip(base["embedding"], redrawn))
+
+# %% [markdown]
 # ## Sharded checkpoints with DCP, on two processes
 # FSDP2 shards every weight over the ranks; `dcp.save` writes one file per rank and a metadata
 # file describing the global tensors. The run also saves asynchronously while it keeps training,
@@ -120,9 +131,40 @@ saved = load_checkpoint(out_dir / "full_state.pt")
 print("max |loaded − saved| =", train.max_state_diff(loaded, saved))
 
 # %% [markdown]
+# ## A multi-rank resume, and per-rank state under one key
+# `resume_dcp.py` saves an FSDP2 run at step 5 with one `dcp.save` (sharded model and optimizer,
+# scheduler, data position, each rank's RNG under `per_rank.rank<r>`), rebuilds everything from
+# other seeds, loads and continues. DCP stores a plain tensor saved under one key on every rank
+# once: the controls show both ranks loading one `pos`, and a rank resuming with the other's RNG.
+
+# %%
+print(inspect.getsource(resume_dcp.training_state))
+rd_dir = REPO_ROOT / "runs" / "notebooks" / "ch12_resume_dcp"
+rd = run_torchrun(REPO_ROOT / "chapters/ch12_checkpointing/resume_dcp.py", nproc=2, out_dir=rd_dir)
+print(rd.output[rd.output.index("figure"):])
+
+# %%
+losses = load_checkpoint(rd_dir / "losses.pt")
+fig, axes = plt.subplots(1, 2, figsize=(8, 2.8), sharey=True)
+for rank, ax in enumerate(axes):
+    ax.plot(losses["reference"][rank], lw=4, alpha=0.35, color="k", label="uninterrupted")
+    ax.plot(losses["resumed"][rank], ls="--", label="saved at 5, resumed")
+    ax.axvline(resume_dcp.Config().stop_at - 0.5, color="grey", ls=":")
+    ax.set_title(f"rank {rank}: identical = {losses['resumed'][rank] == losses['reference'][rank]}")
+    ax.set_xlabel("step")
+axes[0].set_ylabel("loss on this rank's batch")
+axes[0].legend(fontsize=7)
+plt.show()
+
+# %% [markdown]
 # ## Exercises
-# 1. Run `torchrun --nproc_per_node=4 chapters/ch12_checkpointing/train.py --load-from
-#    runs/ch12_checkpointing/train/dcp` after a 2-process run. Which bytes does each rank read?
+# 1. Run `torchrun --standalone --nproc_per_node=4 chapters/ch12_checkpointing/train.py --load-from
+#    runs/ch12_checkpointing/train/dcp` after a 2-process run. Which files does each rank read?
 # 2. Remove `snapshot` from `train.full_state`. Which check fails, and why only Adam's `step`?
 # 3. Keep only the last two complete checkpoints in `resume.run_with_checkpoints`. Where must the
 #    deletion happen so that a crash never leaves you with none?
+# 4. Make a delta chain (base, delta 1, delta 2): what must a restore read?
+# 5. With the save stalls above and a job MTBF of 24 h, how often should this job save?
+# 6. What does each of 3 ranks load after `dcp.save({"pos": torch.tensor([rank])})`?
+#
+# Hints and answers are in the lesson.
