@@ -15,9 +15,11 @@
 #
 # At scale something always breaks: a node dies, a link flaps, a rank hangs. The recipe is
 # periodic atomic checkpoints of *everything* the next step depends on (parameters, optimizer
-# state, RNG state, data position), a launcher that restarts the group (`torchrun --max-restarts`),
-# and finite timeouts so that a hang becomes an error. This notebook looks at the code, shows in one
-# process why a resume must restore all four parts, then kills a rank in a real two-process run.
+# state, LR schedule, every rank's RNG state, data position), a launcher that restarts the group
+# (`torchrun --max-restarts`), and finite timeouts so that a hang becomes an error. This notebook
+# computes how often to save, looks at the two-phase checkpoint, shows in one process why a resume
+# must restore every part and how a checkpoint serves a larger world, then kills a rank in a real
+# two-process run.
 # The lesson is [chapters/ch13_fault_tolerance/README.md](../chapters/ch13_fault_tolerance/README.md).
 
 # %%
@@ -29,20 +31,36 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from chapters.ch13_fault_tolerance import train
+from common.checkpoint import CheckpointError, load_checkpoint
 from common.distributed import setup_distributed, teardown_distributed
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
 
 # %% [markdown]
-# ## The fault injector and the two-phase checkpoint
-# A rank dies at the chosen step, only on the first attempt (`TORCHELASTIC_RESTART_COUNT == 0`),
-# so the restarted group can finish. Each rank writes its file atomically; rank 0 commits the
-# step in `latest` only after a barrier, so a crash during a save leaves the previous complete
-# checkpoint in charge.
+# ## How often to save
+# A job of $N$ nodes of MTBF $M_1$ fails every $M = M_1/N$: 1 000 nodes of 1 000 days fail once a
+# day. Young/Daly's interval $\sqrt{2\,\delta\,M}$ balances the time spent saving against the work
+# lost at a failure.
 
 # %%
-print(inspect.getsource(train.maybe_inject_fault))
+M = 1000 * 86400 / 1000  # seconds
+for delta in (0.008, 3, 30, 300):
+    tau = train.young_daly_interval(delta, M)
+    print(f"save {delta:>6} s -> checkpoint every {tau / 60:7.1f} min, "
+          f"overhead {100 * (delta / tau + tau / (2 * M)):.2f} %")
+
+# %% [markdown]
+# ## The fault injector and the two-phase checkpoint
+# A rank dies at the chosen step, only on the first attempt (`TORCHELASTIC_RESTART_COUNT == 0`),
+# so the restarted group can finish; with `--fail-in save` it dies halfway through writing a
+# checkpoint file. Rank 0 writes the state every replica shares once, every rank its own RNG
+# stream, each file atomically; rank 0 commits the step in `latest` only after a barrier, so a
+# crash during a save leaves the previous complete checkpoint in charge.
+
+# %%
+print(inspect.getsource(train.fault_due))
 print(inspect.getsource(train.save_state))
+print(inspect.getsource(train.load_state))
 
 # %% [markdown]
 # ## What a resume must restore
@@ -67,6 +85,22 @@ for name, restore in variants.items():
     diffs[name] = max((params[k] - clean[k]).abs().max().item() for k in clean)
     print(f"{name:18s} resumed from step {resumed['start']}   "
           f"max |param - undisturbed| = {diffs[name]:.3e}")
+
+# %% [markdown]
+# ## A checkpoint that a larger world can resume
+# The "full" run above was a world of one: its last committed checkpoint holds the shared state
+# once and rank 0's stream. Rank 1 of a world of 2 finds the state and no stream of its own:
+# `load_state` says so (`rng` is None) and `train` re-derives the stream from (seed, step, rank).
+# Reading a per-rank file for it, as this chapter's first layout did, fails.
+
+# %%
+folder = work / "full"
+state = train.load_state(folder, rank=1, world_size=2)
+print("step", state["step"], "| saved by a world of", state["world_size"], "| rng for rank 1:", state["rng"])
+try:
+    load_checkpoint(folder / f"step{state['step']:06d}" / "rng1.pt")
+except CheckpointError as e:
+    print("per-rank read:", e)
 teardown_distributed()
 
 # %%
@@ -97,3 +131,14 @@ print("restarts:", figures["restarts (TORCHELASTIC_RESTART_COUNT)"]["measured"],
       "  resumed from step:", figures["resumed from step"]["measured"])
 for check in result.summary["checks"]:
     print(f"{check['name']:48s} {check['measured']}  {'ok' if check['ok'] else 'FAIL'}")
+
+# %% [markdown]
+# ## Exercises
+# 1. Make rank 0 die halfway through the save of step 15 (`--fail-rank 0 --fail-step 15
+#    --fail-in save`). From which step does the run resume, and what is in `ckpt/step000015/`?
+# 2. With a save of 8 ms and of 30 s and $M$ = 24 h, what interval and overhead does Young/Daly give?
+# 3. Keep the global batch at 16 when the elastic demo shrinks to one node.
+# 4. Catch a desync (different shapes on two ranks) with `TORCH_DISTRIBUTED_DEBUG=DETAIL`.
+# 5. Why does node A print `attempt 0` at world 2 in the elastic demo?
+#
+# Hints and answers are in the lesson.
