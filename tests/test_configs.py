@@ -42,6 +42,10 @@ REFUSED: dict[tuple[str, int], str] = {
     ("ch17_pipeline_balance/train", 1): "needs at least 2 ranks",
     # ch05: the TP degree is the world size and must split whole attention heads (16)
     ("ch05_tensor_parallel/train", 3): "does not divide the 16 attention heads",
+    # ch12: resume.py is the one-process resume (resume_dcp.py is the multi-rank one)
+    **{("ch12_checkpointing/resume", w): "resume.py is one process" for w in (2, 3, 4, 8, 16)},
+    # ch13: a hung peer needs a peer: the hanging rank and rank 0, which reports
+    ("ch13_fault_tolerance/hang", 1): "needs at least 2 ranks",
 }
 
 
