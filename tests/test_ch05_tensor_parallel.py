@@ -123,6 +123,7 @@ def unshard(shards: list[dict]) -> dict:
 
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
+    assert all(a[k].shape == b[k].shape for k in a), {k: (a[k].shape, b[k].shape) for k in a}
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
@@ -138,9 +139,12 @@ def test_two_ranks_match_an_independent_dense_reference(tmp_path):
     assert max_diff(saved["dense"], expected) < TOL
     assert max_diff(unshard(saved["hand_tp"]), expected) < TOL
     assert max_diff(unshard(saved["hand_sp"]), expected) < TOL
+    assert max_diff(saved["dtensor_tp"], expected_p0) < TOL
     assert max_diff(saved["dtensor_sp"], expected_p0) < TOL
     assert (saved["norms"] - torch.tensor(norms)).abs().max() < TOL
     assert min(norms) > cfg.max_grad_norm  # clipping acted at every step of the reference
+    largest = res.summary["figures"]["largest |value| in or out of a linear/LayerNorm, dense (tolerance: < M)"]
+    assert largest["measured"] < largest["expected"] == checks.VALUE_BOUND  # the tolerance's premise
     lm = lm_reference(cfg)
     assert max_diff(saved["lm_dense"], lm) < TOL
     assert max_diff({k: torch.cat([s[k] for s in saved["lm_hand"]]) for k in lm}, lm) < TOL
@@ -325,6 +329,15 @@ def _controls() -> dict:
     def bias_before_g(self, x):  # exercise 2: the row-parallel bias added before the sum
         return tp_layers.reduce_from_tp(F.linear(x, self.weight, self.bias))
 
+    def clip_from_local_shards(model, max_norm):  # the shards' squared norms never summed
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        for g in grads:
+            g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return norm.item()
+
+    with patched(tp_layers, "clip_grad_norm_", clip_from_local_shards):
+        out["clip norm from local shards"] = verdicts("hand TP", hand(sp=False))
     with patched(tp_layers.RowParallelLinear, "forward", bias_before_g):
         run = hand(sp=False)
         out["bias before g"] = verdicts("hand TP", run)
@@ -375,12 +388,14 @@ def _controls() -> dict:
     ((model(x) - data[1][0].chunk(t, dim=1)[rank]) ** 2).sum().div(data[1][0].numel()).backward()
     ln = model.blocks[0].ln1.weight.grad
     out["ln grad placements"] = [type(p).__name__ for p in ln.placements]
+    out["row bias grad placements"] = [type(p).__name__ for p in model.blocks[0].mlp.fc2.bias.grad.placements]
     local = ln.to_local().clone()
     whole = ln.full_tensor()
     out["ln grad local share vs whole"] = ((local - whole).abs().max() / whole.abs().max()).item()
     assert isinstance(ln, DTensor) and isinstance(ln.placements[0], Partial)
     lazy = dtensor([full_sp] * cfg.n_layers, sp=True, sync=False)
     out["lazy counts"] = dtensor_tp.counts(lazy["modes"])
+    out["lazy verdicts"] = verdicts("DTensor TP+SP", lazy, "dense p=0", "dtensor", sp=True, sharded=False)
     out["lazy parity"] = checks.compare(lazy, refs["dense p=0"], checks.Expect(rank, t, True, False))
 
     # the language-model ends: a head left unparallelised, a loss with per-rank maxima
@@ -422,6 +437,9 @@ def test_negative_controls_fail_the_scripts_own_checks():
     assert "hand TP+SP: grad-sync all-reduces per layer (2 LayerNorms x 2, 2 biases)" in no_sync
     assert parity_failed(c["SP dropout mask not sliced per rank"], "hand TP+SP", "output")
     assert parity_failed(c["bias before g"], "hand TP", "output")  # exercise 2
+    local_clip = c["clip norm from local shards"]  # same gradients, wrong norm, wrong update
+    assert not parity_failed(local_clip, "hand TP", "gradients"), local_clip
+    assert parity_failed(local_clip, "hand TP", "grad norm") and parity_failed(local_clip, "hand TP", "trained")
     assert c["bias before g: diffs"]["output"] > 1e-2, c["bias before g: diffs"]
     L = train.Config().n_layers
     assert c["TP with PrepareModuleInput: backward"] == {"all_reduce": 2 * L}  # exercise 5
@@ -441,10 +459,14 @@ def test_negative_controls_fail_the_scripts_own_checks():
     # Partial(sum) LayerNorm gradients: a local share is not the gradient; left alone, DTensor
     # reduces them inside clip_grad_norm_ and again at the optimizer's update
     assert c["ln grad placements"] == ["Partial"]
+    assert c["row bias grad placements"] == ["Replicate"]  # whole: why DTensor SP syncs 4, not 6
     assert c["ln grad local share vs whole"] > 0.1  # relative: a share, not the sum
     assert c["lazy counts"].get("grad sync", {}) == {}
+    assert c["lazy counts"]["clip"] == {"all_reduce": 4 * L + 1}  # exercise 6: 9, then 8
     assert c["lazy counts"]["optimizer step"] == {"all_reduce": 4 * L}
     assert all(d < TOL for d in c["lazy parity"].values()), c["lazy parity"]
+    assert c["lazy verdicts"] == sorted(f"DTensor TP+SP: collectives {w}" for w in (
+        "in clip_grad_norm_ (whole model)", "per layer, grad sync", "per layer, optimizer step")), c["lazy verdicts"]
 
     assert c["LM as written"] == []
     no_head = c["LM plan without the head"]
@@ -454,7 +476,7 @@ def test_negative_controls_fail_the_scripts_own_checks():
     assert "vocab-parallel LM, hand: losses == dense" in c["loss with per-rank maxima"]
 
 
-def test_validate_refuses_in_one_sentence(capsys):
+def test_validate_refuses_in_one_sentence(capsys, monkeypatch):
     cfg = train.Config()
     for world in (1, 2, 4, 8, 16):
         train.validate(cfg, world)
@@ -464,6 +486,15 @@ def test_validate_refuses_in_one_sentence(capsys):
         train.validate(train.Config(seq_len=8), 16)
     with pytest.raises(ValueError, match="does not divide the vocabulary size 50"):
         train.validate(train.Config(vocab_size=50), 4)
+    for device in ("cuda", "auto"):  # gloo on GPUs: all-reduce and broadcast only
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_available", lambda: True)
+            with pytest.raises(ValueError, match="gloo has no all-gather"):
+                train.validate(train.Config(device=device, backend="gloo"), 2)
+            train.validate(train.Config(device=device, backend="gloo"), 1)
+            train.validate(train.Config(device=device), 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    train.validate(train.Config(backend="gloo"), 2)  # a machine without GPUs: gloo on the CPU
     with pytest.raises(SystemExit) as e:
         parse_config(train.Config, [], validate=train.validate, world_size=3)
     assert e.value.code == 2
@@ -527,3 +558,14 @@ def test_saved_tensors_counts_storages_once():
         (big[:10] * big[:10]).sum()
     assert saved.nbytes == 100 * 8  # a view keeps its whole storage alive
     del y
+
+
+def test_parity_measures_cannot_hide_nan_or_a_wrong_shape():
+    nan = float("nan")
+    assert checks.norm_diff([nan, nan], [nan, nan]) == 0.0  # no clipping on either side
+    assert checks.norm_diff([1.0, nan], [1.0, 2.0]) == float("inf")  # Python's max would drop it
+    assert checks.norm_diff([nan, 1.0], [2.0, 1.0]) == float("inf")
+    one = torch.zeros(3, dtype=torch.float64)
+    assert checks.max_diff({"w": one + nan}, {"w": one}) == float("inf")
+    with pytest.raises(AssertionError, match="w"):  # (1,) would broadcast against (3,)
+        checks.max_diff({"w": torch.zeros(1, dtype=torch.float64)}, {"w": one})

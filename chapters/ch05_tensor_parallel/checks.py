@@ -8,6 +8,8 @@ variants). Expected values come from the configuration and the theory, never fro
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from chapters.ch05_tensor_parallel import dtensor_tp
@@ -15,15 +17,19 @@ from chapters.ch05_tensor_parallel.tp_layers import shard_state
 from common.distributed import reduce_number
 
 # Parity tolerance (the lesson derives it): the versions differ only in the order of
-# floating-point additions. A sum of n terms of size up to M is off by at most ~n·u·M (u the
-# unit roundoff: 2^-53 = 1.1e-16 in float64, 2^-24 = 6.0e-8 in float32; ulp(1) is twice that);
-# the longest sums here are the d_ff-wide ones, activations stay below M = 8, and the error
-# passes through n_layers blocks: tolerance = u · d_ff · 8 · n_layers.
+# floating-point additions. Each addition rounds by at most u times the partial sum (u the
+# unit roundoff: 2^-53 = 1.1e-16 in float64, 2^-24 = 6.0e-8 in float32; ulp(1) is twice that),
+# so with partial sums below M a sum of n terms is off by at most ~n·u·M;
+# the longest sums here are the d_ff-wide ones, values stay below M = 8, and the error passes
+# through n_layers blocks: tolerance = u · d_ff · 8 · n_layers. A budget of the worst case's
+# order, not a proof (LayerNorm and the SGD steps can amplify errors): the versions differ
+# ~400x below it, the broken variants of the tests >= 1e8x above it.
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24}
+VALUE_BOUND = 8.0  # M: the run records the largest |value| it met (figure), 4.7 with the defaults
 
 
 def tolerance(cfg) -> float:
-    return UNIT_ROUNDOFF[cfg.dtype] * cfg.ffn_mult * cfg.d_model * 8 * cfg.n_layers
+    return UNIT_ROUNDOFF[cfg.dtype] * cfg.ffn_mult * cfg.d_model * VALUE_BOUND * cfg.n_layers
 
 
 class Expect:
@@ -40,21 +46,36 @@ class Expect:
 
 
 def max_diff(local: dict, expected: dict) -> float:
-    """max |a − b| over the tensors, then over the ranks (every rank gets the same answer)."""
+    """max |a − b| over the tensors, then over the ranks (every rank gets the same answer).
+    Shapes must match (broadcasting would hide a wrong shard); a NaN counts as infinitely far
+    (a max over ranks may drop a NaN, never an inf)."""
     assert local.keys() == expected.keys(), sorted(set(local) ^ set(expected))
+    for k in expected:
+        assert local[k].shape == expected[k].shape, f"{k}: {tuple(local[k].shape)} != {tuple(expected[k].shape)}"
     d = max((local[k] - expected[k]).abs().max().item() for k in expected)
-    return reduce_number(d, "max")
+    return reduce_number(d if d == d else math.inf, "max")
+
+
+def norm_diff(run_norms: list, ref_norms: list) -> float:
+    """max |a − b| over the steps' gradient norms; both NaN (no clipping) is a match, one NaN
+    is infinitely far."""
+    assert len(run_norms) == len(ref_norms)
+    def diff(a, b):
+        if a != a and b != b:
+            return 0.0
+        d = abs(a - b)
+        return d if d == d else math.inf
+    return max((diff(a, b) for a, b in zip(run_norms, ref_norms)), default=0.0)
 
 
 def compare(run: dict, ref: dict, expect: Expect) -> dict:
     """Max differences of output, gradients (input and parameters, before clipping), the global
     gradient norm at every step, and the trained parameters."""
-    norms = max(abs(a - b) for a, b in zip(run["norms"], ref["norms"]))
     return {
         "output": max_diff({"y": run["output"]}, {"y": expect.act(ref["output"])}),
         "gradients": max(max_diff({"x": run["input_grad"]}, {"x": expect.act(ref["input_grad"])}),
                          max_diff(run["grads"], expect.params(ref["grads"]))),
-        "grad norm": reduce_number(norms if norms == norms else 0.0, "max"),  # nan: no clipping
+        "grad norm": reduce_number(norm_diff(run["norms"], ref["norms"]), "max"),
         "trained": max_diff(run["final"], expect.params(ref["final"])),
     }
 
@@ -64,6 +85,9 @@ def record_parity(rec, refs: dict, runs: dict, cfg) -> None:
     for name, (run, ref_name, expect) in runs.items():
         for what, d in compare(run, refs[ref_name], expect).items():
             rec.check(f"{name}: {what} == dense", "parity", d, 0.0, tol)
+    if "largest value" in refs["dense"]:
+        rec.figure("largest |value| in or out of a linear/LayerNorm, dense (tolerance: < M)",
+                   refs["dense"]["largest value"], expected=VALUE_BOUND)
     norms = [n for n in refs["dense"]["norms"] if n == n]
     if norms:  # clipping acted: without this the clipped parity above could pass unclipped
         rec.check("dense: steps whose gradient norm exceeded --max-grad-norm", "count",
@@ -117,7 +141,8 @@ def dtype_of(cfg) -> torch.dtype:
 
 def record_dtensor_counts(rec, modes: dict, cfg, tp: int) -> None:
     """DTensor's collectives (CommDebugMode) per layer and phase against the plan's (a mesh of
-    one rank needs none). The clip's own collectives are reported."""
+    one rank needs none), and the clip's for the whole model: one all-reduce of the sharded
+    gradients' norm, once every gradient is whole (Partial ones left to DTensor add more)."""
     L = cfg.n_layers
     for name, counted in modes.items():
         got = dtensor_tp.counts(counted)
@@ -126,7 +151,9 @@ def record_dtensor_counts(rec, modes: dict, cfg, tp: int) -> None:
             want = expected[phase] if tp > 1 else {}
             rec.check(f"{name}: collectives per layer, {phase}", "count",
                       {op: n / L for op, n in sorted(got.get(phase, {}).items())}, dict(sorted(want.items())))
-        rec.figure(f"{name}: collectives in clip_grad_norm_ (whole model)", got.get("clip", {}))
+        if cfg.max_grad_norm > 0:
+            rec.check(f"{name}: collectives in clip_grad_norm_ (whole model)", "count",
+                      got.get("clip", {}), {"all_reduce": 1} if tp > 1 else {})
 
 
 def params_per_rank(cfg, tp: int) -> int:

@@ -101,9 +101,10 @@ def validate(cfg: Config, world_size: int) -> None:
     if error := tp_layers.tp_layout_error(world_size, cfg.n_heads, cfg.ffn_mult * cfg.d_model,
                                           cfg.seq_len, sequence_parallel=True):
         raise ValueError(error)
-    if world_size > 1 and cfg.backend == "gloo" and cfg.device == "cuda":
+    on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if world_size > 1 and cfg.backend == "gloo" and on_gpus:
         raise ValueError("gloo has no all-gather or reduce-scatter on CUDA tensors, which sequence "
-                         "parallelism needs: use NCCL (one GPU per rank) or the CPU")
+                         "parallelism needs: use NCCL (one GPU per rank) or --device cpu")
     if cfg.vocab_size % world_size:
         raise ValueError(f"tensor-parallel degree {world_size} does not divide the vocabulary "
                          f"size {cfg.vocab_size}")
@@ -115,6 +116,25 @@ def make_batches(cfg: Config, device: torch.device):
     shape = (cfg.steps, cfg.batch_size, cfg.seq_len, cfg.d_model)
     X, Y = torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
     return X.to(device, DTYPES[cfg.dtype]), Y.to(device, DTYPES[cfg.dtype])
+
+
+def largest_value(model: torch.nn.Module, x: torch.Tensor) -> float:
+    """The largest |value| entering or leaving a linear or LayerNorm in one forward: the M
+    that the parity tolerance assumes (see checks.py)."""
+    seen = [0.0]
+
+    def hook(module, inputs, output):
+        seen[0] = max(seen[0], inputs[0].abs().max().item(), output.abs().max().item())
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()
+               if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm))]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen[0]
 
 
 def seq_shard(x: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
@@ -206,6 +226,7 @@ def train_all_versions(dense: DenseModel, cfg: Config, info) -> tuple[dict, dict
     data = make_batches(cfg, info.device)
     refs = {"dense": train(copy.deepcopy(dense), data, cfg, info, "dense", sp=False),
             "dense p=0": train(copy.deepcopy(dense_p0), data, cfg, info, "dense", sp=False)}
+    refs["dense"]["largest value"] = largest_value(dense, data[0][0])
     runs, mesh = {}, dtensor_tp.make_mesh(info)
     tp_layers.use_ring(cfg.collectives == "ring")
     try:
@@ -232,7 +253,8 @@ def save_final(rec: RunRecorder, refs: dict, runs: dict, lm: dict, info) -> None
     torch.distributed.all_gather_object(gathered, mine)  # CPU tensors inside: pickled, not sent as tensors
     if info.is_main:
         save_checkpoint(rec.out / "final_params.pt", {
-            "dense": cpu(refs["dense"]["final"]), "dtensor_sp": cpu(runs["DTensor TP+SP"][0]["final"]),
+            "dense": cpu(refs["dense"]["final"]), "dtensor_tp": cpu(runs["DTensor TP"][0]["final"]),
+            "dtensor_sp": cpu(runs["DTensor TP+SP"][0]["final"]),
             "hand_tp": [g["hand TP"] for g in gathered], "hand_sp": [g["hand TP+SP"] for g in gathered],
             "lm_dense": cpu(lm["dense"]["final"]), "lm_hand": [g["lm"] for g in gathered],
             "lm_dtensor": cpu(lm["DTensor"]["final"]),
