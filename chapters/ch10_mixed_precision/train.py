@@ -230,7 +230,7 @@ def train_fsdp(model: nn.Module, X, Y, cfg: Config, info, param_dtype=None,
     pre.remove()
     post.remove()
     seen["stored"] = {str(p.to_local().dtype) for p in model.parameters()}
-    full = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+    full = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
     return {"losses": losses, "dtypes": {k: sorted(v) for k, v in seen.items()},
             "reduced": reduced, "step_ms": step_ms, "params": full}
 
