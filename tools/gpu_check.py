@@ -42,13 +42,16 @@ sys.path.insert(0, str(REPO_ROOT))  # this checkout's code, whatever is installe
 
 from tools.precheck import launches_itself, script_module  # noqa: E402
 
-# Scripts whose collectives on device tensors are all-reduce and broadcast only (DDP counts:
-# it all-reduces buckets and broadcasts the initial state), so two ranks can share one GPU over
-# gloo. Object collectives and common.distributed's number helpers use CPU tensors under gloo.
+# Scripts whose collectives on device tensors are all-reduce and broadcast (DDP counts: it
+# all-reduces buckets, broadcasts the initial state, and checks parameter shapes with one
+# all-gather, which gloo also runs on CUDA tensors), so two ranks can share one GPU over gloo.
+# Object collectives and common.distributed's number helpers use CPU tensors under gloo.
+# Send/recv, reduce-scatter, all-to-all and DTensor/FSDP2 need NCCL on GPUs.
 GLOO_ON_CUDA = {
     "ch01_overview/train", "ch02_single_node/train", "ch02_single_node/spawn",
     "ch03_data_parallel/train", "ch07_communication/broadcast_test", "ch08_overlap/train",
-    "ch13_fault_tolerance/train", "ch13_fault_tolerance/hang",
+    "ch13_fault_tolerance/train", "ch13_fault_tolerance/hang", "ch14_monitoring/train",
+    "ch15_profiling/train",
 }
 # Packages a script cannot run without (checked before launching; a run that still fails on a
 # missing module is reported "skipped" too).
@@ -85,15 +88,16 @@ class Run:
     output_tail: str = ""
 
 
-def refusal(path: Path, world: int) -> str | None:
-    """The script's own one-sentence refusal of its defaults at this world size, if any."""
+def refusal(path: Path, world: int, args: list[str] = ()) -> str | None:
+    """The script's own one-sentence refusal of its defaults (plus `args`, the device and
+    backend of the run) at this world size, if any."""
     module = script_module(path)
     validate = getattr(module, "validate", None)
     if validate is None:
         return None
     from common.config import build_parser
 
-    cfg = module.Config(**vars(build_parser(module.Config).parse_args([])))
+    cfg = module.Config(**vars(build_parser(module.Config).parse_args(list(args))))
     if hasattr(cfg, "nprocs"):
         cfg.nprocs = world
     try:
@@ -128,12 +132,13 @@ def plan(gpus: int, only: list[str] = (), python: str = sys.executable,
                 run.status = "n/a"
                 run.reason = "on one GPU: needs NCCL (collectives gloo cannot run on CUDA)"
                 continue
-            why = refusal(path, world)
+            device_args = ["--device", "cuda", "--backend", backend]
+            why = refusal(path, world, device_args)
             if why:
                 run.status, run.reason = "n/a", f"refused at world {world}: {why}"
                 continue
             out = out_root / sid / f"w{world}-{backend}"
-            args = ["--device", "cuda", "--backend", backend, "--out", str(out)]
+            args = [*device_args, "--out", str(out)]
             if self_launch:
                 extra = ["--nprocs", str(world)] if world > 1 else []
                 run.command = [python, str(path), *args, *extra]
