@@ -278,10 +278,37 @@ def test_four_ranks_operators_parity_and_ring_bytes():
     assert r["dtensor"]["DTensor TP+SP"].get("optimizer step", {}) == {}
 
 
+class FusedAttention(torch.nn.Module):
+    """Exercise 3: a dense Attention with q, k, v fused into one Linear; `per_rank_order` lays
+    the fused rows out as [q; k; v of rank 0's heads, then rank 1's, ...] (Megatron's layout)."""
+
+    def __init__(self, attn: block.Attention, t: int = 1, per_rank_order: bool = False):
+        super().__init__()
+        h, self.head_dim = attn.proj.in_features, attn.head_dim
+        self.qkv, self.proj = torch.nn.Linear(h, 3 * h), copy.deepcopy(attn.proj)
+        with torch.no_grad():
+            for name in ("weight", "bias"):
+                q, k, v = (getattr(m, name) for m in (attn.q, attn.k, attn.v))
+                if per_rank_order:
+                    rows = [torch.cat([x.chunk(t)[r] for x in (q, k, v)]) for r in range(t)]
+                else:
+                    rows = [q, k, v]
+                getattr(self.qkv, name).copy_(torch.cat(rows))
+        self.qkv.to(attn.proj.weight.dtype)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.proj(block.causal_attention(q, k, v, self.head_dim))
+
+
 def _controls() -> dict:
     """On 2 ranks: broken variants run through the script's own checks."""
     from torch.distributed.tensor import DTensor, Partial
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     rank, t = dist.get_rank(), dist.get_world_size()
     info = _Info(rank, t)
@@ -382,6 +409,26 @@ def _controls() -> dict:
                 raised[(sp, key)] = str(e).splitlines()[0][:80]
     out["one Linear left out of a block plan"] = raised
 
+    # exercise 3: fused qkv under ColwiseParallel runs without error on scrambled heads
+    attn, x = dense_p0.blocks[0].attn, data[0][0]
+    fused_plan = {"qkv": ColwiseParallel(), "proj": RowwiseParallel()}
+    with torch.no_grad():
+        want = attn(x)
+        out["fused qkv, dense"] = (FusedAttention(attn)(x) - want).abs().max().item()
+        out["fused qkv, ColwiseParallel"] = (
+            parallelize_module(FusedAttention(attn), mesh, fused_plan)(x) - want).abs().max().item()
+        out["fused qkv, per-rank order"] = (parallelize_module(
+            FusedAttention(attn, t, per_rank_order=True), mesh, fused_plan)(x) - want).abs().max().item()
+
+    # the pitfall: torch's clip_grad_norm_ on a TP-only plan (DTensor weights, plain LayerNorms)
+    model = dtensor_tp.parallelize(copy.deepcopy(dense_p0), mesh, False)
+    ((model(data[0][0]) - data[1][0]) ** 2).mean().backward()
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        out["torch clip on a mixed model"] = "no error"
+    except RuntimeError as e:
+        out["torch clip on a mixed model"] = str(e)
+
     # DTensor SP's LayerNorm gradients after backward: Partial; reduced lazily if nobody asks
     model = dtensor_tp.parallelize(copy.deepcopy(dense_p0), mesh, True)
     x = data[0][0].chunk(t, dim=1)[rank]
@@ -456,6 +503,14 @@ def test_negative_controls_fail_the_scripts_own_checks():
     assert "DTensor TP+SP: collectives per layer, grad sync" in no_ln2
     assert all(c["one Linear left out of a block plan"].values()), c["one Linear left out of a block plan"]
 
+    # exercise 3: the fused layout is right densely, silently wrong split in t blocks, right
+    # again with the rows of each rank's heads together
+    assert c["fused qkv, dense"] < TOL and c["fused qkv, per-rank order"] < TOL, c
+    assert c["fused qkv, ColwiseParallel"] > 1e-2, c["fused qkv, ColwiseParallel"]
+
+    # the lesson's pitfall, as it stands on the pinned torch (2.14.1): a clear error, not a wrong norm
+    assert "got mixed torch.Tensor and DTensor" in c["torch clip on a mixed model"], c["torch clip on a mixed model"]
+
     # Partial(sum) LayerNorm gradients: a local share is not the gradient; left alone, DTensor
     # reduces them inside clip_grad_norm_ and again at the optimizer's update
     assert c["ln grad placements"] == ["Partial"]
@@ -489,7 +544,7 @@ def test_validate_refuses_in_one_sentence(capsys, monkeypatch):
     for device in ("cuda", "auto"):  # gloo on GPUs: all-reduce and broadcast only
         with monkeypatch.context() as m:
             m.setattr(torch.cuda, "is_available", lambda: True)
-            with pytest.raises(ValueError, match="gloo has no all-gather"):
+            with pytest.raises(ValueError, match="gloo reduce-scatters CPU tensors only"):
                 train.validate(train.Config(device=device, backend="gloo"), 2)
             train.validate(train.Config(device=device, backend="gloo"), 1)
             train.validate(train.Config(device=device), 2)
