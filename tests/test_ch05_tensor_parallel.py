@@ -624,3 +624,10 @@ def test_parity_measures_cannot_hide_nan_or_a_wrong_shape():
     assert checks.max_diff({"w": one + nan}, {"w": one}) == float("inf")
     with pytest.raises(AssertionError, match="w"):  # (1,) would broadcast against (3,)
         checks.max_diff({"w": torch.zeros(1, dtype=torch.float64)}, {"w": one})
+
+
+def test_tolerance_follows_the_longest_sum():
+    cfg = train.Config()
+    assert checks.tolerance(cfg) == 2.0**-53 * 256 * 8 * 2 == 2.0**-41  # 4.5e-13, the lesson's
+    assert checks.tolerance(train.Config(dtype="float32")) == 2.0**-24 * 256 * 8 * 2  # 2.4e-4
+    assert checks.tolerance(train.Config(batch_size=64)) == 4 * checks.tolerance(cfg)  # B·S = 1024 tokens
