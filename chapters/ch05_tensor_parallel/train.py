@@ -287,6 +287,7 @@ def main(cfg: Config) -> int:
         checks.record_activations(rec, runs, cfg, tp)
         vocab_parallel.record_lm(rec, lm, cfg, info.rank, tp)
         rec.figure("final loss (dense, dropout)", refs["dense"]["losses"][-1])
+        rec.figure("threads per rank (the step times' conditions)", torch.get_num_threads())
         for name, run in [("dense", refs["dense"])] + [(n, r[0]) for n, r in runs.items()]:
             rec.figure(f"step time, {name}: median of steps 1-{cfg.steps - 1}", round(run["step_ms"], 2), unit="ms")
             rec.figure(f"step time, {name}: min, max", [round(t, 2) for t in run["step_ms_range"]], unit="ms")
