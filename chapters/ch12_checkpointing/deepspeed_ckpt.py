@@ -15,6 +15,7 @@ Run:
     srun --ntasks=16 --ntasks-per-node=8 python chapters/ch12_checkpointing/deepspeed_ckpt.py --out /shared/fs/ch12ds
 """
 
+import gc
 import os
 import sys
 from dataclasses import dataclass, field
@@ -168,6 +169,7 @@ def main(cfg: Config) -> int:
             engine.destroy()
         return rec.finish()
     finally:
+        gc.collect()  # free modules/engines caught in reference cycles while their groups live
         teardown_distributed()
 
 

@@ -17,6 +17,7 @@ Run:
     srun --ntasks=16 --ntasks-per-node=8 python chapters/ch12_checkpointing/train.py --out /shared/fs/ch12
 """
 
+import gc
 import statistics
 import sys
 import warnings
@@ -341,6 +342,7 @@ def main(cfg: Config) -> int:
             deltas.record_delta(cfg, rec, rec.out)
         return rec.finish()
     finally:
+        gc.collect()  # free modules/engines caught in reference cycles while their groups live
         teardown_distributed()
 
 
