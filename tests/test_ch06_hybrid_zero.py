@@ -127,13 +127,13 @@ def test_two_ranks_every_stage_matches_an_independent_reference(tmp_path):
     assert saved["volume"]["FSDP2"] == fsdp2_volume(expected, 2)
     # the volume check rejects the all-reduce + broadcast way of doing ZeRO-1
     assert saved["volume"]["ZeroRedundancyOptimizer"] != volume_formula("ZeRO-1", z, 2)
-    assert res.check("qwZ int8 all-gather: max |x - x^| / (scale/2)")["measured"] <= 1 + 1e-9
+    assert res.check("qwZ max |x - x^| / (scale/2)")["measured"] <= 1 + 1e-9
     same = [res.check(f"ZeRO-{k} bf16 == FSDP2 MixedPrecisionPolicy(bf16, fp32)")["measured"] for k in (2, 3)]
     controls = [res.check(n)["measured"] for n in ("control: FSDP2 without the policy differs",
                                                    "control: ZeRO-3 without compute_dtype differs")]
     assert max(same) < train.MIXED_TOL < 10 * train.MIXED_TOL < min(controls)
     figures = res.summary["figures"]
-    assert figures["DDP torch.cuda.max_memory_allocated"]["measured"] == "n/a on CPU"
+    assert figures["DDP cuda max_memory_allocated"]["measured"] == "n/a on CPU"
 
 
 def _cnn_and_optimizer_api(rank: int, world: int) -> dict:
@@ -198,7 +198,7 @@ def _cnn_and_optimizer_api(rank: int, world: int) -> dict:
             if data_rank_chunks:
                 x, y = x.chunk(world)[rank], y.chunk(world)[rank]
 
-            def closure():
+            def closure(s=s, x=x, y=y):
                 opt.zero_grad(set_to_none=s % 2 == 0)
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
@@ -446,7 +446,7 @@ def test_two_by_two_mesh_fsdp2_times_tp_on_four_ranks(tmp_path):
     # every tensor split 4 ways, except the row-parallel biases, split 2 ways (dp only)
     expected = (whole - row_bias) // 4 + row_bias // 2
     assert res.check("bytes [params, grads, optim] per rank = 1/(dp*tp) formula")["measured"][0] == expected
-    assert res.check("this rank's dp and tp groups = mesh_groups (the lesson's diagram)")["measured"] == [[0, 2], [0, 1]]
+    assert res.check("this rank's dp, tp groups = mesh_groups")["measured"] == [[0, 2], [0, 1]]
     # the diagram in the lesson: 8 ranks, tp 4
     assert mesh.mesh_groups(8, 4) == {"tp": [[0, 1, 2, 3], [4, 5, 6, 7]],
                                       "dp": [[0, 4], [1, 5], [2, 6], [3, 7]]}

@@ -168,7 +168,7 @@ def main(cfg: Config) -> int:
             rec.metrics(step, loss=ref, lr=cfg.lr, local_loss=loss)
         groups = mesh_groups(info.world_size, cfg.tp)
         mine = {axis: dist.get_process_group_ranks(mesh[axis].get_group()) for axis in ("dp", "tp")}
-        rec.check("this rank's dp and tp groups = mesh_groups (the lesson's diagram)", "count",
+        rec.check("this rank's dp, tp groups = mesh_groups", "count",
                   [mine["dp"], mine["tp"]],
                   [next(g for g in groups[a] if info.rank in g) for a in ("dp", "tp")])
         rec.check(f"FSDP2 x TP ({dp}x{cfg.tp}) == single-process Adam (max |dparam|)", "parity",

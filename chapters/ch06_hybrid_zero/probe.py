@@ -20,7 +20,7 @@ peak of the *model states* the ZeRO formulas are about, plus collective buffers.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

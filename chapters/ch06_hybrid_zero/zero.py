@@ -208,7 +208,8 @@ def _free(p: torch.Tensor) -> None:
 
 
 def _cast_inputs(args, kwargs, dtype):
-    cast = (lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
     return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
 
