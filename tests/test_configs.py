@@ -46,6 +46,8 @@ REFUSED: dict[tuple[str, int], str] = {
     **{("ch12_checkpointing/resume", w): "resume.py is one process" for w in (2, 3, 4, 8, 16)},
     # ch13: a hung peer needs a peer: the hanging rank and rank 0, which reports
     ("ch13_fault_tolerance/hang", 1): "needs at least 2 ranks",
+    # ch06: mesh.py's dp x tp mesh needs its tp degree (2) to divide the world
+    **{("ch06_hybrid_zero/mesh", w): "--tp 2 must divide the world size" for w in (1, 3)},
 }
 
 
