@@ -17,7 +17,9 @@ dead peer becomes an error, not a 30-minute hang), and `teardown_distributed` ru
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
 import re
 import socket
@@ -181,8 +183,24 @@ def _make_store(launch: dict, timeout: datetime.timedelta) -> dist.Store:
     return dist.PrefixStore(f"restart{restart}/", store)
 
 
+def _collect_before_exit() -> None:
+    # A DDP module sits in a reference cycle that holds its reducer, and the reducer holds the
+    # gloo process group. Left to interpreter shutdown, that group is destroyed after its C++
+    # threads' owners are gone and the rank dies with "terminate called without an active
+    # exception" (SIGABRT) although every check passed: seen in 2 of 14 two-rank runs here.
+    # Collecting the cycles at exit, while the interpreter is intact, frees it in order: 0 of 14.
+    gc.collect()
+
+
+_exit_hook_registered = False
+
+
 def setup_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
     """Join (or create) the default process group and return this rank's view of it."""
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_collect_before_exit)
+        _exit_hook_registered = True
     launch = read_launch_env()
     dev, backend = choose_device_and_backend(
         launch["local_rank"], launch["local_world_size"], device, backend)
