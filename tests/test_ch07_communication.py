@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from chapters.ch07_communication import broadcast_test, collectives, cost_model, train
 from common.launch import run_on_ranks, run_python, run_torchrun
+from common.results import check_ok
 
 SCRIPT = Path(train.__file__)
 LENGTHS = (1, 3, 12, 1001)  # 12 divides by 2, 3 and 4; 1 and 3 leave empty chunks on 4 ranks
@@ -89,6 +90,21 @@ def recursive_doubling_all_reduce(x, comm):
     return buf
 
 
+class Verdicts:
+    """Stands in for the script's RunRecorder in one process: decides each check with
+    common.results.check_ok and keeps the names of those that failed."""
+
+    def __init__(self):
+        self.failed: list[str] = []
+
+    def check(self, name, kind, measured, expected, tolerance=0.0, relative=False, compare="=="):
+        if not check_ok(measured, expected, tolerance, relative, compare):
+            self.failed.append(name)
+
+    def figure(self, *args, **kwargs):
+        pass
+
+
 def _on_ranks(g: int) -> dict:
     """On n gloo ranks, nodes of g ranks: every hand collective against the library and the
     local reference, counted bytes, and the broken variants."""
@@ -138,8 +154,9 @@ def _on_ranks(g: int) -> dict:
     for numel in (12 * 64, 12 * 64 + 1):
         levels.reset()
         collectives.hierarchical_all_reduce(torch.ones(numel), levels)
-        out[("hier", numel)] = (levels.intra.bytes_sent, levels.inter.bytes_sent,
-                                {**levels.intra.bytes_to, **levels.inter.bytes_to})
+        to = {d: levels.intra.bytes_to.get(d, 0) + levels.inter.bytes_to.get(d, 0)
+              for d in {*levels.intra.bytes_to, *levels.inter.bytes_to}}
+        out[("hier", numel)] = (levels.intra.bytes_sent, levels.inter.bytes_sent, to)
 
     if n & (n - 1) == 0:  # exercise 3: recursive doubling, log2(n) messages of S
         comm = collectives.P2P()
@@ -161,6 +178,16 @@ def _on_ranks(g: int) -> dict:
         collectives.ring_all_gather_, collectives.ring_reduce_scatter_ = saved_ag, saved_rs
     out["after_restore_equal"] = equal(collectives.ring_all_reduce(x, collectives.P2P()), ref, torch.int64, 0)
     out["no_inter_equal"] = equal(hierarchical_without_inter_node(x, levels), ref, torch.int64, 0)
+
+    if n == 4:  # exercise 2: the script's own checks with the all-gather one step short
+        verdicts = Verdicts()
+        try:
+            collectives.ring_all_gather_ = ring_all_gather_skipping_last_step_
+            train.check_parity(verdicts, collectives.P2P(), levels, train.Config(), "cpu")
+            train.check_bytes(verdicts, collectives.P2P(), levels, "cpu")
+        finally:
+            collectives.ring_all_gather_ = saved_ag
+        out["exercise2_failed"] = verdicts.failed
 
     if n == 2:  # the broadcast test's pieces: data arrives, a rank that missed it is caught
         src = broadcast_test.pattern(1000, "cpu")
@@ -217,6 +244,17 @@ def test_hand_collectives_equal_the_library_and_send_the_formula_bytes(n, g):
         for res in ranks:
             assert res["doubling_equal"]
             assert res["doubling_sent"] == (int(math.log2(n)) * 1001 * 8, int(math.log2(n)))
+    if n == 4:  # exercise 2's answer: which of the script's checks a short all-gather fails
+        want = [f"{c} == torch ({t})" for t in ("int64", "float64")
+                for c in ("ring all-reduce", "hier all-reduce", "ring all-gather")]
+        want += ["ring all-reduce bytes sent per rank, 12288 float32",
+                 "ring all-reduce bytes sent per rank, 12289 float32",
+                 "hier all-reduce intra-node bytes per rank, 2 ranks per node",
+                 "hier all-reduce inter-node bytes per rank, 2 nodes",
+                 "most bytes one rank sends off-node, flat ring",
+                 "most bytes one rank sends off-node, hierarchical"]
+        for res in ranks:
+            assert sorted(res["exercise2_failed"]) == sorted(want) and len(want) == 12
     if n == 4:  # where tree and naive differ: the busiest rank
         assert max(res[("naive", 12 * 64)][0] for res in ranks) == 3 * 4 * 12 * 64
         assert max(res[("tree", 12 * 64)][0] for res in ranks) == 2 * 4 * 12 * 64

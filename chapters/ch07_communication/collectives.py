@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from common.distributed import all_gather_single, reduce_scatter_single
+from common.distributed import all_gather_single, comm_device, reduce_scatter_single
 
 # The library's tensor forms, under torch 2.14's names (all_gather_into_tensor and
 # reduce_scatter_tensor before); common.distributed picks whichever this torch has.
@@ -178,7 +178,11 @@ class Levels:
 def node_levels(ranks_per_node: int) -> Levels:
     """Subgroups for nodes of `ranks_per_node` consecutive ranks (node k holds ranks
     k·g … k·g+g−1). Every rank creates every group, in the same order (new_group is a
-    collective over the whole world), and keeps the two it belongs to."""
+    collective over the whole world), and keeps the two it belongs to.
+
+    Each group's first call is a one-element all-reduce made by all its members: with NCCL the
+    first call in a group creates its communicator, and `batch_isend_irecv` must then be called
+    by every rank of the group, which a ring step whose chunks are empty on some ranks is not."""
     n, g = dist.get_world_size(), ranks_per_node
     if g < 1 or n % g:
         raise ValueError(f"{g} ranks per node do not divide a world of {n}")
@@ -186,6 +190,8 @@ def node_levels(ranks_per_node: int) -> Levels:
     rails = [list(range(j, n, g)) for j in range(g)]
     intra, _ = dist.new_subgroups_by_enumeration(nodes)
     inter, _ = dist.new_subgroups_by_enumeration(rails)
+    for group in (intra, inter):
+        dist.all_reduce(torch.zeros(1, device=comm_device(group)), group=group)
     return Levels(g, P2P(intra), P2P(inter))
 
 

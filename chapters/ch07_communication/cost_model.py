@@ -37,7 +37,9 @@ def predicted_time(algorithm: str, size: float, n: int, alpha: float, beta: floa
     """α–β time of one all-reduce of `size` bytes on n ranks (seconds; β in s/byte).
 
     ring: 2(n−1) steps, each a message of S/n.  tree: a binary tree, reduce up and broadcast
-    down, every hop the whole tensor (not pipelined).  double_tree: NCCL's two complementary
+    down, every hop the whole tensor (not pipelined), a parent taking its two children one after
+    the other at every level: exact for a complete tree (n = 2^k − 1), an upper bound otherwise
+    (at n = 4 the critical path is 5 transfers of S; the formula counts 8).  double_tree: NCCL's two complementary
     pipelined trees, half the data each: every rank sends and receives 2S in all, so
     2⌈log2 n⌉α + 2Sβ; `tree_efficiency` < 1 divides its bandwidth (NCCL's own tuner rates the
     tree's all-reduce bandwidth at most 0.92 of the link's).  naive: the root receives and sends

@@ -103,9 +103,10 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.ranks_per_node and world_size % cfg.ranks_per_node:
         raise ValueError(f"--ranks-per-node {cfg.ranks_per_node} must divide the world size "
                          f"{world_size}")
-    if world_size > 1 and cfg.device == "cuda" and cfg.backend == "gloo":
+    on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if world_size > 1 and on_gpu and cfg.backend == "gloo":
         raise ValueError("the hand-written collectives use send/recv, which gloo cannot do on "
-                         "CUDA tensors: use --backend nccl on GPUs")
+                         "CUDA tensors: use --backend nccl on GPUs (or --device cpu)")
 
 
 def ranks_per_node(cfg: Config, world_size: int, local_world_size: int) -> int:
@@ -299,7 +300,10 @@ def check_bytes(rec: RunRecorder, comm: P2P, levels: Levels, device) -> None:
     rec.check(f"hier all-reduce inter-node bytes per rank, {n // g} nodes", "count", inter,
               [w[1] for w in want])
     rec.figure("hier: bytes sent by the busiest rank / S", max(a + b for a, b in zip(intra, inter)) / size)
-    off_node["hier"] = reduce_number(off_node_bytes(levels.inter.bytes_to, comm.rank, g), "max")
+    # every byte the hierarchy sent, from both levels: a level wired across nodes by mistake shows
+    hier_to = {d: levels.intra.bytes_to.get(d, 0) + levels.inter.bytes_to.get(d, 0)
+               for d in {*levels.intra.bytes_to, *levels.inter.bytes_to}}
+    off_node["hier"] = reduce_number(off_node_bytes(hier_to, comm.rank, g), "max")
     # The flat ring crosses a node border at every rank r whose right neighbour is on the next
     # node: that rank sends all its ring bytes off-node. The hierarchy sends only its inter bytes.
     borders = [r for r in range(n) if n // g > 1 and (r + 1) % g == 0]

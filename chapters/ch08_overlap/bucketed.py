@@ -16,7 +16,10 @@ larger messages".
 `EventLog` records, in order, when each gradient became ready, when each all-reduce was
 launched (it watches `torch.distributed.all_reduce` itself, so no variant reports its own
 launches) and when each was seen complete, and where backward ended. The overlap is proven on
-that ordering, not on a wall clock.
+that ordering, not on a wall clock: an all-reduce *hidden under backward* was launched, then
+backward produced at least one more gradient, then it was seen complete, all before backward
+ended. A wrapper that launches and then waits inside its own hook is seen complete before the
+next gradient (`watch_wrapper` polls right after the wrapper's hooks), so it is not counted.
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ class EventLog:
     Each event carries `seq`, its position in the log, `grads_ready`, how many gradients
     existed at that moment, and `bytes` for launches.
 
-    Completion is polled with `Work.is_completed()` at every gradient and at the end of
-    backward, so a "done" event at position k means the all-reduce had finished by then
-    (on CUDA: the NCCL kernel had finished on the GPU)."""
+    Completion is polled with `Work.is_completed()` at every gradient, after the wrapper's
+    hooks (`watch_wrapper`) and at the end of backward, so a "done" event at position k means
+    the all-reduce had finished by then. On CUDA that means the NCCL kernel had finished on the
+    GPU; the host usually runs far ahead of the GPU, so few completions are seen inside backward
+    there even when the kernels overlap: on GPUs the profiler trace is the evidence."""
 
     def __init__(self):
         self.events: list[dict] = []
@@ -72,6 +77,15 @@ class EventLog:
         for name, p in module.named_parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda _p, name=name: self._grad(name))
+
+    def watch_wrapper(self, module: nn.Module) -> None:
+        """Poll once more right after the wrapper's own gradient hooks: call it *after* wrapping
+        (hooks run in the order they were registered). An all-reduce that a wrapper launched and
+        then waited for inside its hook is seen complete here, before the next gradient exists:
+        it ran while backward stood still, which is not overlap."""
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _p: self.poll())
 
     def _grad(self, name: str) -> None:
         if not self._in_backward:

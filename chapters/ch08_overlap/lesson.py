@@ -63,11 +63,14 @@ print(inspect.getsource(bucketed.BucketedDDP.finish_gradient_sync))
 # ## How the log sees launches and completions
 # The event log replaces `dist.all_reduce` while a variant trains, so it sees every launch (with
 # the bytes handed to it) whoever makes it, and asks each `Work` `is_completed()` at every
-# gradient and at the end of backward:
+# gradient, right after the wrapper's own hooks and at the end of backward. An all-reduce is
+# *hidden under backward* when backward produced another gradient after its launch and it was
+# seen complete before backward ended; one waited for inside the hook that launched it is not:
 
 # %%
 print(inspect.getsource(bucketed.EventLog.observe_all_reduce))
 print(inspect.getsource(bucketed.EventLog.poll))
+print(inspect.getsource(train.hidden_under_backward))
 
 # %% [markdown]
 # ## The real run: four ways on two processes
@@ -94,6 +97,7 @@ print(result.output[result.output.index("figure"):])
 # the log: a 20 ms sleep and a tiny copy each take one slot.
 
 # %%
+kinds = list(train.VARIANTS)
 logs = json.loads((out_dir / "events.json").read_text())
 fig, ax = plt.subplots(figsize=(10.5, 3.2))
 plots.draw_timeline(ax, logs)
@@ -102,6 +106,7 @@ plt.show()
 first = next(e for e in logs["bucketed"] if e["kind"] == "launch")
 print("first bucketed launch:", first)
 print("DDP's first step:", [e["what"] for e in logs["ddp_first_step"] if e["kind"] == "launch"])
+print("hidden under backward in this step:", {k: train.hidden_under_backward(logs[k]) for k in kinds})
 
 # %% [markdown]
 # ## Step times: overlap alone, and fewer messages alone (reported, never asserted)
@@ -112,9 +117,8 @@ print("DDP's first step:", [e["what"] for e in logs["ddp_first_step"] if e["kind
 
 # %%
 figures = result.summary["figures"]
-kinds = list(train.VARIANTS)
-median = [figures[f"{k} step time (median)"]["measured"] for k in kinds]
-low, high = zip(*(figures[f"{k} step time min-max"]["measured"] for k in kinds))
+median = [figures[f"{k} step time (median, min-max)"]["measured"] for k in kinds]
+low, high = zip(*(figures[f"{k} step time (median, min-max)"]["spread"] for k in kinds))
 plt.figure(figsize=(6, 3))
 plt.bar(kinds, median, yerr=[[m - lo for m, lo in zip(median, low)], [hi - m for m, hi in zip(median, high)]],
         color=["tab:gray", "tab:purple", "tab:blue", "tab:orange"], capsize=4)
