@@ -178,9 +178,11 @@ def _make_store(launch: dict, timeout: datetime.timedelta) -> dist.Store:
         store, _, _ = next(dist.rendezvous("env://", launch["rank"], launch["world_size"],
                                            timeout=timeout))
     # A torchrun restart reuses the agent's store; fresh key names per restart keep the new
-    # group from reading the dead one's keys (pytorch/pytorch#135712, see chapter 13).
+    # group from reading the dead one's keys (pytorch/pytorch#135712, see chapter 13). A node
+    # joining an elastic job re-forms the group without counting a restart, so the world size
+    # is part of the name too.
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"restart{restart}/", store)
+    return dist.PrefixStore(f"restart{restart}/world{launch['world_size']}/", store)
 
 
 def _collect_before_exit() -> None:
