@@ -119,7 +119,10 @@ def zero3_peak_bounds(z: dict, world_size: int) -> dict[str, list[int]]:
 def fsdp2_volume(model, world_size: int) -> int:
     """FSDP2's bytes to collectives in a step: every unit all-gathered in forward, again in
     backward except the root (FSDP2 keeps the root's parameters after forward), gradients
-    reduce-scattered; each tensor padded to N·⌈rows/N⌉ rows (it shards along dim 0)."""
+    reduce-scattered; each tensor padded to N·⌈rows/N⌉ rows (it shards along dim 0). On one
+    rank FSDP2 calls no collective at all."""
+    if world_size == 1:
+        return 0
     def padded(p):
         rows = p.shape[0]
         return math.ceil(rows / world_size) * world_size * (p.numel() // rows) * p.element_size()
