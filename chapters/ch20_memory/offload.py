@@ -18,6 +18,8 @@ Run:
 """
 
 import copy
+import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -30,7 +32,7 @@ from chapters.ch03_data_parallel.train import all_reduce_gradients
 from chapters.ch20_memory.recompute import ResidualMLP
 from common.config import RunConfig, parse_config, require_at_least_one
 from common.data import regression_data
-from common.distributed import setup_distributed, teardown_distributed
+from common.distributed import reduce_number, setup_distributed, teardown_distributed
 from common.log import log, setup_logging
 from common.results import RunRecorder
 from common.seed import seed_everything
@@ -98,10 +100,13 @@ def train_zero_offload(model, X, Y, cfg: Config, info, copy_back: bool = True):
 
 
 def shard_model(model, info, offload: bool):
-    """FSDP2: each block is one unit (all-gathered for its forward/backward), then the root."""
+    """FSDP2: each block is one unit (all-gathered for its forward/backward), then the root.
+    Offloaded shards live in pinned host memory on CUDA (asynchronous copies); pinning needs
+    CUDA, so a CPU run cannot pin."""
     mesh = init_device_mesh(info.device.type, (info.world_size,))
-    policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
-    for block in model.blocks:  # pin_memory needs CUDA; it only speeds up the copies
+    pin = info.device.type == "cuda"
+    policy = CPUOffloadPolicy(pin_memory=pin) if offload else OffloadPolicy()
+    for block in model.blocks:
         fully_shard(block, mesh=mesh, offload_policy=policy)
     return fully_shard(model, mesh=mesh, offload_policy=policy)
 
@@ -152,61 +157,105 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a, b))
 
 
+def shared_storage(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
+    """How many tensors of `a` share their memory with the matching tensor of `b` (a "copy"
+    that is not one)."""
+    return sum(p.untyped_storage().data_ptr() == q.untyped_storage().data_ptr() for p, q in zip(a, b))
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Nothing here depends on the world size: --tokens is per rank, and FSDP2 pads uneven shards."""
+
+
 def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
-        setup_logging(info.rank, info.world_size)
-        rec = RunRecorder(cfg, __file__, info)
-        seed_everything(cfg.seed)
-        dtype, n = DTYPES[cfg.dtype], cfg.tokens * info.world_size
-        base = ResidualMLP(cfg.d_model, cfg.d_ff, cfg.n_layers).to(info.device, dtype)
-        X, Y = regression_data(cfg.steps * n, cfg.d_model, cfg.d_model, seed=cfg.seed, dtype=dtype)
-        X, Y = X.view(cfg.steps, n, -1).to(info.device), Y.view(cfg.steps, n, -1).to(info.device)
-        log.info("world %d on %s/%s, host %s: %d blocks %dx%d, Adam, %d steps", info.world_size,
-                 info.device, info.backend, HOST, cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.steps)
-        if info.device == HOST:
-            log.info("device and host are the same memory here: offload moves nothing; the "
-                     "checks below test the bookkeeping and the numbers, the savings are GPU figures")
-
-        ref, ref_opt = train_on_device(copy.deepcopy(base), X, Y, cfg, info)
-        hand, hand_opt = train_zero_offload(copy.deepcopy(base), X, Y, cfg, info)
-        fsdp, fsdp_opt = train_fsdp(shard_model(copy.deepcopy(base), info, False), X, Y, cfg, info)
-        off, off_opt = train_fsdp(shard_model(copy.deepcopy(base), info, True), X, Y, cfg, info)
-
-        # Adam on the host and on a GPU may round differently: 1e-12 in float64, 1e-5 in float32.
-        tol = 1e-12 if cfg.dtype == "float64" else 1e-5
-        reference, dev = full_params(ref), info.device.type
-        rec.check("ZeRO-Offload by hand == on device (max |dparam|)", "parity",
-                  max_diff(full_params(hand), reference), 0.0, tol)
-        rec.check("FSDP2 on device == DDP on device (max |dparam|)", "parity",
-                  max_diff(full_params(fsdp), reference), 0.0, tol)
-        rec.check("FSDP2 + CPU offload == FSDP2 on device (max |dparam|)", "parity",
-                  max_diff(full_params(off), full_params(fsdp)), 0.0, tol)
-
-        rec.check("hand offload: master weights, grads, Adam state not on host", "count",
-                  misplaced(training_state(hand, hand_opt), HOST.type), 0)
-        rec.check("hand offload: working weights not on device", "count",
-                  misplaced(list(hand.parameters()), dev), 0)
-        rec.check("FSDP2 on device: state not on device", "count",
-                  misplaced(training_state(fsdp, fsdp_opt), dev), 0)
-        rec.check("FSDP2 + offload: params, grads, Adam state not on host", "count",
-                  misplaced(training_state(off, off_opt), HOST.type), 0)
-
-        psi, elem = sum(p.numel() for p in base.parameters()), torch.finfo(dtype).bits // 8
-        state = training_state(off, off_opt)
-        held = torch.tensor([sum(t.numel() * t.element_size() for t in state)], device=info.device)
-        rec.figure("FSDP2 + offload: host bytes, this rank", held.item(),
-                   4 * psi * elem / info.world_size, unit="bytes")
-        torch.distributed.all_reduce(held)
-        rec.check("FSDP2 + offload: host bytes summed over ranks = 4 x params x bytes", "formula",
-                  held.item(), 4 * psi * elem)
-        for name, (device_bytes, host_bytes) in per_rank_bytes(psi, elem, info.world_size).items():
-            rec.figure(f"formula: per rank on device, {name}", device_bytes, unit="bytes")
-            rec.figure(f"formula: per rank on host, {name}", host_bytes, unit="bytes")
-        return rec.finish()
+        return run(cfg, info)
     finally:
         teardown_distributed()
 
 
+def run(cfg: Config, info) -> int:
+    """Train on device, with the hand offload, with FSDP2 and with FSDP2 + CPU offload; check."""
+    setup_logging(info.rank, info.world_size)
+    rec = RunRecorder(cfg, __file__, info)
+    seed_everything(cfg.seed)
+    dtype, n = DTYPES[cfg.dtype], cfg.tokens * info.world_size
+    base = ResidualMLP(cfg.d_model, cfg.d_ff, cfg.n_layers).to(info.device, dtype)
+    X, Y = regression_data(cfg.steps * n, cfg.d_model, cfg.d_model, seed=cfg.seed, dtype=dtype)
+    X, Y = X.view(cfg.steps, n, -1).to(info.device), Y.view(cfg.steps, n, -1).to(info.device)
+    log.info("world %d on %s/%s, host %s: %d blocks %dx%d, Adam, %d steps", info.world_size,
+             info.device, info.backend, HOST, cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.steps)
+    if info.device == HOST:
+        log.info("device and host are the same memory here: offload moves nothing; the "
+                 "checks below test the bookkeeping and the numbers, the savings are GPU figures")
+
+    ref, ref_opt = train_on_device(copy.deepcopy(base), X, Y, cfg, info)
+    hand, hand_opt = train_zero_offload(copy.deepcopy(base), X, Y, cfg, info)
+    fsdp, fsdp_opt = train_fsdp(shard_model(copy.deepcopy(base), info, False), X, Y, cfg, info)
+    off, off_opt = train_fsdp(shard_model(copy.deepcopy(base), info, True), X, Y, cfg, info)
+
+    # Parity: the same arithmetic in another place or order. Adam on the host and on a GPU
+    # may round differently, FSDP2 reduce-scatters where DDP all-reduces (another order of
+    # the same sums): a few ulps per step, and Adam divides by sqrt(v), which magnifies the
+    # rounding of small gradient elements. 1e-12 in float64, 1e-5 in float32 (the lesson).
+    tol = 1e-12 if cfg.dtype == "float64" else 1e-5
+    reference, dev = full_params(ref), info.device.type
+    rec.check("ZeRO-Offload by hand == on device (max |dparam|)", "parity",
+              max_diff(full_params(hand), reference), 0.0, tol)
+    rec.check("FSDP2 on device == DDP on device (max |dparam|)", "parity",
+              max_diff(full_params(fsdp), reference), 0.0, tol)
+    rec.check("FSDP2 + CPU offload == FSDP2 on device (max |dparam|)", "parity",
+              max_diff(full_params(off), full_params(fsdp)), 0.0, tol)
+    # A host copy must be a copy, even where host and device are the same memory.
+    rec.check("hand offload: master weights sharing the working weights' memory", "count",
+              shared_storage(hand_opt.param_groups[0]["params"], list(hand.parameters())), 0)
+
+    placements = {
+        "hand offload: master weights, grads, Adam state not on host":
+            misplaced(training_state(hand, hand_opt), HOST.type),
+        "hand offload: working weights not on device": misplaced(list(hand.parameters()), dev),
+        "FSDP2 on device: state not on device": misplaced(training_state(fsdp, fsdp_opt), dev),
+        "FSDP2 + offload: params, grads, Adam state not on host":
+            misplaced(training_state(off, off_opt), HOST.type),
+    }
+    for name, count in placements.items():
+        if info.device == HOST:  # host and device are one memory: every count is 0 by itself
+            rec.figure(name, "n/a on CPU")
+        else:
+            rec.check(name, "count", count, 0)
+    # Pinned (page-locked) host memory lets the GPU copy shards asynchronously; only CUDA pins.
+    if dev == "cuda":
+        shards = [local(p) for p in off_opt.param_groups[0]["params"]]
+        rec.check("FSDP2 + offload: parameter shards not pinned", "count",
+                  sum(not t.is_pinned() for t in shards), 0)
+    else:
+        rec.figure("FSDP2 + offload: parameter shards not pinned", "n/a on CPU")
+
+    psi, elem = sum(p.numel() for p in base.parameters()), torch.finfo(dtype).bits // 8
+    state = training_state(off, off_opt)
+    held = sum(t.numel() * t.element_size() for t in state)  # what this rank holds
+    rec.figure("FSDP2 + offload: state bytes, this rank", held,
+               4 * psi * elem / info.world_size, unit="bytes")
+    rec.check("FSDP2 + offload: state bytes summed over ranks = 4 x params x bytes", "formula",
+              reduce_number(held), 4 * psi * elem)
+    for name, (device_bytes, host_bytes) in per_rank_bytes(psi, elem, info.world_size).items():
+        rec.figure(f"formula: per rank on device, {name}", device_bytes, unit="bytes")
+        rec.figure(f"formula: per rank on host, {name}", host_bytes, unit="bytes")
+    return rec.finish()
+
+
+def exit_now(status: int) -> None:
+    """Leave without the interpreter's teardown. DTensor's caches keep FSDP2's process group
+    alive past `teardown_distributed`, so gloo's worker threads outlive it; one still releasing
+    the tensors of the last collective while Python shuts down aborts the process ("terminate
+    called without an active exception", pytorch/pytorch#190489), about one run in ten on a
+    loaded 2-core machine. Everything is written and flushed by now."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__)))
+    exit_now(main(parse_config(Config, description=__doc__, validate=validate)))

@@ -25,6 +25,11 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 STRATEGIES = ("none", "selective", "full", "torch_full", "torch_selective")
+# Strategies whose backward reruns the forward's own ops on the same inputs and then runs
+# autograd's own backward: the same computation as no recomputation, so on one machine their
+# gradients are bit-for-bit those of "none". The hand-written `selective` forms its backward
+# products itself: a different computation, equal only to within rounding.
+RERUNS = ("full", "torch_full", "torch_selective")
 
 
 class FeedForward(nn.Module):
@@ -66,7 +71,8 @@ class GeluLinear(torch.autograd.Function):
         with torch.enable_grad():
             h = h.detach().requires_grad_()
             g = F.gelu(h)  # the recomputation
-        # The same products autograd's addmm backward forms, in the same order (bitwise equal).
+        # The products autograd's addmm backward needs, formed here by hand: equal to autograd's
+        # within rounding, not bit for bit (autograd may order a transposed product differently).
         grad_weight = (g.detach().t() @ grad_z).t()
         (grad_h,) = torch.autograd.grad(g, h, grad_z @ weight)
         return grad_h, grad_weight, grad_z.sum(0)
@@ -97,9 +103,16 @@ class Recompute(torch.autograd.Function):
 
 MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default]
 # torch >= 2.14 can route what selective checkpointing keeps through saved-tensor hooks (so
-# `saved_tensor_bytes` sees it); older versions bypass the hooks and only the census sees it.
+# `saved_tensor_bytes` sees it); older versions (2.11 on the lent GPU machines) bypass the hooks:
+# there only the storage census sees SAC's kept tensors. `hooks_see_everything` says which ran.
 SAC_HOOKS = ({"respect_saved_tensors_hooks": True}
              if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {})
+
+
+def hooks_see_everything(strategy: str) -> bool:
+    """Do autograd's saved-tensor hooks see every tensor `strategy` keeps for backward? Not for
+    selective checkpointing unless this torch routes SAC's cache through them (>= 2.14)."""
+    return strategy != "torch_selective" or bool(SAC_HOOKS.get("respect_saved_tensors_hooks"))
 
 
 def run_block(block: FeedForward, x: torch.Tensor, strategy: str) -> torch.Tensor:

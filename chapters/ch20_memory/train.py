@@ -25,9 +25,11 @@ import torch.nn.functional as F
 
 from chapters.ch03_data_parallel.train import all_reduce_gradients
 from chapters.ch20_memory.recompute import (
+    RERUNS,
     STRATEGIES,
     ResidualMLP,
     StorageCensus,
+    hooks_see_everything,
     predicted_saved_bytes,
     run_block,
     saved_tensor_bytes,
@@ -58,7 +60,7 @@ class Config(RunConfig):
     lr: float = 0.05
     """Learning rate of SGD."""
     dtype: str = "float64"
-    """float64 or float32; recomputation reruns the same ops, so parity is exact in both."""
+    """float64 or float32: reruns are bit-for-bit in both; the hand selective backward is within a few ulps."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,6 +94,49 @@ def measure_saved(model: ResidualMLP, x, y, strategy: str) -> dict:
 
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a, b))
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Nothing here depends on the world size: --tokens is per rank, so every world is valid."""
+
+
+def roundings_per_gradient(cfg: Config) -> int:
+    """How many roundings stand behind one gradient element, at most: a weight gradient sums
+    over the tokens, and the gradient it starts from came back through every block's two
+    matmuls (sums of d_ff and d_model terms)."""
+    return cfg.tokens + cfg.n_layers * (cfg.d_ff + cfg.d_model)
+
+
+def parity_tolerance(strategy: str, cfg: Config, scale: float, steps: int = 1) -> float:
+    """0 for a strategy that reruns the forward's own ops (the same computation, same machine);
+    else a few ulps times the roundings behind each element, times the steps taken, relative
+    to the size `scale` of what is compared: a different order of the same sums."""
+    if strategy in RERUNS or strategy == "none":
+        return 0.0
+    unit_roundoff = torch.finfo(DTYPES[cfg.dtype]).eps / 2
+    return 4 * steps * roundings_per_gradient(cfg) * unit_roundoff * scale
+
+
+def largest(tensors: list[torch.Tensor]) -> float:
+    return max(t.abs().max().item() for t in tensors)
+
+
+def record_saved(rec: RunRecorder, results: dict, cfg: Config, elem: int) -> None:
+    """Bytes kept for backward beside the formula, and gradients beside no recomputation."""
+    reference = results["none"]["grads"]
+    for s, r in results.items():
+        expected = predicted_saved_bytes(s, cfg.tokens, cfg.d_model, cfg.d_ff, cfg.n_layers, elem)
+        rec.figure(f"saved for backward, {s}", r["saved"], expected, unit="bytes")
+        if hooks_see_everything(s):
+            rec.check(f"saved bytes (hooks) = formula, {s}", "formula", r["saved"], expected)
+        else:  # this torch keeps SAC's tensors out of the hooks' sight: only the census counts
+            log.info("torch %s: selective checkpointing bypasses saved_tensors_hooks; the hooks "
+                     "saw %d bytes, the census checks the formula", torch.__version__, r["saved"])
+        rec.check(f"live bytes (census) = formula, {s}", "formula", r["live"], expected)
+        if s != "none":
+            rec.check(f"gradients {s} == none (max |dgrad|)", "parity",
+                      max_diff(r["grads"], reference), 0.0,
+                      parity_tolerance(s, cfg, largest(reference)))
 
 
 def train_data_parallel(model: ResidualMLP, X, Y, cfg: Config, info, strategy: str) -> list:
@@ -149,22 +194,15 @@ def main(cfg: Config) -> int:
                  cfg.tokens, cfg.dtype)
 
         results = {s: measure_saved(model, x, y, s) for s in STRATEGIES}
-        reference = results["none"]["grads"]
-        for s, r in results.items():
-            expected = predicted_saved_bytes(s, cfg.tokens, cfg.d_model, cfg.d_ff, cfg.n_layers, elem)
-            rec.figure(f"saved for backward, {s}", r["saved"], expected, unit="bytes")
-            rec.check(f"saved bytes (hooks) = formula, {s}", "formula", r["saved"], expected)
-            rec.check(f"live bytes (census) = formula, {s}", "formula", r["live"], expected)
-            if s != "none":
-                rec.check(f"gradients {s} == none (max |dgrad|)", "parity",
-                          max_diff(r["grads"], reference), 0.0, 0.0)
+        record_saved(rec, results, cfg, elem)
 
         trained = {s: train_data_parallel(copy.deepcopy(model), X, Y, cfg, info, s)[0]
                    for s in STRATEGIES if s != "none"}
         trained["none"], losses = train_data_parallel(copy.deepcopy(model), X, Y, cfg, info, "none")
         for s in STRATEGIES[1:]:
             rec.check(f"DP training {s} == none (max |dparam|)", "parity",
-                      max_diff(trained[s], trained["none"]), 0.0, 0.0)
+                      max_diff(trained[s], trained["none"]), 0.0,
+                      parity_tolerance(s, cfg, largest(trained["none"]), cfg.steps))
         for step, loss in enumerate(losses):
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
                 rec.metrics(step, loss=loss, lr=cfg.lr)
@@ -192,4 +230,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))
