@@ -5,8 +5,9 @@ Every rank records when each of its forward and backward computations starts and
 synchronising the device: CUDA kernels are asynchronous). The bubble is the share of
 ranks × step time not spent computing: waiting for a neighbour and communication both count as
 idle. Two kinds of stage are timed:
-- real layers: their compute competes for the cores, and each message costs milliseconds on a
-  CPU, so the measured bubble sits above (p−1)/(m+p−1) (reported, never asserted);
+- real layers: the ranks need cores to compute at once, and every operation pays a message hop
+  and the rank's own bookkeeping (`concurrency`, `message_hops`, `host_gaps` measure all three),
+  so on a busy CPU the measured bubble sits far above (p−1)/(m+p−1) (reported, never asserted);
 - fixed-sleep stages (`train.SleepStage`): each forward and backward of a micro-batch is a sleep
   of fixed length, which needs no core, so the schedule alone sets the step time and the
   measured bubble tracks (p−1)/(m+p−1) within a band (the one timing check the tests assert).
@@ -31,12 +32,14 @@ from common.timing import synchronize
 
 @dataclass
 class Timed:
-    """The bubble of repeated steps (median, min, max) and the timeline of the last one."""
+    """The bubble of repeated steps (median, min, max), the timeline of the last one, and the
+    timelines of all the timed ones."""
 
     median: float
     min: float
     max: float
     timeline: list[Event]
+    timelines: list[list[Event]]
 
 
 def one_machine(info) -> bool:
@@ -73,10 +76,46 @@ def overlapping_forwards(timeline: list[Event], n_ranks: int) -> int:
     """How many micro-batches i have rank 0 start the forward of i+1 before the last stage has
     finished the forward of i. In GPipe all m−1 do (rank 0 moves on at once); when micro-batches
     run one after another none can, whatever the clocks: the last stage's forward of i, its
-    backward, and every backward message back to rank 0 must all come first."""
+    backward, and every backward message back to rank 0 must all come first. It shows that the
+    schedule lets rank 0 run ahead, not that two ranks computed at once (a CPU too busy to run
+    both can serialise them anyway): `concurrency` measures that."""
     start = {e.mb: e.start for e in timeline if e.rank == 0 and e.kind == "F"}
     end = {e.mb: e.end for e in timeline if e.rank == n_ranks - 1 and e.kind == "F"}
     return sum(1 for i in end if i + 1 in start and start[i + 1] < end[i])
+
+
+def concurrency(timeline: list[Event]) -> float:
+    """Share of the step during which two or more ranks compute at once: the stages overlap in
+    time. A rank runs one operation at a time, so two intervals that intersect are two ranks."""
+    points = sorted([(e.start, 1) for e in timeline] + [(e.end, -1) for e in timeline])
+    depth, both, last = 0, 0, 0  # at equal times an end comes first: touching is not overlapping
+    for t, step in points:
+        if depth >= 2:
+            both += t - last
+        depth, last = depth + step, t
+    return both / max(e.end for e in timeline)
+
+
+def message_hops(timeline: list[Event], kind: str | None = None, mb: int | None = None) -> list[float]:
+    """Seconds from the end of an operation to the start of the one on the neighbouring rank that
+    needed its message (forward i on rank r, then on r+1; backward i on r+1, then on r), for the
+    operations of `kind` and micro-batch `mb` (None: all). Where the receiver sat waiting (always
+    in the serial control; for micro-batch 0's forward in GPipe) that is one message's latency
+    plus the receiver's waking up; elsewhere it also holds the receiver's own busy time."""
+    end = {(e.kind, e.mb, e.rank): e.end for e in timeline}
+    hops = []
+    for e in timeline:
+        sender = (e.kind, e.mb, e.rank - 1 if e.kind == "F" else e.rank + 1)
+        if sender in end and kind in (None, e.kind) and mb in (None, e.mb):
+            hops.append(e.start - end[sender])
+    return hops
+
+
+def host_gaps(timeline: list[Event], rank: int, kind: str) -> list[float]:
+    """Seconds between consecutive `kind` operations of `rank`. GPipe's rank 0 never waits for a
+    message during its forwards, so there each gap is its own bookkeeping (send, clock, Python)."""
+    mine = sorted((e.start, e.end) for e in timeline if e.rank == rank and e.kind == kind)
+    return [b[0] - a[1] for a, b in zip(mine, mine[1:])]
 
 
 def compute_per_micro_batch(timeline: list[Event]) -> float:
@@ -88,12 +127,12 @@ def compute_per_micro_batch(timeline: list[Event]) -> float:
 
 def measure(step_fn, stage, x, info, n_micro: int, repeats: int) -> Timed:
     """Bubble of `repeats` timed steps after one warm-up step."""
-    bubbles, timeline = [], []
+    bubbles, timelines = [], []
     for _ in range(repeats + 1):
-        timeline = timed_step(step_fn, stage, x, info, n_micro)
-        bubbles.append(bubble(timeline, info.world_size))
+        timelines.append(timed_step(step_fn, stage, x, info, n_micro))
+        bubbles.append(bubble(timelines[-1], info.world_size))
     timed = bubbles[1:]
-    return Timed(statistics.median(timed), min(timed), max(timed), timeline)
+    return Timed(statistics.median(timed), min(timed), max(timed), timelines[-1], timelines[1:])
 
 
 def real_stage(cfg: Config, info, max_micro: int):
