@@ -37,9 +37,27 @@ def test_balanced_partition_is_optimal_against_brute_force():
         bounds = partition.balanced_partition(costs, k)
         assert bounds[0] == 0 and bounds[-1] == n and len(bounds) == k + 1
         assert all(a < b for a, b in zip(bounds, bounds[1:])), "every stage gets a layer"
-        assert max(partition.stage_costs(costs, bounds)) == partition.brute_force_partition(costs, k)[0]
+        best = partition.brute_force_partition(costs, k)[0]
+        assert max(partition.stage_costs(costs, bounds)) == best
+        assert partition.bisection_optimum(costs, k) == best  # the script's referee, refereed
+        floats = [rng.random() for _ in range(n)]
+        assert partition.bisection_optimum(floats, k) == pytest.approx(
+            partition.brute_force_partition(floats, k)[0], abs=1e-12)
     # a known case: 1..9 in 3 stages -> [1..5] [6, 7] [8, 9], the slowest costs 17
     assert partition.balanced_partition(list(range(1, 10)), 3) == [0, 5, 7, 9]
+    assert partition.bisection_optimum(list(range(1, 10)), 3) == 17
+    # negative control: a cut that is not optimal is caught by the referee
+    assert max(partition.stage_costs(list(range(1, 10)), [0, 4, 7, 9])) == 18 > 17
+
+
+def test_the_referee_scales_to_sixteen_ranks():
+    """The script checks its partition at every world; brute force would try C(63, 15) ~ 10^14
+    cuts for the default model on 16 ranks, the bisection a few thousand sums."""
+    cfg = train.Config()
+    costs = [random.Random(p).uniform(0.1, 1.0) for p in range(64)]
+    assert len(train.model_widths(cfg, 16)) == 64
+    best = max(partition.stage_costs(costs, partition.balanced_partition(costs, 16)))
+    assert partition.bisection_optimum(costs, 16) == pytest.approx(best, abs=1e-12)
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])
@@ -213,10 +231,12 @@ def test_impossible_settings_are_refused_in_one_sentence(capsys):
         train.validate(train.Config(widths=(32,) * 8, chunks=3), 4)
     with pytest.raises(ValueError, match="at least 2 ranks"):
         train.validate(cfg, 1)
-    for argv, world in ((["--widths", "0"], 2), ([], 1), (["--micro-batches", "3"], 2)):
+    for argv, world in ((["--widths", "0"], 2), ([], 1), (["--micro-batches", "3"], 2),
+                        (["--device", "cuda", "--backend", "gloo"], 2)):
         with pytest.raises(SystemExit) as e:
             train.parse_config(train.Config, argv, validate=train.validate, world_size=world)
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "torchrun --standalone --nproc_per_node=2 chapters/ch17_pipeline_balance/train.py" in err
-    assert len([line for line in err.splitlines() if line.strip()]) == 3, "one line per refusal"
+    assert "gloo cannot carry" in err
+    assert len([line for line in err.splitlines() if line.strip()]) == 4, "one line per refusal"

@@ -49,7 +49,8 @@ for p in (2, 4):
     balanced = partition.balanced_partition(flops, p)
     print(f"p={p}: uniform {uniform} -> stage FLOPs {partition.stage_costs(flops, uniform)}")
     print(f"     balanced {balanced} -> stage FLOPs {partition.stage_costs(flops, balanced)}")
-    print(f"     brute force agrees: {partition.brute_force_partition(flops, p)}")
+    print(f"     brute force agrees: {partition.brute_force_partition(flops, p)}, "
+          f"so does the bisection: {partition.bisection_optimum(flops, p)}")
 
 # %%
 print(inspect.getsource(partition.balanced_partition))
@@ -120,7 +121,7 @@ ax1.set_title("bubble, counted on the timeline")
 ax2.bar(kinds, [figs[f"{k} step, balanced"]["measured"] for k in kinds], color="grey", label="measured (median)")
 ax2.scatter(kinds, [figs[f"{k} step, balanced"]["expected"] for k in kinds], color="black", zorder=3,
             label="simulated, free messages")
-spread = [figs[f"{k} step, balanced, min-max"]["measured"] for k in kinds]
+spread = [figs[f"{k} step, balanced"]["spread"] for k in kinds]
 ax2.vlines(kinds, [lo for lo, _ in spread], [hi for _, hi in spread], color="black", linewidth=1)
 ax2.set_title("wall-clock step (ms), 2 CPU ranks")
 ax2.legend(fontsize=7)

@@ -1,10 +1,11 @@
-"""Cutting a stack of layers into pipeline stages: uniform, cost-balanced, and brute force.
+"""Cutting a stack of layers into pipeline stages: uniform, cost-balanced, and two referees.
 
 A pipeline runs at the pace of its slowest stage, so the partition that minimises the
 largest stage cost is the one to use. Contiguous layers only (a stage sends its output to the
 next stage), so this is the classic linear-partition problem: dynamic programming over
-"first i layers in k stages" finds the optimum in O(k·n²); `brute_force_partition` tries
-every cut and is the test's referee on small cases.
+"first i layers in k stages" finds the optimum in O(k·n²). Two referees check it by other
+means: `brute_force_partition` tries every set of cuts (small cases only: C(n−1, k−1) of them),
+and `bisection_optimum` searches the stage-cost cap directly, for any size.
 """
 
 from __future__ import annotations
@@ -65,3 +66,32 @@ def brute_force_partition(costs: Sequence[float], n_stages: int) -> tuple[float,
         bounds = [0, *cuts, n]
         best = min(best, (max(stage_costs(costs, bounds)), bounds))
     return best
+
+
+def bisection_optimum(costs: Sequence[float], n_stages: int) -> float:
+    """The smallest possible max stage cost, found without dynamic programming. The optimum is
+    the cost of some run of contiguous layers; a cap is feasible if packing layers greedily (each
+    stage takes layers until the next would exceed the cap) needs at most n_stages stages, and
+    feasibility grows with the cap, so bisect over the sorted run costs. O(n² log n) sums."""
+    n = len(costs)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"cannot cut {n} layers into {n_stages} non-empty stages")
+
+    def stages_needed(cap: float) -> int:
+        if max(costs) > cap:
+            return n + 1  # a layer alone exceeds the cap: no packing fits
+        count, start = 1, 0
+        for i in range(n):
+            if sum(costs[start:i + 1]) > cap:  # the same sums as stage_costs: exact comparisons
+                count, start = count + 1, i
+        return count
+
+    caps = sorted({sum(costs[a:b]) for a in range(n) for b in range(a + 1, n + 1)})
+    lo, hi = 0, len(caps) - 1  # the whole model in one stage always fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if stages_needed(caps[mid]) <= n_stages:
+            hi = mid
+        else:
+            lo = mid + 1
+    return caps[lo]

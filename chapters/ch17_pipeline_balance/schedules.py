@@ -16,7 +16,9 @@ from chapters.ch04_model_parallel.schedule import Event, Op
 
 def interleaved_order(n_ranks: int, n_micro: int, n_chunks: int) -> list[list[Op]]:
     """Interleaved 1F1B (Narayanan et al., 2021, Megatron-LM): micro-batches go through the
-    local chunks in groups of p; warm-up of 2(p−r−1) + (v−1)p forwards, then 1F1B."""
+    local chunks in groups of p; warm-up of 2(p−r−1) + (v−1)p forwards, then 1F1B. (When m = p,
+    Megatron's code runs every forward first instead; this order, like torch's, keeps the
+    formula's warm-up there too.)"""
     p, v, m = n_ranks, n_chunks, n_micro
     if m % p:
         raise ValueError(f"interleaved 1F1B needs micro-batches ({m}) to be a multiple of ranks ({p})")
