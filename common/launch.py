@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from common.distributed import teardown_distributed
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -110,7 +112,7 @@ def _rank_main(fn, rank: int, world_size: int, tmp: str, args: tuple, kwargs: di
         try:
             result = fn(*args, **kwargs)
         finally:
-            dist.destroy_process_group()
+            teardown_distributed()  # lets gloo's workers go idle before this process exits
         torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
     except BaseException:
         Path(tmp, f"error{rank}.txt").write_text(traceback.format_exc())
