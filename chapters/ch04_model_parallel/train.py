@@ -23,8 +23,6 @@ Run:
 """
 
 import copy
-import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -35,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from chapters.ch04_model_parallel.schedule import bubble_formula, gpipe_order, simulate
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, parse_config, require_at_least_one
 from common.data import regression_data
@@ -312,69 +309,6 @@ def train_gpipe(stage, reference, X, Y, cfg: Config, info, act_like, rec) -> flo
     return max_loss_diff
 
 
-def record_timings(cfg: Config, info, rec: RunRecorder) -> None:
-    """Time GPipe on real layers and on fixed-sleep stages, for m in {1, 2, m, 2m}; record what
-    a message and a rank's own bookkeeping cost (the overheads the formula leaves out)."""
-    from chapters.ch04_model_parallel import wallclock  # imports this module
-
-    p, m = info.world_size, n_micro_batches(cfg, info.world_size)
-    counts = sorted({1, 2, m, 2 * m})
-    stage, x = wallclock.real_stage(cfg, info, max(counts))
-    for k in counts:
-        run = wallclock.measure(gpipe_step, stage, x[: k * cfg.time_micro_batch_size], info, k, cfg.time_repeats)
-        rec.figure(f"real layers: bubble, m={k}", run.median, float(bubble_formula(p, k)), spread=(run.min, run.max))
-        if k == m:
-            rec.figure(f"real layers: compute per micro-batch (F+B), m={k}",
-                       wallclock.compute_per_micro_batch(run.timeline) * 1e3, unit="ms")
-            rec.figure(f"real layers: forwards that start early (rank 0 runs ahead), m={k}",
-                       wallclock.overlapping_forwards(run.timeline, p), m - 1)
-            rec.figure(f"real layers: share of the step with two stages computing, m={k}",
-                       statistics.median(wallclock.concurrency(t) for t in run.timelines),
-                       wallclock.concurrency(simulate(gpipe_order(p, k), 1, 2)))
-            _record_ms(rec, f"real layers: micro-batch 0's forward hop (median), m={k}",
-                       [h for t in run.timelines for h in wallclock.message_hops(t, "F", 0)])
-            if info.is_main:
-                (rec.out / "timeline.json").write_text(json.dumps([e.__dict__ for e in run.timeline]))
-    if not cfg.sleep_ms:
-        return
-    stage, x = wallclock.sleep_stage(cfg, info, max(counts))
-    band = cfg.sleep_band
-    for k in counts:
-        run = wallclock.measure(gpipe_step, stage, x[: k * cfg.micro_batch_size], info, k, cfg.time_repeats)
-        formula = float(bubble_formula(p, k))
-        rec.figure(f"fixed-sleep GPipe: bubble, m={k}", run.median, formula, spread=(run.min, run.max))
-        rec.check(f"fixed-sleep GPipe bubble, m={k}: (p-1)/(m+p-1) +- {band:g}", "timing", run.median,
-                  [max(0.0, formula - band), formula + band], compare="between")
-        if k == m:
-            rec.check(f"fixed-sleep GPipe: forwards that start early (rank 0 runs ahead), m={k}", "count",
-                      wallclock.overlapping_forwards(run.timeline, p), m - 1)
-            both = wallclock.concurrency(run.timeline)
-            rec.figure(f"fixed-sleep GPipe: share of the step with two stages computing, m={k}", both,
-                       wallclock.concurrency(simulate(gpipe_order(p, k))))
-            rec.check(f"fixed-sleep GPipe: two stages compute at the same time, m={k}", "count",
-                      both, 0.0, compare=">")
-            _record_ms(rec, f"fixed-sleep GPipe: rank 0's gap between two forwards (median), m={k}",
-                       [g for t in run.timelines for g in wallclock.host_gaps(t, 0, "F")])
-            if info.is_main:
-                (rec.out / "timeline_sleep.json").write_text(json.dumps([e.__dict__ for e in run.timeline]))
-    serial = wallclock.measure(serial_step, stage, x[: m * cfg.micro_batch_size], info, m, 1)
-    rec.check(f"control, serial micro-batches: no forward starts early, m={m}", "count",
-              wallclock.overlapping_forwards(serial.timeline, p), 0)
-    # exactly 0 on one machine (one clock; each interval ends before the message that lets the
-    # next one start); across machines the clocks differ by about a barrier's skew
-    rec.check(f"control, serial micro-batches: two stages never compute at once, m={m}", "count",
-              wallclock.concurrency(serial.timeline), 0.0, 0.0 if wallclock.one_machine(info) else 0.01)
-    rec.figure(f"control, serial micro-batches: bubble, m={m}", serial.median, (p - 1) / p)
-    _record_ms(rec, f"control, serial micro-batches: one message hop (median), m={m}",
-               wallclock.message_hops(serial.timeline))
-
-
-def _record_ms(rec: RunRecorder, name: str, seconds: list[float]) -> None:
-    """A figure in ms: the median of `seconds`, with their min and max."""
-    ms = [s * 1e3 for s in seconds]
-    rec.figure(name, statistics.median(ms), unit="ms", spread=(min(ms), max(ms)))
-
-
 def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
@@ -418,7 +352,9 @@ def main(cfg: Config) -> int:
         rec.check("GPipe training: params == unsplit (max |dparam|)", "parity",
                   stage_diff(model, stage, reference, grads=False), 0.0, train_tol)
 
-        record_timings(cfg, info, rec)
+        from chapters.ch04_model_parallel import wallclock  # imports this module
+
+        wallclock.record_timings(cfg, info, rec)
         mine = {id(p) for p in stage.parameters()}
         params = {n: p.detach().cpu() for n, p in model.named_parameters() if id(p) in mine}
         gathered = [None] * world

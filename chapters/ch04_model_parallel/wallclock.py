@@ -4,7 +4,7 @@ stages really overlap.
 Every rank records when each of its forward and backward computations starts and ends (after
 synchronising the device: CUDA kernels are asynchronous). The bubble is the share of
 ranks × step time not spent computing: waiting for a neighbour and communication both count as
-idle. Two kinds of stage are timed:
+idle. `record_timings` (called by `train.main`) times two kinds of stage:
 - real layers: the ranks need cores to compute at once, and every operation pays a message hop
   and the rank's own bookkeeping (`concurrency`, `message_hops`, `host_gaps` measure all three),
   so on a busy CPU the measured bubble sits far above (p−1)/(m+p−1) (reported, never asserted);
@@ -15,6 +15,7 @@ idle. Two kinds of stage are timed:
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,10 +23,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from chapters.ch04_model_parallel.schedule import Event
-from chapters.ch04_model_parallel.train import Config, SleepStage, build_stage
+from chapters.ch04_model_parallel.schedule import Event, bubble_formula, gpipe_order, simulate
+from chapters.ch04_model_parallel.train import (
+    Config,
+    SleepStage,
+    build_stage,
+    gpipe_step,
+    n_micro_batches,
+    serial_step,
+)
 from common.distributed import reduce_number
 from common.models import MLP
+from common.results import RunRecorder
 from common.seed import seed_everything
 from common.timing import synchronize
 
@@ -153,3 +162,64 @@ def sleep_stage(cfg: Config, info, max_micro: int):
     stage = SleepStage(build_stage(model, info.rank, info.world_size), cfg.sleep_ms / 1e3, cfg.sleep_ms / 1e3)
     x = torch.randn(max_micro * cfg.micro_batch_size, cfg.d_hidden, device=info.device)
     return stage, x
+
+
+def record_timings(cfg: Config, info, rec: RunRecorder) -> None:
+    """Time GPipe on real layers and on fixed-sleep stages, for m in {1, 2, m, 2m}; record what
+    a message and a rank's own bookkeeping cost (the overheads the formula leaves out)."""
+    p, m = info.world_size, n_micro_batches(cfg, info.world_size)
+    counts = sorted({1, 2, m, 2 * m})
+    stage, x = real_stage(cfg, info, max(counts))
+    for k in counts:
+        run = measure(gpipe_step, stage, x[: k * cfg.time_micro_batch_size], info, k, cfg.time_repeats)
+        rec.figure(f"real layers: bubble, m={k}", run.median, float(bubble_formula(p, k)), spread=(run.min, run.max))
+        if k == m:
+            rec.figure(f"real layers: compute per micro-batch (F+B), m={k}",
+                       compute_per_micro_batch(run.timeline) * 1e3, unit="ms")
+            rec.figure(f"real layers: forwards that start early (rank 0 runs ahead), m={k}",
+                       overlapping_forwards(run.timeline, p), m - 1)
+            rec.figure(f"real layers: share of the step with two stages computing, m={k}",
+                       statistics.median(concurrency(t) for t in run.timelines),
+                       concurrency(simulate(gpipe_order(p, k), 1, 2)))
+            _record_ms(rec, f"real layers: micro-batch 0's forward hop (median), m={k}",
+                       [h for t in run.timelines for h in message_hops(t, "F", 0)])
+            if info.is_main:
+                (rec.out / "timeline.json").write_text(json.dumps([e.__dict__ for e in run.timeline]))
+    if not cfg.sleep_ms:
+        return
+    stage, x = sleep_stage(cfg, info, max(counts))
+    band = cfg.sleep_band
+    for k in counts:
+        run = measure(gpipe_step, stage, x[: k * cfg.micro_batch_size], info, k, cfg.time_repeats)
+        formula = float(bubble_formula(p, k))
+        rec.figure(f"fixed-sleep GPipe: bubble, m={k}", run.median, formula, spread=(run.min, run.max))
+        rec.check(f"fixed-sleep GPipe bubble, m={k}: (p-1)/(m+p-1) +- {band:g}", "timing", run.median,
+                  [max(0.0, formula - band), formula + band], compare="between")
+        if k == m:
+            rec.check(f"fixed-sleep GPipe: forwards that start early (rank 0 runs ahead), m={k}", "count",
+                      overlapping_forwards(run.timeline, p), m - 1)
+            both = concurrency(run.timeline)
+            rec.figure(f"fixed-sleep GPipe: share of the step with two stages computing, m={k}", both,
+                       concurrency(simulate(gpipe_order(p, k))))
+            rec.check(f"fixed-sleep GPipe: two stages compute at the same time, m={k}", "count",
+                      both, 0.0, compare=">")
+            _record_ms(rec, f"fixed-sleep GPipe: rank 0's gap between two forwards (median), m={k}",
+                       [g for t in run.timelines for g in host_gaps(t, 0, "F")])
+            if info.is_main:
+                (rec.out / "timeline_sleep.json").write_text(json.dumps([e.__dict__ for e in run.timeline]))
+    serial = measure(serial_step, stage, x[: m * cfg.micro_batch_size], info, m, 1)
+    rec.check(f"control, serial micro-batches: no forward starts early, m={m}", "count",
+              overlapping_forwards(serial.timeline, p), 0)
+    # exactly 0 on one machine (one clock; each interval ends before the message that lets the
+    # next one start); across machines the clocks differ by about a barrier's skew
+    rec.check(f"control, serial micro-batches: two stages never compute at once, m={m}", "count",
+              concurrency(serial.timeline), 0.0, 0.0 if one_machine(info) else 0.01)
+    rec.figure(f"control, serial micro-batches: bubble, m={m}", serial.median, (p - 1) / p)
+    _record_ms(rec, f"control, serial micro-batches: one message hop (median), m={m}",
+               message_hops(serial.timeline))
+
+
+def _record_ms(rec: RunRecorder, name: str, seconds: list[float]) -> None:
+    """A figure in ms: the median of `seconds`, with their min and max."""
+    ms = [s * 1e3 for s in seconds]
+    rec.figure(name, statistics.median(ms), unit="ms", spread=(min(ms), max(ms)))
