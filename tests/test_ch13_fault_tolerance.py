@@ -165,6 +165,8 @@ def _start_node(out: Path, port: int, is_host: bool, log_file: Path) -> subproce
            "--rdzv-id=ch13test", f"--rdzv-conf={conf}", str(SCRIPT), "--out", str(out),
            "--device", "cpu", "--steps", str(ELASTIC_STEPS), "--step-seconds", "0.2",
            "--log-every", "1"]
+    # A fresh store per rendezvous round: without it, growing 1 -> 2 failed in the agents
+    # themselves (both waited for the new round's MASTER_ADDR / role_info keys; torch 2.14.1).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     with open(log_file, "w") as f:

@@ -140,6 +140,10 @@ def main(cfg: Config) -> int:
         rec.figure("launch-only timing of an all-reduce (no wait)", launch_s, unit="s")
         rec.check("launch-only timing inside [T, 2T] (must not)", "count",
                   int(check_ok(launch_s, band, compare="between")), 0)
+        # finish() would gather every rank's checks over the default group: the hung rank never
+        # answers (another full timeout), and after a timed-out wait the group is not reliable
+        # (NCCL may have aborted it). Leave the groups first: the summary is this rank's view.
+        teardown_distributed()
         status = rec.finish()
         raise SystemExit(f"error: rank {cfg.hang_rank} stopped responding: all_reduce timed out "
                          f"after {seen['ar_s']:.1f} s (checks {'passed' if status == 0 else 'FAILED'})")

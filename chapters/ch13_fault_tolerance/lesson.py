@@ -136,7 +136,7 @@ for check in result.summary["checks"]:
 # ## Exercises
 # 1. Make rank 0 die halfway through the save of step 15 (`--fail-rank 0 --fail-step 15
 #    --fail-in save`). From which step does the run resume, and what is in `ckpt/step000015/`?
-# 2. With a save of 8 ms and of 30 s and $M$ = 24 h, what interval and overhead does Young/Daly give?
+# 2. With a save of 18.8 ms and of 30 s and $M$ = 24 h, what interval and overhead does Young/Daly give?
 # 3. Keep the global batch at 16 when the elastic demo shrinks to one node.
 # 4. Catch a desync (different shapes on two ranks) with `TORCH_DISTRIBUTED_DEBUG=DETAIL`.
 # 5. Why does node A print `attempt 0` at world 2 in the elastic demo?

@@ -16,9 +16,11 @@ Run:
         chapters/ch13_fault_tolerance/train.py --fail-rank 1 --fail-step 10 --fail-in save   # dies mid-save
     torchrun --standalone --nproc_per_node=8 --max-restarts=3 chapters/ch13_fault_tolerance/train.py \\
         --fail-rank 3 --fail-step 7 --fail-how sigkill                             # 8 GPUs, NCCL
-    torchrun --nnodes=1:2 --nproc_per_node=8 --max-restarts=3 --rdzv-backend=c10d \\
-        --rdzv-endpoint=HOST:29500 --rdzv-id=job13 chapters/ch13_fault_tolerance/train.py   # elastic nodes
-    srun --ntasks=16 --ntasks-per-node=8 python chapters/ch13_fault_tolerance/train.py   # Slurm (requeue resumes)
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --nproc_per_node=8 --max-restarts=3 \\
+        --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=job13 \\
+        chapters/ch13_fault_tolerance/train.py --out /shared/run13     # elastic nodes, shared --out
+    srun --ntasks=16 --ntasks-per-node=8 python chapters/ch13_fault_tolerance/train.py \\
+        --out /shared/run13                                 # Slurm (a requeued job resumes)
 """
 
 import io
@@ -301,8 +303,10 @@ def main(cfg: Config) -> int:
             rec.check("resumed from the last committed checkpoint", "count", result["start"], last_ckpt)
         # How often to save: Young/Daly with this run's save time and a job MTBF of 24 h (1 000
         # nodes of MTBF 1 000 days). A formula output, not a measurement of anything failing.
-        save = reduce_number(statistics.median(result["save_s"]) if result["save_s"] else 0.0, "max")
-        rec.figure("checkpoint save, median (slowest rank)", round(save * 1e3, 2), unit="ms")
+        saves = [reduce_number(t, "max") for t in result["save_s"]]  # each save: its slowest rank
+        save = statistics.median(saves) if saves else 0.0
+        rec.figure("checkpoint save, median (slowest rank)", round(save * 1e3, 2), unit="ms",
+                   spread=(round(min(saves) * 1e3, 2), round(max(saves) * 1e3, 2)) if saves else None)
         rec.figure("Young/Daly interval for that save at M = 24 h (formula)",
                    round(young_daly_interval(save, 24 * 3600), 1), unit="s")
         if info.is_main:
