@@ -146,7 +146,11 @@ def test_multi_rank_resume_is_bit_exact_and_per_rank_state_needs_its_own_key(res
     one_key = res.summary["figures"]["pos loaded by each rank, one key"]["measured"]
     assert len(set(one_key)) == 1, one_key
     assert res.summary["figures"]["pos loaded by each rank, rank-keyed"]["measured"] == [0, 1]
-    assert res.check("one key: ranks whose resume differs at once = W-1")["measured"] == 1
+    # One entry, one kept copy: on the CPU exactly W - 1 ranks got another rank's dropout stream
+    # (read off the metadata), and exactly those diverge at once.
+    assert res.summary["figures"]["one key: ranks whose rng.torch was stored by another rank"]["measured"] == 1
+    differs = res.check("one key: ranks diverging at once = ranks given another's stream")
+    assert differs["measured"] == differs["expected"] == 1
     for control in ("resume without RNG", "resume without data position",
                     "loader on the global RNG: resume"):
         assert res.check(f"{control} == uninterrupted (must not)")["measured"] > 0
@@ -174,6 +178,11 @@ def test_multi_rank_resume_in_new_processes_equals_uninterrupted(resume_dcp_run,
         assert first[rank]["first_step"] == 0 and first[rank]["losses"] == reference[rank][:10]
         assert second[rank]["first_step"] == 8
         assert second[rank]["losses"] == reference[rank][8:], rank
+    # Per-rank RNG and data positions belong to the world that saved them: another world is
+    # refused before any rank starts, the same one is not.
+    resume_dcp.validate(resume_dcp.Config(ckpt_dir=str(ckpt)), 2)
+    with pytest.raises(ValueError, match="saved by 2 ranks"):
+        resume_dcp.validate(resume_dcp.Config(ckpt_dir=str(ckpt)), 4)
 
 
 @pytest.mark.timeout(150)

@@ -15,7 +15,6 @@ Run:
     srun --ntasks=16 --ntasks-per-node=8 python chapters/ch12_checkpointing/deepspeed_ckpt.py --out /shared/fs/ch12ds
 """
 
-import gc
 import os
 import sys
 from dataclasses import dataclass, field
@@ -169,7 +168,6 @@ def main(cfg: Config) -> int:
             engine.destroy()
         return rec.finish()
     finally:
-        gc.collect()  # free modules/engines caught in reference cycles while their groups live
         teardown_distributed()
 
 

@@ -17,7 +17,6 @@ Run:
     srun --ntasks=16 --ntasks-per-node=8 python chapters/ch12_checkpointing/train.py --out /shared/fs/ch12
 """
 
-import gc
 import statistics
 import sys
 import warnings
@@ -268,7 +267,7 @@ def timed_saves(cfg: Config, model, opt, data, out: Path, info, async_pg) -> dic
             train_steps(model, opt, data, cfg.async_steps)  # training goes on during the write
             future.result()
         times["async"].append(stall(staged))
-        times["async_total"].append(staged.elapsed + stall(total))
+        times["async_total"].append(reduce_number(staged.elapsed + total.elapsed, "max"))
     return times
 
 
@@ -303,7 +302,9 @@ def main(cfg: Config) -> int:
         if info.is_main:
             save_checkpoint(rec.out / "full_state.pt", saved)
         save_local_shards(model, rec.out / "torch_save_per_rank", info.rank)
-        async_pg = dist.new_group(backend="gloo")  # the writer's collectives stay off training's group
+        # The writer's collectives stay off training's group; on GPUs async_save also refuses a
+        # group without a CPU backend, and an NCCL default group has none.
+        async_pg = dist.new_group(backend="gloo")
         times = timed_saves(cfg, model, opt, data, rec.out, info, async_pg)
         moved_on = full_state(model, opt)
 
@@ -342,7 +343,6 @@ def main(cfg: Config) -> int:
             deltas.record_delta(cfg, rec, rec.out)
         return rec.finish()
     finally:
-        gc.collect()  # free modules/engines caught in reference cycles while their groups live
         teardown_distributed()
 
 
