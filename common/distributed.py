@@ -178,10 +178,15 @@ def _make_store(launch: dict, timeout: datetime.timedelta) -> dist.Store:
         # torchrun: the env:// rendezvous connects to the store torchrun prepared.
         store, _, _ = next(dist.rendezvous("env://", launch["rank"], launch["world_size"],
                                            timeout=timeout))
-    # A torchrun restart reuses the agent's store; fresh key names per restart keep the new
-    # group from reading the dead one's keys (pytorch/pytorch#135712, see chapter 13). A node
-    # joining an elastic job re-forms the group without counting a restart, so the world size
-    # is part of the name too.
+    # With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every rendezvous round gets a fresh store
+    # (torchrun then tells the workers TORCHELASTIC_USE_AGENT_STORE=False): nothing stale to avoid.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False":
+        return store
+    # Otherwise a torchrun restart reuses the agent's store; fresh key names per restart keep the
+    # new group from reading the dead one's keys (pytorch/pytorch#135712, see chapter 13). A node
+    # joining re-forms the group without counting a restart, so the world size is in the name too.
+    # The restart count is each agent's own, so a node that joins after a failure disagrees with
+    # the survivors: elastic jobs that change membership need the variable above (chapter 13).
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"restart{restart}/world{launch['world_size']}/", store)
 
