@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from chapters.ch09_compression import hooks, train
+import torch.distributed.distributed_c10d as c10d
+
+from chapters.ch09_compression import hooks, train, wire
 from chapters.ch09_compression.wire import WireTap
 from common.checkpoint import load_checkpoint
 from common.data import regression_data
@@ -135,11 +137,39 @@ def _hooks_on_ranks() -> dict:
 
     # The tap on known collectives: an all-reduce of 3 fp32 is 12 bytes; the deprecated
     # all_gather_into_tensor (which calls all_gather_single) counts once; nothing after the block.
+    originals = {n: (getattr(dist, n), getattr(c10d, n)) for n in (*wire.COLLECTIVES, "batch_isend_irecv")
+                 if hasattr(c10d, n)}
     with WireTap() as tap:
         dist.all_reduce(torch.ones(3))
         dist.all_gather_into_tensor(torch.empty(2 * world, dtype=torch.int8), torch.ones(2, dtype=torch.int8))
     dist.all_reduce(torch.ones(5))
     out["tap_known"] = [(s.kind, str(s.dtype), s.nbytes) for s in tap.sent]
+    # A broadcast sends from its source only; send (which calls isend) and a batch of P2P ops
+    # built before the block (torch checks their op by identity) count once each and still work.
+    peer = (rank + 1) % world
+    got = torch.zeros(3)
+    ops = [dist.P2POp(dist.isend, torch.full((3,), float(rank)), peer),
+           dist.P2POp(dist.irecv, got, (rank - 1) % world)]
+    with WireTap() as tap:
+        dist.broadcast(torch.ones(4), src=1)
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if rank == 0:
+            dist.send(torch.ones(2), 1)
+        elif rank == 1:
+            dist.recv(torch.empty(2), 0)
+    out["tap_p2p"] = [(s.kind, s.nbytes) for s in tap.sent]
+    out["p2p_got"] = got.tolist()
+    # Nested taps each count once; a block that raises still restores torch's functions.
+    try:
+        with WireTap() as outer, WireTap() as inner:
+            dist.all_reduce(torch.ones(2))
+            raise KeyError("inside the block")
+    except KeyError:
+        pass
+    out["tap_nested"] = (outer.nbytes(), inner.nbytes())
+    out["tap_restored"] = all(getattr(dist, n) is d and getattr(c10d, n) is c
+                              for n, (d, c) in originals.items())
 
     # Top-K: mean over ranks of each rank's own top-k; the residual is exactly what was dropped.
     state, tap = hooks.HookState(density=0.05), WireTap()
@@ -210,8 +240,12 @@ def _hooks_on_ranks() -> dict:
 def test_hooks_match_references_on_two_ranks():
     res = run_on_ranks(_hooks_on_ranks, 2, timeout=80)
     n = 5313
-    for r in res:
+    for rank, r in enumerate(res):
         assert r["tap_known"] == [("all_reduce", "torch.float32", 12), ("all_gather", "torch.int8", 2)]
+        broadcast = [("broadcast", 16)] if rank == 1 else []
+        assert r["tap_p2p"] == broadcast + [("send", 12)] + ([("send", 8)] if rank == 0 else [])
+        assert r["p2p_got"] == [float((rank - 1) % 2)] * 3
+        assert r["tap_nested"] == (8, 8) and r["tap_restored"]
         assert r["sent_fp16"] == (2 * n, ["torch.float16"]) and r["sent_bf16"] == (2 * n, ["torch.bfloat16"])
         assert r["sent_fp32_as_fp16"] == (4 * n, ["torch.float32"])  # rejected by "bytes = 2n"
         assert r["psgd_builtin_sent"] == [4 * n, 4 * n, by_hand_bytes(train.Config())["powersgd"]]
@@ -228,28 +262,65 @@ def test_hooks_match_references_on_two_ranks():
         assert r["psgd_not_dense"] > 1e-6  # it really compressed
 
 
-def test_qsgd_is_unbiased_and_rounding_to_nearest_is_not():
-    """Mean of M independent quantisations: E||mean − v||² ≤ min(d/s², √d/s)·||v||²/M. Markov
-    with factor 20 rejects an unbiased quantiser with probability ≤ 5% (here: fixed seed)."""
-    s, d, M = 4, 64, 4000
-    v = torch.randn(200, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    bound = 20 * min(d / s**2, math.sqrt(d) / s) * v.pow(2).sum().item() / M
+def _qsgd_variance(v: torch.Tensor, s: int, d: int) -> float:
+    """E||Q(v) - v||^2, written out: a level is floor(r) + Bernoulli(r - floor(r)) with
+    r = s|x_i|/||x||, so each decoded coordinate has variance (||x||/s)^2 p(1 - p)."""
+    total = 0.0
+    for start in range(0, v.numel(), d):
+        x = v[start:start + d]
+        r = s * x.abs() / x.norm()
+        p = r - r.floor()
+        total += ((x.norm() / s) ** 2 * p * (1 - p)).sum().item()
+    return total
+
+
+def test_qsgd_is_unbiased_and_biased_variants_are_not():
+    """Mean of M independent quantisations: E||mean − v||² = V/M with V the exact variance of
+    one. Markov with factor 20 rejects an unbiased quantiser with probability ≤ 5% (here: fixed
+    seed). Rounding to nearest, and decoding with s+1 levels (a bias of 1/(s+1)), are rejected;
+    Lemma 3.1's looser bound would have let the second one through."""
+    s, d, M = 16, 256, 2000
+    v = torch.randn(1000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    V = _qsgd_variance(v, s, d)
+    lemma = min(d / s**2, math.sqrt(d) / s) * v.pow(2).sum().item()
+    assert V <= lemma and hooks.qsgd_variance(v, s, d) == pytest.approx(V, rel=1e-9)
+    bound = 20 * V / M
     g = torch.Generator().manual_seed(2)
-    results = {}
-    for stochastic in (True, False):
+    results, spread = {}, 0.0
+    for name, stochastic, decode in (("unbiased", True, s), ("nearest", False, s), ("s+1", True, s + 1)):
         total = torch.zeros_like(v)
         for _ in range(M):
             q, norms = hooks.qsgd_quantize(v, s, d, g, stochastic=stochastic)
             assert q.dtype == torch.int8 and q.abs().max() <= s
-            total += hooks.qsgd_dequantize(q, norms, s, v.numel())
-        results[stochastic] = (total / M - v).pow(2).sum().item()
-    assert results[True] <= bound
-    assert results[False] > 10 * bound, "deterministic rounding must be rejected"
-    # The chapter's own test agrees with this one, on both sides.
-    err, b = train.qsgd_unbiasedness(v, s, d, 1000, seed=3)
-    assert err <= b
-    err, b = train.qsgd_unbiasedness(v, s, d, 1000, seed=3, stochastic=False)
-    assert err > b
+            one = hooks.qsgd_dequantize(q, norms, decode, v.numel())
+            total += one
+            spread += (one - v).pow(2).sum().item() / M if name == "unbiased" else 0.0
+        results[name] = (total / M - v).pow(2).sum().item()
+    assert spread == pytest.approx(V, rel=0.05)  # V is the variance the draws show
+    assert results["unbiased"] <= bound
+    assert results["nearest"] > 10 * bound, "deterministic rounding must be rejected"
+    assert results["s+1"] > bound and results["s+1"] <= 20 * lemma / M, "only the exact V sees it"
+    # The chapter's own test agrees with this one, on every side.
+    err, b = train.qsgd_unbiasedness(v, s, d, M, seed=3)
+    assert err <= b == pytest.approx(bound)
+    assert train.qsgd_unbiasedness(v, s, d, M, seed=3, stochastic=False)[0] > b
+    assert train.qsgd_unbiasedness(v, s, d, M, seed=3, decode_levels=s + 1)[0] > b
+
+
+def test_wiretap_restores_torch_when_it_cannot_start(monkeypatch):
+    """A tap that fails half way through patching leaves nothing patched; an active tap
+    cannot be entered twice; a collective argument torch renamed is an error, not a silent 0."""
+    originals = {n: getattr(dist, n) for n in wire.COLLECTIVES if hasattr(dist, n)}
+    monkeypatch.setitem(wire.COLLECTIVES, "scatter", ("scatter", "no_such_argument", "src"))
+    with pytest.raises(TypeError, match="no_such_argument"):
+        with WireTap():
+            pass
+    assert all(getattr(dist, n) is f for n, f in originals.items())
+    monkeypatch.undo()
+    with WireTap() as tap:
+        with pytest.raises(RuntimeError, match="already active"):
+            tap.__enter__()
+    assert all(getattr(dist, n) is f for n, f in originals.items())
 
 
 def test_topk_decode_is_deterministic_and_exact_in_rank_order():

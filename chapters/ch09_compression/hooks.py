@@ -160,6 +160,18 @@ def qsgd_quantize(v: torch.Tensor, levels: int, chunk: int, generator=None,
     return (level * x.sign()).to(torch.int8), norms
 
 
+def qsgd_variance(v: torch.Tensor, levels: int, chunk: int) -> float:
+    """E||Q(v) − v||² of one stochastic quantisation, exactly: a coordinate with r = s|x_i|/||x||
+    gets level ⌊r⌋ + Bernoulli(p), p = r − ⌊r⌋, so its decoded value has variance
+    (||x||/s)²·p(1 − p). Never above Lemma 3.1's min(d/s², √d/s)·||v||², often well below."""
+    n_chunks = math.ceil(v.numel() / chunk)
+    x = torch.nn.functional.pad(v.flatten().double(), (0, n_chunks * chunk - v.numel())).view(n_chunks, chunk)
+    norms = x.norm(dim=1, keepdim=True)
+    r = x.abs() / norms.clamp_min(torch.finfo(x.dtype).tiny) * levels
+    p = r - r.floor()
+    return ((norms / levels) ** 2 * p * (1 - p)).sum().item()
+
+
 def qsgd_dequantize(q: torch.Tensor, norms: torch.Tensor, levels: int, n: int) -> torch.Tensor:
     """Levels × norm / s, flattened, first n coordinates (works on a stack of ranks too)."""
     v = q.to(norms.dtype) * norms.unsqueeze(-1) / levels
