@@ -49,8 +49,9 @@ MAN_BITS = {dtype: m for dtype, _, m in FORMATS.values()}
 
 def mean_rounding_error(dtype: torch.dtype) -> float:
     """Expected relative error of rounding to nearest in `dtype` for values whose significands
-    are log-uniform (Benford; Gaussian data is close): the error is uniform on ±ulp/2 and
-    E[1/significand] = 1/(2 ln 2) over [1, 2), so E|δ| = (eps/4)·(1/(2 ln 2))·2 = eps/(8 ln 2)."""
+    are log-uniform (Benford; Gaussian data is close): with x = f·2^k, f in [1, 2), the error is
+    uniform on ±ulp/2, ulp = eps·2^k, so E|δ| = eps·2^k/4, and E[1/f] = 1/(2 ln 2), so
+    E|δ|/|x| = (eps/4)·1/(2 ln 2) = eps/(8 ln 2)."""
     return torch.finfo(dtype).eps / (8 * math.log(2))
 
 
@@ -97,21 +98,51 @@ def underflow_grads(loss_scale: float, device: torch.device, half: bool = True) 
     return w.grad / loss_scale                                 # unscale in fp32
 
 
-def rounds_back(w: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    """Which elements of `w + update` round back to `w` in w's dtype (the update is lost).
-
-    Rounding to nearest loses an update smaller than half the spacing of w's format next to w,
-    in the update's direction: with |w| = m·2^e (m in [0.5, 1)) the spacing above is
-    2^(e-1-mantissa bits), and it halves below an exact power of two. For bf16 (7 mantissa
-    bits) half the spacing is between 2⁻⁹ and 2⁻⁸ of |w|: updates under 0.2–0.4 % of a weight
-    vanish. Zero weights and zero updates are never counted as lost.
-    """
-    wf, uf = w.float(), update.float()
+def half_spacing(w: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """Half the spacing of w's format next to w, in the update's direction (float64): with
+    |w| = m·2^e (m in [0.5, 1)) the spacing above is 2^(e-1-mantissa bits), and it halves below
+    an exact power of two. For bf16 (7 mantissa bits) it lies between 2⁻⁹ and 2⁻⁸ of |w|."""
+    wf, uf = w.double(), update.double()
     m, e = torch.frexp(wf)
     spacing = torch.ldexp(torch.ones_like(wf), e - 1 - MAN_BITS[w.dtype])
     shrinking = (m.abs() == 0.5) & (torch.sign(uf) == -torch.sign(wf))
-    spacing = torch.where(shrinking, spacing / 2, spacing)
-    return (uf.abs() < spacing / 2) & (uf != 0) & (wf != 0)
+    return torch.where(shrinking, spacing / 2, spacing) / 2
+
+
+def rounds_back(w: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """Which elements of `w + update` round back to `w` in w's dtype (the update is lost).
+
+    Rounding to nearest loses an update smaller than `half_spacing`: in bf16, updates under
+    0.2–0.4 % of a weight vanish. An update of exactly half the spacing is a tie, which rounds to
+    the neighbour with an even last significand bit: it is lost when w's last bit is even
+    (always the case for a power of two). Zero weights and zero updates are never counted as
+    lost (normal w assumed). `update` is the exact update, in float64 (`exact_update`).
+    """
+    wf, uf = w.double(), update.double()
+    half = half_spacing(w, update)
+    m, _ = torch.frexp(wf)
+    significand = torch.ldexp(m.abs(), torch.full_like(m, MAN_BITS[w.dtype] + 1, dtype=torch.int32))
+    even = torch.remainder(significand, 2) == 0  # the significand is an integer here
+    below = (uf.abs() < half) | ((uf.abs() == half) & even)
+    return below & (uf != 0) & (wf != 0)
+
+
+UNDECIDED = 2.0**-7  # relative band around the threshold where the kernel's rounding decides
+
+
+def near_threshold(w: torch.Tensor, update: torch.Tensor, band: float = UNDECIDED) -> torch.Tensor:
+    """Updates within a relative `band` of `half_spacing`, where the rule cannot tell in advance:
+    the outcome there depends on how the optimizer's kernel rounds lr·g. torch's CPU kernel
+    rounds lr to the weight's dtype (0.02 becomes 0.0200195 for bf16 weights, 2⁻⁹ relative),
+    a CUDA kernel keeps it in fp32; a fused multiply-add adds the exact product, an unfused one
+    its rounding; and ties go to even. Outside the band none of this changes the outcome."""
+    ratio = update.double().abs() / half_spacing(w, update)
+    return (ratio - 1).abs() <= band
+
+
+def exact_update(lr: float, grad: torch.Tensor) -> torch.Tensor:
+    """SGD's update −lr·g in float64, lr as an fp32 number (the product is exact there)."""
+    return torch.tensor(-lr, dtype=torch.float32).double() * grad.double()
 
 
 def low_precision_sum_error(world: int, dtype: torch.dtype = torch.bfloat16, n: int = 4096,

@@ -123,19 +123,30 @@ def shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return t.chunk(world_size)[rank]
 
 
+UPDATE_COUNTS = ("moved", "lost", "predicted", "undecided", "mismatched", "master_only")
+
+
 def count_updates(before: list[torch.Tensor], params: list[torch.Tensor], lr: float,
                   compute_dtype: torch.dtype) -> dict:
     """Of the elements whose SGD update −lr·g is non-zero: how many left the weight unchanged
-    (lost), how many the rounding rule `formats.rounds_back` predicts lost, and, for fp32
-    weights, how many moved the fp32 value but not its copy in the compute dtype (kept only
-    because the master is fp32)."""
-    counts = {"moved": 0, "lost": 0, "predicted": 0, "master_only": 0}
+    (lost), how many the rounding rule `formats.rounds_back` predicts lost, how many lie so
+    close to the rule's threshold that the kernel's rounding decides (undecided,
+    `formats.near_threshold`), on how many of the others rule and outcome disagree
+    (mismatched, element by element: totals could agree by luck), and, for fp32 weights, how
+    many moved the fp32 value but not its copy in the compute dtype (kept only because the
+    master is fp32)."""
+    counts = dict.fromkeys(UPDATE_COUNTS, 0)
     for b, p in zip(before, params):
-        update = -lr * p.grad.float()
+        update = formats.exact_update(lr, p.grad)
         nonzero = update != 0
+        lost = (p.detach() == b) & nonzero
+        predicted = formats.rounds_back(b, update)
+        undecided = formats.near_threshold(b, update) & nonzero
         counts["moved"] += int(nonzero.sum())
-        counts["lost"] += int(((p.detach() == b) & nonzero).sum())
-        counts["predicted"] += int(formats.rounds_back(b, update).sum())
+        counts["lost"] += int(lost.sum())
+        counts["predicted"] += int(predicted.sum())
+        counts["undecided"] += int(undecided.sum())
+        counts["mismatched"] += int(((lost != predicted) & ~undecided).sum())
         if p.dtype == torch.float32:
             same16 = p.detach().to(compute_dtype) == b.to(compute_dtype)
             counts["master_only"] += int((same16 & (p.detach() != b) & nonzero).sum())
@@ -157,9 +168,9 @@ def train_ddp(model: nn.Module, X, Y, cfg: Config, info, precision: str,
     opt = torch.optim.SGD(params, lr=cfg.lr)
     scaler = DynamicLossScaler(cfg.init_scale, growth_interval=cfg.growth_interval)
     out = {"losses": [], "skipped": [], "sent": [], "dtypes": set(), "step_ms": [],
-           "updates": {"moved": 0, "lost": 0, "predicted": 0, "master_only": 0}}
+           "updates": dict.fromkeys(UPDATE_COUNTS, 0)}
     for step in range(cfg.steps):
-        with Timer(info.device) as timer, WireTap() as tap:
+        with WireTap() as tap, Timer(info.device) as timer:  # the tap's set-up is not timed
             opt.zero_grad()
             with autocast(precision, info.device, autocast_enabled):
                 y = ddp(shard(X[step], info.rank, info.world_size))
@@ -215,7 +226,7 @@ def train_fsdp(model: nn.Module, X, Y, cfg: Config, info, param_dtype=None,
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     losses, reduced, step_ms = [], [], []
     for step in range(cfg.steps):
-        with Timer(info.device) as timer, WireTap() as tap:
+        with WireTap() as tap, Timer(info.device) as timer:
             opt.zero_grad()
             out = model(shard(X[step], info.rank, info.world_size))
             loss = F.mse_loss(out.float(), shard(Y[step], info.rank, info.world_size))
@@ -322,13 +333,15 @@ def record_formats(rec: RunRecorder, device: torch.device) -> None:
 
 
 def record_updates(rec: RunRecorder, name: str, counts: dict) -> dict:
-    """Lost updates, measured and predicted by the rounding rule, over every rank."""
+    """Lost updates, measured and predicted by the rounding rule, over every rank; the check
+    compares them element by element, outside the band where the kernel's rounding decides."""
     total = {k: reduce_number(v, "sum") for k, v in counts.items()}
     moved = max(total["moved"], 1)
     rec.figure(f"updates lost, {name}", total["lost"] / moved,
                expected=total["predicted"] / moved)
-    rec.check(f"updates lost, {name} = rounding rule", "formula", total["lost"] / moved,
-              total["predicted"] / moved, 1e-3)
+    rec.figure(f"updates within 2^-7 of the threshold, {name}", total["undecided"] / moved)
+    rec.check(f"updates lost, {name}: rule wrong on (outside the band)", "count",
+              total["mismatched"], 0)
     return total
 
 
