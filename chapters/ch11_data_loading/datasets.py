@@ -15,22 +15,32 @@ from common.data import procedural_images
 TOKEN_DTYPE = torch.int16  # data/build.py writes int16: the vocabulary has < 32768 tokens
 
 
-def ensure_tokens(path: str | Path, fallback_dir: str | Path) -> Path:
-    """The tokens file at `path` if it exists, else build one into `fallback_dir` with
-    data/build.py's `build` (offline: the text ships with Python)."""
+def ensure_tokens(path: str | Path, fallback_dir: str | Path) -> tuple[Path, bool]:
+    """The tokens file at `path` if it exists, else one built into `fallback_dir` with
+    data/build.py's `build` (offline: the text ships with Python). Returns (path, built now?).
+
+    The build goes to a private folder first and the finished file is renamed into place, so a
+    reader never sees half a file, even if two nodes sharing a file system build at once."""
     if path and Path(path).exists():
-        return Path(path)
+        return Path(path), False
     target = Path(fallback_dir) / "tokens.bin"
-    if not target.exists():
-        import importlib.util
+    if target.exists():
+        return target, False
+    import importlib.util
+    import os
+    import tempfile
 
-        from common.results import REPO_ROOT
+    from common.results import REPO_ROOT
 
-        spec = importlib.util.spec_from_file_location("data_build", REPO_ROOT / "data" / "build.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        module.build(Path(fallback_dir))
-    return target
+    spec = importlib.util.spec_from_file_location("data_build", REPO_ROOT / "data" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        built = module.build(Path(tmp))  # corpus.txt, tokenizer.json, tokens.bin
+        for name in ("corpus", "tokenizer", "tokens"):  # tokens last: its presence means done
+            os.replace(built[name], target.parent / built[name].name)  # atomic on one file system
+    return target, True
 
 
 def read_tokens(path: str | Path) -> torch.Tensor:

@@ -77,7 +77,7 @@ for epoch in range(3):
 
 # %%
 out_dir = REPO_ROOT / "runs" / "notebooks" / "ch11"
-path = datasets.ensure_tokens(REPO_ROOT / "data" / "cache" / "tokens.bin", out_dir / "data")
+path, _ = datasets.ensure_tokens(REPO_ROOT / "data" / "cache" / "tokens.bin", out_dir / "data")
 tokenizer = CharTokenizer.load(path.parent / "tokenizer.json")
 windows = datasets.TokenWindows(path, block_size=48)
 i, x, y = windows[100]
@@ -101,8 +101,13 @@ for name, ds in (("decode + augment", images), ("cached", datasets.CachedDataset
     print(f"{name:17s} {len(ds) / stats.median:9.0f} samples/s   ({stats})")
 
 # %% [markdown]
-# The benchmark over `num_workers` and `pin_memory` (`python chapters/ch11_data_loading/benchmark.py`)
-# drew this figure on a 2-core machine without CUDA; `pin_memory` does nothing there.
+# The benchmark over `num_workers` (`python chapters/ch11_data_loading/benchmark.py`) drew this
+# figure in one run on a shared 2-core machine without CUDA (the timings vary 2x between runs);
+# `pin_memory` needs CUDA, so there it is off and reported "n/a on CPU". With 0 workers the stall
+# matches t_d / (t_c + t_d) closely; the benchmark prints theory and measurement side by side:
+
+# %%
+print(inspect.getsource(benchmark.expected_stall))
 
 # %%
 plt.figure(figsize=(6, 3.4))

@@ -30,7 +30,7 @@ from chapters.ch11_data_loading.datasets import TokenWindows, ensure_tokens, rea
 from chapters.ch11_data_loading.sampling import ShardSampler, check_shards, epoch_shards
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, parse_config, require_at_least_one
-from common.distributed import setup_distributed, teardown_distributed
+from common.distributed import reduce_number, setup_distributed, teardown_distributed
 from common.log import log, setup_logging
 from common.results import REPO_ROOT, RunRecorder
 from common.seed import seed_everything
@@ -64,35 +64,58 @@ class Config(RunConfig):
             raise ValueError("--windows and --num-workers must not be negative")
 
 
-def prepare_tokens(cfg: Config, rank: int, out) -> str:
-    """Rank 0 builds the file if it is missing; every rank waits at the barrier (all reach it)."""
-    if rank == 0:
-        path = ensure_tokens(cfg.tokens, out / "data")
-    dist.barrier()
-    return str(ensure_tokens(cfg.tokens, out / "data")) if rank else str(path)
+def validate(cfg: Config, world_size: int) -> None:
+    """With --drop-last every rank needs at least one window (with --windows 0 the file decides,
+    and main checks it once the file is open)."""
+    if cfg.drop_last and 0 < cfg.windows < world_size:
+        raise ValueError(f"--windows {cfg.windows} cannot be split over {world_size} ranks with "
+                         "--drop-last: every rank would get none")
 
 
-def make_loader(dataset, cfg: Config, rank: int, world_size: int):
-    """DistributedSampler shards and shuffles; the DataLoader only batches (shuffle=False)."""
+def prepare_tokens(cfg: Config, local_rank: int, out) -> tuple[str, bool]:
+    """The token file, built if missing by local rank 0 of every node (a second node need not
+    share this one's disk), while the node's other ranks wait at a barrier that every rank of
+    the job reaches. Returns (path, whether this rank built it)."""
+    built = False
+    if local_rank == 0:
+        path, built = ensure_tokens(cfg.tokens, out / "data")
+    dist.barrier()  # outside the `if`: a collective that only some ranks call hangs the others
+    if local_rank != 0:
+        path, _ = ensure_tokens(cfg.tokens, out / "data")  # finds what local rank 0 built
+    return str(path), built
+
+
+def make_loader(dataset, cfg: Config, rank: int, world_size: int, pin_memory: bool):
+    """DistributedSampler shards and shuffles; the DataLoader only batches (shuffle=False).
+    Pinned batches let the copy to a GPU run asynchronously; pinning needs CUDA."""
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=cfg.seed, drop_last=cfg.drop_last)
     loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler,
-                        num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available(),
+                        num_workers=cfg.num_workers, pin_memory=pin_memory,
                         persistent_workers=cfg.num_workers > 0)
     return sampler, loader
 
 
-def gather_indices(seen: list[int], world_size: int, device) -> list[list[int]]:
-    """Every rank's list of indices (all the same length: DistributedSampler equalises them)."""
-    mine = torch.tensor(seen, dtype=torch.long, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(everyone, mine)
-    return [t.tolist() for t in everyone]
+def gather_indices(seen: list[int]) -> list[list[int]]:
+    """Every rank's list of indices, in rank order, whatever their lengths (an object
+    all-gather of plain lists: a rank that read more or less than the others shows as such,
+    where a tensor all-gather would need equal sizes)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, seen)
+    return everyone
+
+
+def shard_mismatches(shards: list[list[int]], expected: list[list[int]], length: int) -> int:
+    """Ranks whose indices are not exactly the first `length` of the expected shard: wrong
+    indices, or too few or too many of them."""
+    if len(shards) != len(expected):
+        raise ValueError(f"{len(shards)} shards against {len(expected)} expected")
+    return sum(len(got) != length or got != want[:length] for got, want in zip(shards, expected))
 
 
 def train_epoch(model, loader, source: torch.Tensor, cfg: Config, info) -> dict:
     """One epoch: read, check each window against the source tokens, bigram SGD step."""
-    seen, losses, mismatched, wait = [], [], 0, 0.0
+    seen, losses, mismatched, compared, wait = [], [], 0, 0, 0.0
     t = time.perf_counter()
     for step, (idx, x, y) in enumerate(loader):
         wait += time.perf_counter() - t
@@ -101,6 +124,7 @@ def train_epoch(model, loader, source: torch.Tensor, cfg: Config, info) -> dict:
         for i, xi, yi in zip(idx.tolist(), x, y):  # the memmap window == the file's tokens
             ref = source[i * cfg.block_size:i * cfg.block_size + cfg.block_size + 1].long()
             mismatched += int(not (torch.equal(xi, ref[:-1]) and torch.equal(yi, ref[1:])))
+            compared += 1
         x, y = x.to(info.device, non_blocking=True), y.to(info.device, non_blocking=True)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         model.zero_grad()
@@ -112,7 +136,8 @@ def train_epoch(model, loader, source: torch.Tensor, cfg: Config, info) -> dict:
         seen += idx.tolist()
         losses.append(loss.item())
         t = time.perf_counter()
-    return {"seen": seen, "losses": losses, "mismatched": mismatched, "wait_s": wait}
+    return {"seen": seen, "losses": losses, "mismatched": mismatched, "compared": compared,
+            "wait_s": wait}
 
 
 def main(cfg: Config) -> int:
@@ -121,19 +146,24 @@ def main(cfg: Config) -> int:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)
         seed_everything(cfg.seed)
-        path = prepare_tokens(cfg, info.rank, rec.out)
+        path, built = prepare_tokens(cfg, info.local_rank, rec.out)
+        builders = reduce_number(int(built))  # one per node where the file was missing
+        if builders:
+            log.info("built %s on %d node(s), by each node's local rank 0", path, builders)
         dataset = TokenWindows(path, cfg.block_size, cfg.windows)
         source = read_tokens(path)  # a second reader, for the window check
         n, world = len(dataset), info.world_size
-        if cfg.drop_last and n < world:
+        if cfg.drop_last and n < world:  # only with --windows 0: the file decided n
             raise SystemExit(f"error: {n} windows cannot be split over {world} ranks with --drop-last")
-        sampler, loader = make_loader(dataset, cfg, info.rank, world)
+        pin = info.device.type == "cuda"
+        sampler, loader = make_loader(dataset, cfg, info.rank, world, pin_memory=pin)
+        rec.figure("pin_memory", pin if pin else "n/a on CPU")
         log.info("%s: %d windows of %d tokens, %d ranks x %d windows per epoch, %d workers per rank",
                  path, n, cfg.block_size, world, len(sampler), cfg.num_workers)
         vocab = int(source.max()) + 1
         model = torch.nn.Embedding(vocab, vocab).to(info.device)  # bigram: logits of the next token
         torch.nn.init.zeros_(model.weight)  # uniform predictions: loss starts at ln(vocab)
-        orders, mismatched, step = [], 0, 0
+        orders, mismatched, compared, expected_compared, step = [], 0, 0, 0, 0
         for epoch in range(cfg.epochs):
             sampler.set_epoch(epoch)  # forget this and every epoch repeats epoch 0's order
             out = train_epoch(model, loader, source, cfg, info)
@@ -143,21 +173,27 @@ def main(cfg: Config) -> int:
                 step += 1
             log.info("epoch %d: %d steps, loss %.3f -> %.3f, waited %.3f s for data", epoch,
                      len(out["losses"]), out["losses"][0], out["losses"][-1], out["wait_s"])
-            shards = gather_indices(out["seen"], world, info.device)  # every rank reaches it
+            shards = gather_indices(out["seen"])  # a collective: every rank reaches it
             orders.append(shards)
             mismatched += out["mismatched"]
-            whole = len(out["seen"]) == len(sampler)
+            compared += out["compared"]
+            # What each rank must have read: its whole shard, or the first --steps batches of it.
+            length = min(len(sampler), cfg.steps * cfg.batch_size)
+            whole = length == len(sampler)
+            expected_compared += length
             verdict = check_shards(shards, n, cfg.drop_last)
             hand = epoch_shards(lambda r: ShardSampler(n, world, r, seed=cfg.seed,
                                                        drop_last=cfg.drop_last), world, epoch)
             rec.check(f"epoch {epoch}: ranks whose shard != hand sampler's", "count",
-                      sum(a != b[:len(a)] for a, b in zip(shards, hand)), 0)
+                      shard_mismatches(shards, hand, length), 0)
             if whole:
                 rec.check(f"epoch {epoch}: repeated windows (padding)", "count",
                           verdict["repeats"], verdict["expected_repeats"])
                 rec.check(f"epoch {epoch}: windows nobody read (dropped)", "count",
                           verdict["missing"], verdict["expected_missing"])
         rec.check("memmap windows == source tokens (mismatches)", "count", mismatched, 0)
+        # The sibling that proves the comparison ran: one per window this rank read.
+        rec.check("windows compared with the source tokens", "count", compared, expected_compared)
         if cfg.epochs > 1:
             rec.check("set_epoch reshuffles (epoch 0 order != epoch 1)", "count",
                       int(orders[0] != orders[1]), 1)
@@ -172,4 +208,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))
