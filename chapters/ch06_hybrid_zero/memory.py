@@ -116,21 +116,61 @@ def zero3_peak_bounds(z: dict, world_size: int) -> dict[str, list[int]]:
             "buffers": [0, world_size * min(S, z["largest"]) * b]}
 
 
-def fsdp2_volume(model, world_size: int) -> int:
-    """FSDP2's bytes to collectives in a step: every unit all-gathered in forward, again in
-    backward except the root (FSDP2 keeps the root's parameters after forward), gradients
-    reduce-scattered; each tensor padded to N·⌈rows/N⌉ rows (it shards along dim 0). On one
-    rank FSDP2 calls no collective at all."""
+def _padded(p, world_size: int) -> int:
+    """Numbers FSDP2 keeps for a tensor over all ranks: it shards along dim 0 into N chunks of
+    ⌈rows/N⌉ rows, padding the last."""
+    rows = p.shape[0]
+    return math.ceil(rows / world_size) * world_size * (p.numel() // rows)
+
+
+def fsdp2_traffic(model, world_size: int, gather_bytes: int | None = None,
+                  reduce_bytes: int | None = None) -> dict[str, int]:
+    """FSDP2's bytes to collectives in a step, by kind: every unit (each block, then the root)
+    all-gathered in forward and again in backward except the root (FSDP2 keeps the root's
+    parameters after forward), in `gather_bytes` per number (its MixedPrecisionPolicy's
+    param_dtype); trainable gradients reduce-scattered in `reduce_bytes` (its reduce_dtype).
+    Each tensor is padded to N·⌈rows/N⌉ rows. On one rank FSDP2 calls no collective at all."""
+    b = model.tok_emb.weight.element_size()
+    gather_bytes, reduce_bytes = gather_bytes or b, reduce_bytes or b
     if world_size == 1:
-        return 0
-    def padded(p):
-        rows = p.shape[0]
-        return math.ceil(rows / world_size) * world_size * (p.numel() // rows) * p.element_size()
+        return {"all-gather": 0, "reduce-scatter": 0}
     blocks = [p for blk in model.blocks for p in blk.parameters()]
     in_blocks = {id(p) for p in blocks}
     root = [p for p in model.parameters() if id(p) not in in_blocks]
-    return (sum(map(padded, blocks + root)) + sum(map(padded, blocks))
-            + sum(padded(p) for p in blocks + root if p.requires_grad))
+    n = lambda ps: sum(_padded(p, world_size) for p in ps)  # noqa: E731
+    return {"all-gather": (n(blocks + root) + n(blocks)) * gather_bytes,
+            "reduce-scatter": n(p for p in blocks + root if p.requires_grad) * reduce_bytes}
+
+
+def fsdp2_volume(model, world_size: int) -> int:
+    """FSDP2's bytes to collectives in a step, all kinds together (`fsdp2_traffic`)."""
+    return sum(fsdp2_traffic(model, world_size).values())
+
+
+def fsdp2_rest_over_ranks(model, world_size: int, master_bytes: int = 4) -> list[int]:
+    """[params, grads, optim] bytes held between steps, summed over the ranks, by FSDP2 whose
+    sharded parameters and gradients are in the master dtype (`master_bytes` a number) whatever
+    its MixedPrecisionPolicy, padded to N·⌈rows/N⌉ rows; Adam's two states in the same dtype on
+    the unpadded rows, plus a 4-byte step per tensor on every rank. With fp32 master weights:
+    4 + 4 + 8 bytes per parameter."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    params = sum(_padded(p, world_size) for p in model.parameters()) * master_bytes
+    grads = sum(_padded(p, world_size) for p in trainable) * master_bytes
+    optim = 2 * sum(p.numel() for p in trainable) * master_bytes + 4 * len(trainable) * world_size
+    return [params, grads, optim]
+
+
+def expected_traffic(name: str, z: dict, world_size: int, gather_bytes: int | None = None,
+                     reduce_bytes: int | None = None) -> dict[str, int]:
+    """The hand ZeRO-2/3's bytes to collectives in a step by kind, gathering in `gather_bytes`
+    per number (the compute dtype) and reduce-scattering in `reduce_bytes` (the master dtype):
+    ZeRO-2 all-gathers the flat buffer (N·S) once; ZeRO-3 gathers every tensor before forward
+    and again before backward, the tied matrix once more (both its modules gather it)."""
+    psi = z["psi"]
+    gather_bytes, reduce_bytes = gather_bytes or z["b"], reduce_bytes or z["b"]
+    NS = world_size * math.ceil(psi / world_size)
+    gathered = {"ZeRO-2": NS, "ZeRO-3": 2 * psi + z["tied"]}[name]
+    return {"all-gather": gathered * gather_bytes, "reduce-scatter": psi * reduce_bytes}
 
 
 def expected_volume(name: str, z: dict, world_size: int) -> int:
@@ -140,8 +180,8 @@ def expected_volume(name: str, z: dict, world_size: int) -> int:
     ZeroRedundancyOptimizer broadcasts every parameter it was given, the frozen one too."""
     psi, b = z["psi"], z["b"]
     NS = world_size * math.ceil(psi / world_size)
+    if name in ("ZeRO-2", "ZeRO-3"):
+        return sum(expected_traffic(name, z, world_size).values())
     return {"DDP": 2 * psi * b,                                      # all-reduce of the gradients
             "ZeRO-1": 2 * NS * b,                                    # reduce-scatter + all-gather, flat
-            "ZeroRedundancyOptimizer": 3 * psi * b + z["frozen"],    # all-reduce + broadcast from owners
-            "ZeRO-2": psi * b + NS * b,                              # per-tensor reduce-scatter + all-gather
-            "ZeRO-3": (3 * psi + z["tied"]) * b}[name]               # gather fwd + bwd + reduce-scatter
+            "ZeroRedundancyOptimizer": 3 * psi * b + z["frozen"]}[name]  # all-reduce + broadcast

@@ -28,7 +28,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from chapters.ch06_hybrid_zero.train import let_gloo_workers_finish
 from chapters.ch06_hybrid_zero.zero import bytes_held
 from common.config import RunConfig, check_global_batch, parse_config
 from common.data import regression_data
@@ -193,7 +192,6 @@ def main(cfg: Config) -> int:
         return rec.finish()
     finally:
         teardown_distributed()
-        let_gloo_workers_finish()
 
 
 if __name__ == "__main__":

@@ -13,9 +13,17 @@ through it, the collectives too (`torch.ops.c10d.*`: what `dist.all_reduce`, DDP
   flat gradient copy, a gathered weight before it is copied in). Distinct storages are counted
   once, so views of one buffer count once and a freed storage (`resize_(0)`) counts zero.
 
-It sees only what runs inside its `with` block on this thread's dispatcher; tensors that exist
-outside the tracked groups (activations, autograd's buffers) are not counted: the peak is the
-peak of the *model states* the ZeRO formulas are about, plus collective buffers.
+The functional collectives that DTensor and tensor parallelism use (`torch.ops._c10d_functional.*`,
+`torch.distributed._functional_collectives`) are counted too, under their own names ("funcol.
+all_reduce", ...): the mode sees the functional op and not the c10d op it calls inside, so nothing
+is counted twice. Point-to-point operations and gathers to one rank are listed in `uncounted`.
+
+It sees what runs inside its `with` block on this thread and on the threads autograd runs
+backward on (autograd carries the dispatch mode to its worker threads with the rest of the
+thread-local state: CUDA's per-device backward threads included, by torch's source; this course
+has not yet run the probe on a GPU). Tensors outside the tracked groups (activations, autograd's
+buffers) are not counted: the peak is the peak of the *model states* the ZeRO formulas are
+about, plus collective buffers.
 """
 
 from __future__ import annotations
@@ -46,6 +54,24 @@ def collective_volume(name: str, args) -> int | None:
                 "allgather_coalesced_", "alltoall_base_", "alltoall_"):
         return _bytes(tree_leaves(args[0]))  # the whole gathered output
     return None  # barrier, send/recv, gather/scatter: listed in StepProbe.uncounted
+
+
+FUNCTIONAL = ("_c10d_functional", "_c10d_functional_autograd")
+NOT_MOVING = ("wait_tensor", "_wrap_tensor_autograd")  # functional ops that move no data
+
+
+def functional_volume(name: str, args, out) -> int | None:
+    """The same convention for a functional collective (it returns a new tensor): from its
+    input, or, where the input is one rank's piece (all-gather, all-to-all), from the tensor it
+    returned. None for a functional operation this function does not know."""
+    if name in ("all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_"):
+        return 2 * _bytes(tree_leaves(args[0]))
+    if name in ("broadcast", "broadcast_", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
+        return _bytes(tree_leaves(args[0]))
+    if name in ("all_gather_into_tensor", "all_gather_into_tensor_out",
+                "all_gather_into_tensor_coalesced", "all_to_all_single"):
+        return _bytes(tree_leaves(out))
+    return None
 
 
 def _local(t):
@@ -92,7 +118,7 @@ class StepProbe(TorchDispatchMode):
         self.holdings = holdings
         self.volume: dict[str, int] = {}
         self.calls: dict[str, int] = {}
-        self.uncounted: set[str] = set()  # c10d operations seen whose bytes are not counted
+        self.uncounted: set[str] = set()  # collectives seen whose bytes are not counted (send, ...)
         self.peak = dict.fromkeys(CATEGORIES, 0)
         self.peak_total = 0
 
@@ -110,17 +136,23 @@ class StepProbe(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        volume = None
-        if func.namespace == "c10d":
-            name = func.__name__.split(".")[0]
-            volume = collective_volume(name, args)
-            if volume is not None:
-                self.volume[name] = self.volume.get(name, 0) + volume
-                self.calls[name] = self.calls.get(name, 0) + 1
-            elif name not in ("barrier", "check_for_nan"):
-                self.uncounted.add(name)
+        name = func.__name__.split(".")[0]
+        volume = collective_volume(name, args) if func.namespace == "c10d" else None
+        if func.namespace == "c10d" and volume is None and name not in ("barrier", "check_for_nan"):
+            self.uncounted.add(name)
+        functional = func.namespace in FUNCTIONAL and name not in NOT_MOVING
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        self.sample(tensors if volume is not None else ())
+        collective = volume is not None or functional
+        self.sample(tensors if collective else ())
         out = func(*args, **kwargs)
-        self.sample(tensors if volume is not None else ())
+        if functional:
+            volume = functional_volume(name, args, out)
+            if volume is None:
+                self.uncounted.add(f"funcol.{name}")
+            name = f"funcol.{name}"
+            tensors += [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if volume is not None:
+            self.volume[name] = self.volume.get(name, 0) + volume
+            self.calls[name] = self.calls.get(name, 0) + 1
+        self.sample(tensors if collective else ())
         return out

@@ -20,9 +20,9 @@ Run:
     srun --ntasks=16 --ntasks-per-node=8 python chapters/ch06_hybrid_zero/train.py
 """
 
+import gc
 import math
 import sys
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -128,7 +128,9 @@ def fsdp2(model: torch.nn.Module, info, mp_policy=None) -> torch.nn.Module:
 
 
 def make_stage(name: str, model: torch.nn.Module, cfg: Config, info, compute_dtype=None):
-    """(module to call, optimizer to step) for each way to train, all around Adam."""
+    """(module to call, optimizer to step) for each way to train, all around Adam. With a
+    `compute_dtype`, ZeRO-2/3 gather and compute in it and FSDP2 gets the same policy,
+    MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=the model's dtype)."""
     adam = {"lr": cfg.lr}
     if name in ("DDP", "ZeroRedundancyOptimizer"):
         ddp = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
@@ -141,7 +143,13 @@ def make_stage(name: str, model: torch.nn.Module, cfg: Config, info, compute_dty
     if name == "ZeRO-1":
         return model, ZeroOneOptimizer(model.parameters(), torch.optim.Adam, **adam)
     if name == "FSDP2":
-        model = fsdp2(model, info)
+        policy = None
+        if compute_dtype is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            policy = MixedPrecisionPolicy(param_dtype=compute_dtype,
+                                          reduce_dtype=model.tok_emb.weight.dtype)
+        model = fsdp2(model, info, policy)
         return model, torch.optim.Adam(model.parameters(), **adam)
     wrapper = (ZeroTwo if name == "ZeRO-2" else ZeroThree)(model, compute_dtype=compute_dtype)
     return wrapper, torch.optim.Adam(wrapper.parameters(), **adam)  # the caller's optimizer
@@ -175,19 +183,38 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
             for n, p in module.named_parameters()}
 
 
+# The probe's names for the collectives of each kind (the hand ZeRO-3 all-gathers with
+# all_to_all_single, which gloo accepts with uneven pieces).
+GATHERS = ("allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "alltoall_base_")
+REDUCE_SCATTERS = ("reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_")
+
+
+def traffic(volume: dict[str, int]) -> list[int]:
+    """[all-gather, reduce-scatter, anything else] bytes from a probe's volume by operation."""
+    gather = sum(v for k, v in volume.items() if k in GATHERS)
+    reduce = sum(v for k, v in volume.items() if k in REDUCE_SCATTERS)
+    return [gather, reduce, sum(volume.values()) - gather - reduce]
+
+
 def run_stage(name: str, cfg: Config, X, Y, vocab: int, info, dtype=None, compute_dtype=None) -> dict:
     """Train one way; return its losses, whole parameters, bytes held at rest after the last
-    step, and what the probe counted during it (peak held, volume moved), plus the CUDA peak."""
+    step, and what the probe counted during it (peak held, volume moved), plus, on CUDA, the
+    allocator's peak during training above what was allocated before (activations included)."""
     model, opt = make_stage(name, build_model(cfg, vocab, info.device, dtype), cfg, info, compute_dtype)
     probe = StepProbe(lambda: model_states(model, opt))
     if info.device.type == "cuda":
+        gc.collect()  # the previous way's DDP sits in a reference cycle: free it first
         torch.cuda.synchronize(info.device)
         torch.cuda.reset_peak_memory_stats(info.device)
+        before = torch.cuda.memory_allocated(info.device)
     losses = train_steps(model, opt, X, Y, info.rank, info.world_size, probe)
-    cuda_peak = torch.cuda.max_memory_allocated(info.device) if info.device.type == "cuda" else None
+    cuda_peak = None
+    if info.device.type == "cuda":
+        torch.cuda.synchronize(info.device)
+        cuda_peak = torch.cuda.max_memory_allocated(info.device) - before
     return {"losses": losses, "params": full_parameters(model), "rest": bytes_held(model, opt),
             "peak": probe.peak, "peak_total": probe.peak_total, "volume": probe.total_volume,
-            "calls": probe.calls, "cuda_peak": cuda_peak}
+            "traffic": traffic(probe.volume), "calls": probe.calls, "cuda_peak": cuda_peak}
 
 
 def parity_tolerance(cfg: Config) -> float:
@@ -207,26 +234,47 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def mixed_precision_diffs(cfg: Config, X, Y, vocab: int, info) -> dict[str, float]:
-    """Max |dparam| from FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
-    after training an fp32 model, for: the hand ZeRO-2 and ZeRO-3 with compute_dtype=bf16 (fp32
-    master slices, gradients reduced in fp32), and two controls that must differ: FSDP2 without
-    the policy (fp32 compute), and ZeRO-3 without its compute dtype."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
+def mixed_precision_runs(cfg: Config, X, Y, vocab: int, info) -> dict[str, dict]:
+    """An fp32 model trained with bf16 compute: FSDP2 with MixedPrecisionPolicy(param_dtype=
+    bf16, reduce_dtype=fp32) and the hand ZeRO-2 and ZeRO-3 with compute_dtype=bf16 (fp32 master
+    slices, gradients reduced in fp32); and two controls that compute in fp32: FSDP2 without
+    the policy and ZeRO-3 without a compute dtype. Each run as `run_stage` returns it, plus
+    "diff": the max |dparam| from FSDP2 with the policy, agreed over the ranks."""
     bf16, fp32 = torch.bfloat16, torch.float32
+    runs = {f"{name} bf16": run_stage(name, cfg, X, Y, vocab, info, fp32, bf16)
+            for name in ("FSDP2", "ZeRO-2", "ZeRO-3")}
+    runs["FSDP2 fp32"] = run_stage("FSDP2", cfg, X, Y, vocab, info, fp32)
+    runs["ZeRO-3 fp32"] = run_stage("ZeRO-3", cfg, X, Y, vocab, info, fp32)
+    for r in runs.values():
+        r["diff"] = reduce_number(max_diff(r["params"], runs["FSDP2 bf16"]["params"]), "max")
+    return runs
 
-    def fsdp(mp):
-        model = fsdp2(build_model(cfg, vocab, info.device, fp32), info, mp)
-        train_steps(model, torch.optim.Adam(model.parameters(), lr=cfg.lr), X, Y, info.rank, info.world_size)
-        return full_parameters(model)
 
-    ref = fsdp(MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))
-    diffs = {f"{name} bf16": run_stage(name, cfg, X, Y, vocab, info, fp32, bf16)["params"]
-             for name in ("ZeRO-2", "ZeRO-3")}
-    diffs["FSDP2 fp32"] = fsdp(None)
-    diffs["ZeRO-3 fp32"] = run_stage("ZeRO-3", cfg, X, Y, vocab, info, fp32)["params"]
-    return {k: reduce_number(max_diff(v, ref), "max") for k, v in diffs.items()}
+def check_mixed_precision(rec: RunRecorder, runs: dict[str, dict], cfg: Config, vocab: int,
+                          info) -> None:
+    """Parity of the bf16 wrappers with FSDP2's policy (and the fp32 controls), and the layout
+    the lesson states, counted: gathers in bf16 (2 bytes a number), reductions in fp32 (4), and
+    FSDP2's states at rest in fp32, 4 + 4 + 8 bytes a parameter over the ranks."""
+    for name in ("ZeRO-2 bf16", "ZeRO-3 bf16"):
+        rec.check(f"{name} == FSDP2 MixedPrecisionPolicy(bf16, fp32)", "parity",
+                  runs[name]["diff"], 0.0, MIXED_TOL)
+    rec.check("control: FSDP2 without the policy differs", "parity",
+              runs["FSDP2 fp32"]["diff"], 10 * MIXED_TOL, compare=">")
+    rec.check("control: ZeRO-3 without compute_dtype differs", "parity",
+              runs["ZeRO-3 fp32"]["diff"], 10 * MIXED_TOL, compare=">")
+    model, N = build_model(cfg, vocab, info.device, torch.float32), info.world_size
+    z = memory.sizes(model)
+    for name in ("ZeRO-2", "ZeRO-3"):
+        want = memory.expected_traffic(name, z, N, gather_bytes=2, reduce_bytes=4)
+        rec.check(f"{name} bf16 bytes [gather, reduce-scatter, other]", "count",
+                  runs[f"{name} bf16"]["traffic"], [want["all-gather"], want["reduce-scatter"], 0])
+    want = memory.fsdp2_traffic(model, N, gather_bytes=2, reduce_bytes=4)
+    rec.check("FSDP2 bf16 bytes [gather, reduce-scatter, other]", "count",
+              runs["FSDP2 bf16"]["traffic"], [want["all-gather"], want["reduce-scatter"], 0])
+    rest = runs["FSDP2 bf16"]["rest"]
+    rec.check("FSDP2 bf16 at rest over ranks [params, grads, optim]", "formula",
+              [reduce_number(rest[k], "sum") for k in ("params", "grads", "optim")],
+              memory.fsdp2_rest_over_ranks(model, N, master_bytes=4))
 
 
 def qwz(shard: torch.Tensor, block: int, rec: RunRecorder) -> None:
@@ -244,16 +292,6 @@ def qwz(shard: torch.Tensor, block: int, rec: RunRecorder) -> None:
               probe.total_volume, world * (blocks * block * 1 + blocks * 4))
     rec.figure("qwZ volume (expected: unquantised)", probe.total_volume,
                world * shard.numel() * shard.element_size(), "bytes")
-
-
-def let_gloo_workers_finish() -> None:
-    """Call after teardown. DDP and FSDP2 keep references to the default process group, so
-    destroying it does not join gloo's worker threads; a worker still releasing the last
-    collective's tensors needs the GIL, and if the interpreter is already shutting down, the
-    process aborts ("terminate called without an active exception", about one run in ten
-    here). Letting go of the GIL for a moment lets the worker finish first. (A workaround that
-    belongs in common.distributed.teardown_distributed.)"""
-    time.sleep(0.05)
 
 
 def main(cfg: Config) -> int:
@@ -284,6 +322,10 @@ def main(cfg: Config) -> int:
                 rec.check(f"{name} peak [params, grads, optim, buffers]", "formula",
                           [peak[k] for k in ("params", "grads", "optim", "buffers")],
                           memory.expected_peak(STAGES[name], z, N))
+        rest = runs["FSDP2"]["rest"]
+        rec.check("FSDP2 at rest over ranks [params, grads, optim]", "formula",
+                  [reduce_number(rest[k], "sum") for k in ("params", "grads", "optim")],
+                  memory.fsdp2_rest_over_ranks(build_model(cfg, vocab, info.device), N, z["b"]))
         peak, bounds = runs["ZeRO-3"]["peak"], memory.zero3_peak_bounds(z, N)
         rec.check("ZeRO-3 peak [grads, optim] bytes", "formula",
                   [peak["grads"], peak["optim"]], memory.expected_peak(2, z, N)[1:3])
@@ -303,18 +345,11 @@ def main(cfg: Config) -> int:
             rec.figure(f"{name} held at rest", sum(rest.values()), unit="bytes")
             rec.figure(f"{name} peak held (one moment)", runs[name]["peak_total"], unit="bytes")
             cuda = runs[name]["cuda_peak"]
-            rec.figure(f"{name} cuda max_memory_allocated", cuda if cuda is not None else "n/a on CPU",
-                       unit="bytes")
+            rec.figure(f"{name} cuda peak allocated in training", cuda if cuda is not None
+                       else "n/a on CPU", unit="bytes")
 
         if cfg.mixed_precision:
-            mixed = mixed_precision_diffs(cfg, X, Y, vocab, info)
-            for name in ("ZeRO-2 bf16", "ZeRO-3 bf16"):
-                rec.check(f"{name} == FSDP2 MixedPrecisionPolicy(bf16, fp32)", "parity",
-                          mixed[name], 0.0, MIXED_TOL)
-            rec.check("control: FSDP2 without the policy differs", "parity",
-                      mixed["FSDP2 fp32"], 10 * MIXED_TOL, compare=">")
-            rec.check("control: ZeRO-3 without compute_dtype differs", "parity",
-                      mixed["ZeRO-3 fp32"], 10 * MIXED_TOL, compare=">")
+            check_mixed_precision(rec, mixed_precision_runs(cfg, X, Y, vocab, info), cfg, vocab, info)
         z3 = ZeroThree(build_model(cfg, vocab, info.device))
         qwz(z3.shard.detach(), cfg.qwz_block, rec)
 
@@ -333,7 +368,6 @@ def main(cfg: Config) -> int:
         return rec.finish()
     finally:
         teardown_distributed()
-        let_gloo_workers_finish()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from chapters.ch06_hybrid_zero.probe import count_held
 from common.distributed import (  # torch 2.11 and 2.14 names
@@ -48,6 +49,11 @@ class FlatLayout:
     """Where each parameter sits in the flat vector, and which piece of it each rank owns."""
 
     def __init__(self, params: list[torch.Tensor], world_size: int, rank: int):
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) > 1:  # one flat buffer has one dtype: a copy would silently convert
+            raise ValueError(f"the parameters laid out in one flat buffer must share one dtype and "
+                             f"device, got {sorted(map(str, kinds))}: put each kind in its own "
+                             f"parameter group (ZeroOneOptimizer) or cast the module first")
         self.params, self.world_size, self.rank = params, world_size, rank
         self.offsets = [0]
         for p in params:
@@ -128,7 +134,12 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
     parameter. Each parameter group gets its own flat buffer, so groups keep their own
     hyperparameters (an LR scheduler changes `param_groups[i]["lr"]` here; `step()` hands it to
     the inner optimizer). `state_dict()` is this rank's shard: save one per rank and load it into
-    the same rank of the same world."""
+    the same rank of the same world.
+
+    One difference from torch's optimizers: every `step()` updates the whole slice, so a
+    parameter that got no gradient on any rank is stepped with a zero gradient (torch skips a
+    `None` gradient; with Adam its momentum still moves it). Freeze such a parameter
+    (`requires_grad_(False)`) before building the optimizer."""
 
     def __init__(self, params, optimizer_class: type[torch.optim.Optimizer], **defaults):
         self.optim = None  # the inner optimizer, over the slices; built once the groups exist
@@ -136,6 +147,9 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)  # calls add_param_group for every group
         self.optim = optimizer_class([self._inner_group(i) for i in range(len(self._flat))],
                                      **defaults)
+        # The inner optimizer's defaults (betas, momentum, ...) are ours too: schedulers that
+        # cycle momentum (OneCycleLR, CyclicLR) look for them here.
+        self.defaults = {**self.optim.defaults, **defaults}
         self._sync_hyperparameters(self.optim.param_groups, self.param_groups)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -150,6 +164,7 @@ class ZeroOneOptimizer(torch.optim.Optimizer):
         self._flat.append((layout, flat, shard))
         if self.optim is not None:
             self.optim.add_param_group(self._inner_group(len(self._flat) - 1))
+            self._sync_hyperparameters(self.optim.param_groups[-1:], self.param_groups[-1:])
 
     def _inner_group(self, i: int) -> dict:
         shard = self._flat[i][2]
@@ -242,7 +257,40 @@ class _Sharded(nn.Module):
                 p.data = p.data.to(self.compute_dtype)
         for i, p in enumerate(self.layout.params):
             p.register_post_accumulate_grad_hook(self._grad_ready(i))
+        # state_dict(): the slice, not the module's sharded parameters (empty under ZeRO-3,
+        # rebuilt from the slices under ZeRO-2); every name of a tied weight.
+        ids = {id(p) for p in self.layout.params}
+        self._sharded_names = [f"module.{n}" for n, p in module.named_parameters(remove_duplicate=False)
+                               if id(p) in ids]
+        self.register_load_state_dict_post_hook(_Sharded._not_missing)
         return flat
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """This rank's checkpoint: the master slice (`shard`), frozen parameters, buffers, and
+        which rank of which world saved it. Save one per rank; `full_parameters()` gives the
+        whole model."""
+        out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        for name in self._sharded_names:
+            out.pop(prefix + name, None)
+        return out
+
+    @staticmethod
+    def _not_missing(module: _Sharded, incompatible) -> None:
+        """load_state_dict(strict=True) must not ask for the parameters state_dict() leaves out."""
+        def sharded(key):
+            return any(key == n or key.endswith("." + n) for n in module._sharded_names)
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not sharded(k)]
+
+    def get_extra_state(self) -> dict:
+        return {"rank": self.layout.rank, "world_size": self.layout.world_size,
+                "numel": self.layout.numel}
+
+    def set_extra_state(self, state: dict) -> None:
+        here = self.get_extra_state()
+        if state != here:
+            raise ValueError(f"this slice was saved by rank {state['rank']} of {state['world_size']} "
+                             f"for {state['numel']} numbers; this is rank {here['rank']} of "
+                             f"{here['world_size']} with {here['numel']}")
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """What an optimizer steps: the master slice only. (The module's own parameters are
@@ -369,8 +417,7 @@ class ZeroThree(_Sharded):
     def _after_forward(self, params: list[torch.Tensor], output) -> None:
         for p in params:
             _free(p)
-        outputs = output if isinstance(output, (tuple, list)) else (output,)
-        for t in outputs:
+        for t in tree_leaves(output):  # a tensor, or tuples, lists, dicts of them
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(lambda g, params=params: self.gather(params))
 
