@@ -56,6 +56,16 @@ def test_slowed_rank_is_flagged_and_the_others_are_not(slowed):
     assert slowed.check("errors in a broken line (lr missing, loss 'nan')")["measured"] == 2
     # MFU's denominator on a CPU is a measured matmul, and the run says so.
     assert slowed.summary["figures"]["peak source"]["measured"].startswith("measured 256x256 matmul")
+    # Every logged throughput and MFU recomputed here from the step time, the config and the
+    # peak: global batch / step, and 6 N (per-rank batch) / (step x peak), with N counted from
+    # the MLP's shape (16 -> 64 -> 64 -> 1). MFU from the global batch would be 2x off.
+    cfg, d = train.Config(), train.Config().d_hidden
+    n_params = 16 * d + d + d * d + d + d + 1
+    peak = slowed.summary["figures"]["peak used for MFU"]["measured"] * 1e9
+    for line in jsonl(slowed.out_dir):
+        assert line["samples_per_s"] == pytest.approx(2 * cfg.batch_size / line["step_time_s"], rel=1e-12)
+        assert line["mfu"] == pytest.approx(6 * n_params * cfg.batch_size / line["step_time_s"] / peak,
+                                            rel=1e-9)
 
 
 @pytest.mark.timeout(150)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from chapters.ch15_profiling.shutdown import let_gloo_workers_release
 from chapters.ch16_stability import plots, precision, train
 from common.checkpoint import load_checkpoint
 from common.data import regression_data
@@ -57,7 +58,7 @@ def test_two_ranks_match_an_independent_reference(tmp_path):
     saved = load_checkpoint(tmp_path / "final_params.pt")
     expected = reference(cfg)
     assert max((saved["fsdp"][k] - v).abs().max().item() for k, v in expected.items()) < 1e-10
-    assert (saved["hand_norm"] - saved["torch_norm"]).abs().max() < 1e-12
+    assert ((saved["hand_norm"] - saved["torch_norm"]) / saved["hand_norm"]).abs().max() < 1e-12
     assert (saved["hand_norm"] > cfg.max_norm).any(), "clipping never acted: the test proves nothing"
 
 
@@ -120,6 +121,10 @@ def _sharded_checks() -> dict:
     out["decision_local_loss"] = not torch.isfinite(loss).item()
     out["decision_agreed"] = train.all_ranks_agree(train.step_is_bad(loss, params))
     out["grad_shard_finite"] = bool(torch.isfinite(train.local_grad_sq_norm(params)))
+    # FSDP2 keeps the process group alive past run_on_ranks' teardown; without this margin a gloo
+    # worker releasing the last all-reduce's tensor during Python's shutdown could abort this rank
+    # after its work was done (chapters/ch15_profiling/shutdown.py).
+    let_gloo_workers_release()
     return out
 
 
@@ -294,4 +299,4 @@ def test_exercise_answers():
     naive = signed["bf16 naive"]
     assert naive["rel_error"] == pytest.approx(4.236e-4, rel=1e-3)
     assert abs(naive["sum"] - naive["exact"]) / abs(naive["exact"]) == pytest.approx(0.384, abs=1e-3)
-    assert signed["bf16 inputs, fp32 accumulator"]["rel_error"] < 1e-5
+    assert signed["bf16 inputs, fp32 accumulator"]["rel_error"] == pytest.approx(2.275e-6, rel=1e-2)

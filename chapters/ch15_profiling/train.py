@@ -24,7 +24,6 @@ Run:
 
 import contextlib
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -38,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from chapters.ch01_overview.train import count_flops, mlp_step_flops  # taught in chapter 01
 from chapters.ch15_profiling import compiled
+from chapters.ch15_profiling.shutdown import exit_without_shutdown
 from chapters.ch15_profiling.trace_breakdown import (
     breakdown,
     load_events,
@@ -145,8 +145,8 @@ def cuda_memory_history(device: torch.device, path):
 
 def profile_steps(ddp: DDP, x, y, cfg: Config, info, path) -> None:
     """Trace `cfg.profile_steps` steps, memory included. A barrier before each step (outside its
-    range) lines the ranks up, so the all-reduce time in the trace is transfer, not waiting for a
-    late peer."""
+    range) lines the ranks up, so less of the all-reduce time in the trace is waiting for a late
+    peer (not none: a rank descheduled during its backward still arrives late)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
     with profile(activities=activities, profile_memory=True) as prof:
         for _ in range(cfg.profile_steps):
@@ -300,4 +300,6 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))
+    # Not sys.exit: DDP keeps the process group alive past teardown, and a gloo worker releasing
+    # the last collective's tensors during Python's shutdown aborts the process (shutdown.py).
+    exit_without_shutdown(main(parse_config(Config, description=__doc__, validate=validate)))

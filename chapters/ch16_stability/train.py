@@ -19,7 +19,6 @@ Run:
 
 import copy
 import statistics
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from chapters.ch15_profiling.shutdown import exit_without_shutdown  # see chapter 15
 from chapters.ch16_stability import precision
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, check_global_batch, parse_config
@@ -203,8 +203,10 @@ def record_accumulation(rec: RunRecorder, cfg: Config) -> None:
     naive = errors["bf16 naive"]
     rec.check("bf16 running sum stagnates at 2^ceil(log2(256 max x))", "formula",
               naive["sum"], naive["stagnation"])
-    # Kahan's bound is 2u + O(n u²); at n = 10⁵ in bf16 the second term exceeds 1, so check its
-    # first-order term, which compensation must meet, and where the compensation itself stops.
+    # Kahan's bound is 2u + O(n u²); at n = 10⁵ in bf16 the second term exceeds 1 and the bound
+    # says nothing. What compensation does achieve here (its carry keeps up with these terms) is
+    # the first-order term 2u, which the sum without its carry misses by 100x; and where the
+    # compensation itself stops, for a constant term.
     rec.check("bf16 Kahan error <= 2u (the bound's first-order term)", "formula",
               errors["bf16 Kahan"]["rel_error"], 2 * precision.U_BF16_OP, compare="<=")
     v = 2.0**-12
@@ -240,10 +242,12 @@ def main(cfg: Config) -> int:
                  len(run["loss"]))
 
         hand, ref_torch = torch.tensor(run["hand_norm"]), torch.tensor(ref["torch_norm"])
-        rec.check("hand global norm == torch clip_grad_norm_ (FSDP2)", "parity",
-                  (hand - torch.tensor(run["torch_norm"])).abs().max().item(), 0.0, 1e-12)
-        rec.check("sharded global norm == unsharded norm", "parity",
-                  (hand - ref_torch).abs().max().item(), 0.0, 1e-10)
+        # Relative differences: two float64 roots of sums of 4801 squares in different orders are
+        # within ~6e-13 of each other even summed one by one (gamma_4800, see the lesson).
+        rec.check("hand global norm == torch clip_grad_norm_ (max rel. diff)", "parity",
+                  ((hand - torch.tensor(run["torch_norm"])) / hand).abs().max().item(), 0.0, 1e-12)
+        rec.check("sharded global norm == unsharded norm (max rel. diff)", "parity",
+                  ((hand - ref_torch) / ref_torch).abs().max().item(), 0.0, 1e-10)
         params = full_params(fsdp)
         diff = max((params[k] - v.cpu()).abs().max().item() for k, v in reference.state_dict().items())
         rec.check("FSDP2 params == one process (max |dparam|)", "parity", diff, 0.0, 1e-10)
@@ -271,4 +275,7 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))
+    # Not sys.exit: FSDP2 keeps the process group alive past teardown, and a gloo worker releasing
+    # the last collective's tensors during Python's shutdown aborts the process, after a run that
+    # passed (2 of 25 three-rank runs here; chapter 15's shutdown.py, and the lesson's pitfalls).
+    exit_without_shutdown(main(parse_config(Config, description=__doc__, validate=validate)))
