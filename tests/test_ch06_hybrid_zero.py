@@ -157,6 +157,9 @@ def test_two_ranks_every_stage_matches_an_independent_reference(tmp_path):
     # the volume check rejects the all-reduce + broadcast way of doing ZeRO-1
     assert saved["volume"]["ZeroRedundancyOptimizer"] != volume_formula("ZeRO-1", z, 2)
     assert res.check("qwZ max |x - x^| / (scale/2)")["measured"] <= 1 + 1e-9
+    S = math.ceil(z["psi"] / 2)  # exercise 3: 64 int8 codes and one fp32 scale per block, twice
+    assert res.check("qwZ volume = N x (int8 codes + fp32 scales)")["measured"] == \
+        2 * math.ceil(S / 64) * (64 + 4) == 30_056
     same = [res.check(f"ZeRO-{k} bf16 == FSDP2 MixedPrecisionPolicy(bf16, fp32)")["measured"] for k in (2, 3)]
     controls = [res.check(n)["measured"] for n in ("control: FSDP2 without the policy differs",
                                                    "control: ZeRO-3 without compute_dtype differs")]
@@ -191,19 +194,21 @@ def _cnn_and_optimizer_api(rank: int, world: int) -> dict:
         torch.nn.functional.cross_entropy(single(x), y).backward()
         ref_opt.step()
     sgd = {"lr": 0.1, "momentum": 0.9}
-    for name in ("cnn1", "cnn2", "cnn3", "cnn3_no_reduce"):
+    for name in ("cnn1", "cnn2", "cnn3", "cnn3_no_reduce", "cnn2_sum_not_mean"):
         if name == "cnn1":
             model = copy.deepcopy(rank0)
             opt = zero.ZeroOneOptimizer(model.parameters(), torch.optim.SGD, **sgd)
         else:
-            model = (zero.ZeroTwo if name == "cnn2" else zero.ZeroThree)(copy.deepcopy(cnn))
+            model = (zero.ZeroTwo if name.startswith("cnn2") else zero.ZeroThree)(copy.deepcopy(cnn))
             out[f"{name} parameters"] = [(tuple(p.shape), p is model.shard) for p in model.parameters()]
             opt = torch.optim.SGD(model.parameters(), **sgd)
         for x, y in zip(imgs, labels):
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank])
             loss.backward()
-            if name in ("cnn2", "cnn3"):  # broken variant: the loop forgets the after-backward call
+            if name == "cnn2_sum_not_mean":  # broken variant: a wrong normalisation (sum, not mean)
+                model._acc.mul_(world)
+            if name in ("cnn2", "cnn3", "cnn2_sum_not_mean"):  # cnn3_no_reduce: the loop forgets it
                 model.reduce_gradients()
             opt.step()
         out[name] = max_diff(train.full_parameters(model), dict(single.named_parameters()))
@@ -583,6 +588,7 @@ def test_three_ranks_uneven_shards_wrappers_and_negative_controls():
         for key in ("cnn1", "cnn2", "cnn3", "groups+LambdaLR"):
             assert api[key] < TOL, (key, api[key])
         assert api["cnn3_no_reduce"] > 1e-3, "a loop without reduce_gradients() must not train"
+        assert api["cnn2_sum_not_mean"] > 1e-3, "SGD must notice gradients N times too large"
         assert api["cnn2 parameters"] == api["cnn3 parameters"] == [((math.ceil(sum(
             p.numel() for p in SmallCNN(width=4).parameters()) / 3),), True)]
         assert "backward() first" in api["reduce before backward"]

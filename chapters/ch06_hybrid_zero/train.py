@@ -7,8 +7,9 @@ parameters too (stage 3, which is what FSDP2's `fully_shard` does). This script 
 tiny GPT (tied embeddings, one frozen tensor) six ways and checks, per way: the parameters
 against DDP + Adam, the bytes held at rest and at the peak of a step, and the bytes handed to
 collectives in a step, each against the ZeRO formula. Then the hand ZeRO-2/3 in bf16 against
-FSDP2 with the same mixed-precision policy, ZeRO++'s int8 weight all-gather against its error
-bound, and the memory calculator against the ZeRO paper's table.
+FSDP2 with the same mixed-precision policy (parameters, and the bytes of their bf16 gathers and
+fp32 reductions), ZeRO++'s int8 weight all-gather against its error bound, and the memory
+calculator against the ZeRO paper's table.
 
 Run:
     python chapters/ch06_hybrid_zero/train.py                                    # one process
