@@ -94,8 +94,8 @@ def test_two_rank_run_checks_and_matches_an_independent_reference(tmp_path):
     assert res.summary["figures"]["updates lost, bf16 weights (no master copy)"]["measured"] > 0.5
     assert res.summary["figures"]["updates lost, fp32 master weights"]["measured"] < 1e-3
     for name in ("fp32 master weights", "bf16 weights (no master copy)"):  # element by element
-        assert res.check(f"updates lost, {name}: rule wrong on (outside the band)")["measured"] == 0
-        assert res.summary["figures"][f"updates within 2^-7 of the threshold, {name}"]["measured"] < 0.01
+        assert res.check(f"rounding rule wrong (outside the band), {name}")["measured"] == 0
+        assert res.summary["figures"][f"updates near the threshold (2^-7), {name}"]["measured"] < 0.01
     assert res.summary["figures"]["DDP fp16 skipped steps"]["measured"] == []
 
 
@@ -147,8 +147,9 @@ def test_negative_controls_on_two_ranks():
 
 def test_master_weights_keep_the_updates_bf16_weights_lose():
     """bf16 weights trained with plain SGD, counted by a loop written here: ~70 % of the
-    non-zero updates leave the weight unchanged, exactly the ones the rounding rule predicts
-    (element by element); the same updates on fp32 weights are (almost) all kept."""
+    non-zero updates leave the weight unchanged, each one the rounding rule predicts (element by
+    element, outside the band where the kernel's rounding of lr decides); the same updates on
+    fp32 weights are (almost) all kept."""
     cfg = train.Config(steps=20)
     X, Y = batches(cfg)
     torch.manual_seed(0)

@@ -237,7 +237,7 @@ def main(cfg: Config) -> int:
 
         v = torch.randn(1000, generator=torch.Generator().manual_seed(cfg.seed)).to(info.device)
         err2, bound = qsgd_unbiasedness(v, cfg.levels, cfg.chunk, cfg.qsgd_draws, cfg.seed)
-        rec.check("QSGD unbiased: ||mean of draws - v||^2 <= 20 V/draws", "formula", err2, bound,
+        rec.check("QSGD unbiased: ||mean of draws - v||^2 <= 20V/M", "formula", err2, bound,
                   compare="<=")
         rec.figure("QSGD Lemma 3.1 bound, 20 x min(d/s^2, sqrt(d)/s)||v||^2/draws",
                    20 * min(cfg.chunk / cfg.levels**2, math.sqrt(cfg.chunk) / cfg.levels)
@@ -247,7 +247,7 @@ def main(cfg: Config) -> int:
                   compare=">")
         err2, _ = qsgd_unbiasedness(v, cfg.levels, cfg.chunk, cfg.qsgd_draws, cfg.seed,
                                     decode_levels=cfg.levels + 1)
-        rec.check("QSGD decoded with s+1 levels fails it (negative control)", "formula", err2,
+        rec.check("s+1-level QSGD decoder fails it (negative control)", "formula", err2,
                   bound, compare=">")
         if info.is_main:
             save_checkpoint(rec.out / "curves.pt", {m: torch.tensor(r["losses"]) for m, r in runs.items()})

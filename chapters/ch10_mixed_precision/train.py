@@ -339,8 +339,8 @@ def record_updates(rec: RunRecorder, name: str, counts: dict) -> dict:
     moved = max(total["moved"], 1)
     rec.figure(f"updates lost, {name}", total["lost"] / moved,
                expected=total["predicted"] / moved)
-    rec.figure(f"updates within 2^-7 of the threshold, {name}", total["undecided"] / moved)
-    rec.check(f"updates lost, {name}: rule wrong on (outside the band)", "count",
+    rec.figure(f"updates near the threshold (2^-7), {name}", total["undecided"] / moved)
+    rec.check(f"rounding rule wrong (outside the band), {name}", "count",
               total["mismatched"], 0)
     return total
 
