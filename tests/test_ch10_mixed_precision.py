@@ -232,22 +232,24 @@ def test_exercise_answers():
     zeros = {k: int((formats.underflow_grads(2.0**k, cpu) == 0).sum()) for k in range(17)}
     err = {k: ((formats.underflow_grads(2.0**k, cpu) - ref).norm() / ref.norm()).item() for k in range(17)}
     assert min(k for k in range(17) if zeros[k] == 0) == 5       # exercise 2: subnormals reached
-    assert zeros[7] == 1                                          # one sum cancels to zero again
+    assert zeros[4] == 3 and zeros[7] == 1                        # one sum cancels to zero again
+    assert round(err[5], 3) == 0.054 and round(err[8], 4) == 0.0079  # the error halves per doubling
     floor = err[16]
     assert 3e-4 < floor < 4e-4                                    # fp16 rounding, u = 4.9e-4
     assert min(k for k in range(17) if err[k] < 1.2 * floor) == 13  # normal range reached
     # exercise 3: a sequential bf16 sum over W ranks loses accuracy as W grows; fp32 does not
     bf16 = [formats.low_precision_sum_error(w) for w in (2, 8, 64, 256)]
     assert bf16 == sorted(bf16) and 1e-3 < bf16[0] < 4e-3 and 1e-2 < bf16[-1] < 3e-2
+    assert [float(f"{e:.2g}") for e in bf16] == [2.5e-3, 4.1e-3, 9.8e-3, 1.9e-2]  # quoted values
     assert formats.low_precision_sum_error(256, torch.float32) < 1e-6
     # exercise 4: one outlier 1e5x the rest: e4m3 flushes most of the others, e5m2 keeps them
     x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 1e-4
     x[0] = 1e5 * x.abs().max()
     e4m3 = formats.fp8_roundtrip_error(x, torch.float8_e4m3fn, per_tensor_scale=True)
     e5m2 = formats.fp8_roundtrip_error(x, torch.float8_e5m2, per_tensor_scale=True)
-    assert e4m3["in_range"] < 0.01 and 0.5 < e4m3["zeros"] < 0.8
+    assert e4m3["in_range"] == 1 / 4096 and round(e4m3["zeros"], 2) == 0.64  # only the outlier
     assert e5m2["in_range"] == 1.0 and e5m2["zeros"] == 0.0
-    assert e5m2["max_rel_in_range"] <= torch.finfo(torch.float8_e5m2).eps / 2
+    assert round(e5m2["max_rel_in_range"], 3) == 0.111 <= torch.finfo(torch.float8_e5m2).eps / 2
 
 
 def _trace(scaler, steps: int = 20):
