@@ -96,6 +96,9 @@ def test_two_rank_run_checks_and_matches_an_independent_reference(tmp_path):
     for name in ("fp32 master weights", "bf16 weights (no master copy)"):  # element by element
         assert res.check(f"rounding rule wrong (outside the band), {name}")["measured"] == 0
         assert res.summary["figures"][f"updates near the threshold (2^-7), {name}"]["measured"] < 0.01
+    # ... and the same count is far from 0 for a rule with the whole spacing as threshold
+    broken = res.check("control: whole spacing as threshold is wrong (bf16 weights)")["measured"]
+    assert broken > 0.01 * cfg.steps * n_params  # of 2 x steps x params updates
     assert res.summary["figures"]["DDP fp16 skipped steps"]["measured"] == []
 
 

@@ -123,7 +123,8 @@ def shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return t.chunk(world_size)[rank]
 
 
-UPDATE_COUNTS = ("moved", "lost", "predicted", "undecided", "mismatched", "master_only")
+UPDATE_COUNTS = ("moved", "lost", "predicted", "undecided", "mismatched", "mismatched_broken",
+                 "master_only")
 
 
 def count_updates(before: list[torch.Tensor], params: list[torch.Tensor], lr: float,
@@ -132,9 +133,10 @@ def count_updates(before: list[torch.Tensor], params: list[torch.Tensor], lr: fl
     (lost), how many the rounding rule `formats.rounds_back` predicts lost, how many lie so
     close to the rule's threshold that the kernel's rounding decides (undecided,
     `formats.near_threshold`), on how many of the others rule and outcome disagree
-    (mismatched, element by element: totals could agree by luck), and, for fp32 weights, how
-    many moved the fp32 value but not its copy in the compute dtype (kept only because the
-    master is fp32)."""
+    (mismatched, element by element: totals could agree by luck; mismatched_broken: the same
+    count for a broken rule that takes the whole spacing as threshold, so that a counter
+    stuck at 0 is seen), and, for fp32 weights, how many moved the fp32 value but not its copy
+    in the compute dtype (kept only because the master is fp32)."""
     counts = dict.fromkeys(UPDATE_COUNTS, 0)
     for b, p in zip(before, params):
         update = formats.exact_update(lr, p.grad)
@@ -147,6 +149,8 @@ def count_updates(before: list[torch.Tensor], params: list[torch.Tensor], lr: fl
         counts["predicted"] += int(predicted.sum())
         counts["undecided"] += int(undecided.sum())
         counts["mismatched"] += int(((lost != predicted) & ~undecided).sum())
+        broken = (update.abs() < 2 * formats.half_spacing(b, update)) & nonzero & ~undecided
+        counts["mismatched_broken"] += int(((lost & ~undecided) != broken).sum())
         if p.dtype == torch.float32:
             same16 = p.detach().to(compute_dtype) == b.to(compute_dtype)
             counts["master_only"] += int((same16 & (p.detach() != b) & nonzero).sum())
@@ -345,6 +349,12 @@ def record_updates(rec: RunRecorder, name: str, counts: dict) -> dict:
     return total
 
 
+def record_rule_control(rec: RunRecorder, total: dict) -> None:
+    """The same element-by-element count, for a rule with the whole spacing as threshold."""
+    rec.check("control: whole spacing as threshold is wrong (bf16 weights)", "count",
+              total["mismatched_broken"], 0, compare=">")
+
+
 def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
@@ -405,7 +415,8 @@ def main(cfg: Config) -> int:
                    master["master_only"] / max(master["moved"], 1))
         if "bf16" in cfg.precision:  # control: no fp32 master copy
             pure = train_ddp(copy.deepcopy(model), X, Y, cfg, info, "bf16", master_weights=False)
-            record_updates(rec, "bf16 weights (no master copy)", pure["updates"])
+            record_rule_control(rec, record_updates(rec, "bf16 weights (no master copy)",
+                                                    pure["updates"]))
             rec.check("control: bf16 weights without fp32 master copy rejected", "parity",
                       curve_gap(pure["losses"], fp32["losses"]), LOSS_TOL["bf16"], compare=">")
             rec.figure("final loss bf16 weights (no master copy)", pure["losses"][-1])
