@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-
 import torch.distributed.distributed_c10d as c10d
+import torch.nn.functional as F
 
 from chapters.ch09_compression import hooks, train, wire
 from chapters.ch09_compression.wire import WireTap
