@@ -181,10 +181,10 @@ def test_grad_norm_check_rejects_a_norm_that_misses_a_tensor():
     model = MLP(16, 64, 1)
     torch.nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 1)).backward()
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=math.inf).item()
-    assert abs(train.grad_norm(model) - total) <= 1e-5 * total  # the script's relative tolerance
+    assert abs(train.grad_norm(model) - total) <= 2e-5 * total  # the script's relative tolerance
     weights_only = math.sqrt(sum(p.grad.double().pow(2).sum().item()
                                  for n, p in model.named_parameters() if n.endswith("weight")))
-    assert abs(weights_only - total) > 1e-5 * total  # broken: biases left out
+    assert abs(weights_only - total) > 2e-5 * total  # broken: biases left out (10 % here)
 
 
 def synthetic(n: int, base: float, noise: float, slow: int | None = None, extra: float = 0.0):

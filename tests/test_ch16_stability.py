@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from chapters.ch15_profiling.shutdown import let_gloo_workers_release
 from chapters.ch16_stability import plots, precision, train
 from common.checkpoint import load_checkpoint
 from common.data import regression_data
@@ -121,10 +120,6 @@ def _sharded_checks() -> dict:
     out["decision_local_loss"] = not torch.isfinite(loss).item()
     out["decision_agreed"] = train.all_ranks_agree(train.step_is_bad(loss, params))
     out["grad_shard_finite"] = bool(torch.isfinite(train.local_grad_sq_norm(params)))
-    # FSDP2 keeps the process group alive past run_on_ranks' teardown; without this margin a gloo
-    # worker releasing the last all-reduce's tensor during Python's shutdown could abort this rank
-    # after its work was done (chapters/ch15_profiling/shutdown.py).
-    let_gloo_workers_release()
     return out
 
 

@@ -227,10 +227,11 @@ def main(cfg: Config) -> int:
         rec.check("step times gathered: ranks x steps", "count", [len(compute), len(compute[0])],
                   [info.world_size, cfg.steps])
         total = nn.utils.clip_grad_norm_(model.parameters(), max_norm=math.inf).item()
-        # float64 sum of squares vs torch's float32 per-tensor norms: ~log2(4096) roundings of
-        # 6e-8 each in a cascaded sum, about 1e-6 relative; 1e-5 leaves room for other orders.
+        # float64 sum of squares vs torch's float32 per-tensor norms: torch's CPU kernel keeps 8
+        # (or 16) running float32 sums, each of at most 4096/8 squares, so its norm is within
+        # gamma_520 / 2 = 1.6e-5 relative in the worst case (the lesson); allow 2e-5.
         rec.check("grad norm == clip_grad_norm_'s total norm", "formula", grad_norm(model), total,
-                  1e-5, relative=True)
+                  2e-5, relative=True)
         if run is not None:
             run.finish()
         if info.is_main:

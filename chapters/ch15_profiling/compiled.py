@@ -176,13 +176,9 @@ def fsdp2_compile_experiment() -> dict:
     torch still has `torch._dynamo.config.skip_fsdp_hooks`."""
     import torch._dynamo
 
-    from chapters.ch15_profiling.shutdown import let_gloo_workers_release
-
-    out = {"root after sharding": fsdp2_compiled_vs_eager("root after sharding"),
-           "torchtitan": fsdp2_compiled_vs_eager("torchtitan"),
-           "in place": fsdp2_compiled_vs_eager("in place"),
-           "compiled autograd via _enable": fsdp2_compiled_vs_eager("torchtitan", compiled_autograd="enable"),
-           "skip_fsdp_hooks": getattr(torch._dynamo.config, "skip_fsdp_hooks", None),
-           "torch": torch.__version__}
-    let_gloo_workers_release()  # FSDP2 keeps the group alive past teardown: see shutdown.py
-    return out
+    return {"root after sharding": fsdp2_compiled_vs_eager("root after sharding"),
+            "torchtitan": fsdp2_compiled_vs_eager("torchtitan"),
+            "in place": fsdp2_compiled_vs_eager("in place"),
+            "compiled autograd via _enable": fsdp2_compiled_vs_eager("torchtitan", compiled_autograd="enable"),
+            "skip_fsdp_hooks": getattr(torch._dynamo.config, "skip_fsdp_hooks", None),
+            "torch": torch.__version__}

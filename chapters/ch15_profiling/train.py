@@ -24,6 +24,7 @@ Run:
 
 import contextlib
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -37,7 +38,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from chapters.ch01_overview.train import count_flops, mlp_step_flops  # taught in chapter 01
 from chapters.ch15_profiling import compiled
-from chapters.ch15_profiling.shutdown import exit_without_shutdown
 from chapters.ch15_profiling.trace_breakdown import (
     breakdown,
     load_events,
@@ -300,6 +300,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    # Not sys.exit: DDP keeps the process group alive past teardown, and a gloo worker releasing
-    # the last collective's tensors during Python's shutdown aborts the process (shutdown.py).
-    exit_without_shutdown(main(parse_config(Config, description=__doc__, validate=validate)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

@@ -19,6 +19,7 @@ Run:
 
 import copy
 import statistics
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from chapters.ch15_profiling.shutdown import exit_without_shutdown  # see chapter 15
 from chapters.ch16_stability import precision
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, check_global_batch, parse_config
@@ -275,7 +275,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    # Not sys.exit: FSDP2 keeps the process group alive past teardown, and a gloo worker releasing
-    # the last collective's tensors during Python's shutdown aborts the process, after a run that
-    # passed (2 of 25 three-rank runs here; chapter 15's shutdown.py, and the lesson's pitfalls).
-    exit_without_shutdown(main(parse_config(Config, description=__doc__, validate=validate)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))
