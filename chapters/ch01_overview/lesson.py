@@ -155,8 +155,8 @@ for c in result.summary["checks"]:
 
 # %%
 f = result.summary["figures"]
-days = {k.removeprefix("projected: days on 8 devices at "): v["measured"]
-        for k, v in f.items() if k.startswith("projected: days")}
+days = {k.removeprefix("projected: days on 8 devices at "): v["expected"] if v["measured"] == "-"
+        else v["measured"] for k, v in f.items() if k.startswith("projected: days")}
 fig, ax = plt.subplots(figsize=(7, 2.5))
 ax.barh(list(days), list(days.values()))
 ax.set_xscale("log")

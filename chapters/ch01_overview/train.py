@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import re
 import socket
@@ -261,19 +262,40 @@ def slowest(seconds: float) -> float:
 
 
 def record_projection(rec: RunRecorder, cfg: Config, achieved_flops: float) -> None:
-    """Memory, FLOPs and days for the projected model, at the measured and at an assumed rate."""
+    """Memory, FLOPs and days for the projected model. Formula outputs go in the `expected`
+    column (nothing measured them); the days at this run's rate rest on a measurement."""
     N, D, n = cfg.project_params, cfg.project_tokens, cfg.project_devices
     state = calc.training_state_bytes(N, "mixed_adam")
-    rec.figure("projected: bf16 weights", calc.to_gb(calc.training_state_bytes(N, "bf16_inference")), unit="GB")
-    rec.figure("projected: mixed-precision Adam state", calc.to_gb(state), unit="GB")
-    rec.figure(f"projected: devices to hold it ({cfg.device_memory_gb:g} GB each)",
-               calc.devices_to_hold(N, cfg.device_memory_gb, "mixed_adam"), unit="devices")
-    rec.figure("projected: training FLOPs 6·N·D", calc.training_flops(N, D), unit="FLOP")
+
+    def formula(name: str, value, unit: str) -> None:
+        rec.figure(name, "-", expected=value, unit=unit)
+
+    formula("projected: bf16 weights", calc.to_gb(calc.training_state_bytes(N, "bf16_inference")), "GB")
+    formula("projected: mixed-precision Adam state", calc.to_gb(state), "GB")
+    formula(f"projected: devices to hold it ({cfg.device_memory_gb:g} GB each)",
+            calc.devices_to_hold(N, cfg.device_memory_gb, "mixed_adam"), "devices")
+    formula("projected: training FLOPs 6·N·D", calc.training_flops(N, D), "FLOP")
     measured = calc.time_to_train_s(N, D, n, achieved_flops, mfu=1.0)
     assumed = calc.time_to_train_s(N, D, n, cfg.peak_flops, cfg.mfu)
     rec.figure(f"projected: days on {n} devices at this run's rate", calc.days(measured), unit="days")
-    rec.figure(f"projected: days on {n} devices at {cfg.peak_flops:.3g} FLOP/s × MFU {cfg.mfu:g}",
-               calc.days(assumed), unit="days")
+    formula(f"projected: days on {n} devices at {cfg.peak_flops:.3g} FLOP/s × MFU {cfg.mfu:g}",
+            calc.days(assumed), "days")
+
+
+def exit_now(status: int) -> None:
+    """End the process at once, after flushing, without the interpreter's own teardown.
+
+    `destroy_process_group` does not always destroy the group: once `torch._dynamo` is imported
+    (optimizers, DDP and FlopCounterMode import it) something keeps a reference to it, so gloo's
+    worker threads outlive `teardown_distributed`. If one of them is still releasing the tensors
+    of the last collective while Python shuts down, it needs the GIL, the dying interpreter ends
+    the thread, and the process aborts: "terminate called without an active exception"
+    (pytorch/pytorch#190489; 3 runs in 12 of this script on a loaded 2-core machine). By now
+    every file is written and closed, so nothing is lost by skipping that teardown."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -347,4 +369,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))
+    exit_now(main(parse_config(Config, description=__doc__, validate=validate)))

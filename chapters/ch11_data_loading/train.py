@@ -16,7 +16,7 @@ Run:
     srun --ntasks=16 --ntasks-per-node=8 python chapters/ch11_data_loading/train.py   # Slurm
 """
 
-import sys
+import math
 import time
 from dataclasses import dataclass
 
@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
+from chapters.ch01_overview.train import exit_now
 from chapters.ch03_data_parallel.train import all_reduce_gradients
 from chapters.ch11_data_loading.datasets import TokenWindows, ensure_tokens, read_tokens
 from chapters.ch11_data_loading.sampling import ShardSampler, check_shards, epoch_shards
@@ -167,6 +168,8 @@ def main(cfg: Config) -> int:
         for epoch in range(cfg.epochs):
             sampler.set_epoch(epoch)  # forget this and every epoch repeats epoch 0's order
             out = train_epoch(model, loader, source, cfg, info)
+            if epoch == 0:
+                first_loss = out["losses"][0]
             for loss in out["losses"]:
                 if step % cfg.log_every == 0:
                     rec.metrics(step, loss=loss, lr=cfg.lr, epoch=epoch)
@@ -198,8 +201,9 @@ def main(cfg: Config) -> int:
             rec.check("set_epoch reshuffles (epoch 0 order != epoch 1)", "count",
                       int(orders[0] != orders[1]), 1)
         rec.figure("windows per rank per epoch", len(sampler), expected=verdict["per_rank"])
+        rec.figure("first loss (uniform predictions: ln vocab)", first_loss,
+                   expected=math.log(vocab), unit="nats")
         rec.figure("final loss", out["losses"][-1], unit="nats")
-        rec.figure("uniform loss ln(vocab)", float(torch.tensor(float(vocab)).log()), unit="nats")
         if info.is_main:
             save_checkpoint(rec.out / "indices.pt", {"orders": orders, "n": n, "path": path})
         return rec.finish()
@@ -208,4 +212,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))
+    exit_now(main(parse_config(Config, description=__doc__, validate=validate)))  # see chapter 01

@@ -18,9 +18,6 @@ Run:
 """
 
 import copy
-import logging
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+from chapters.ch01_overview.train import exit_now
 from chapters.ch03_data_parallel.train import all_reduce_gradients
 from chapters.ch20_memory.recompute import ResidualMLP
 from common.config import RunConfig, parse_config, require_at_least_one
@@ -240,22 +238,10 @@ def run(cfg: Config, info) -> int:
     rec.check("FSDP2 + offload: state bytes summed over ranks = 4 x params x bytes", "formula",
               reduce_number(held), 4 * psi * elem)
     for name, (device_bytes, host_bytes) in per_rank_bytes(psi, elem, info.world_size).items():
-        rec.figure(f"formula: per rank on device, {name}", device_bytes, unit="bytes")
-        rec.figure(f"formula: per rank on host, {name}", host_bytes, unit="bytes")
+        rec.figure(f"formula: per rank on device, {name}", "-", device_bytes, unit="bytes")
+        rec.figure(f"formula: per rank on host, {name}", "-", host_bytes, unit="bytes")
     return rec.finish()
 
 
-def exit_now(status: int) -> None:
-    """Leave without the interpreter's teardown. DTensor's caches keep FSDP2's process group
-    alive past `teardown_distributed`, so gloo's worker threads outlive it; one still releasing
-    the tensors of the last collective while Python shuts down aborts the process ("terminate
-    called without an active exception", pytorch/pytorch#190489), about one run in ten on a
-    loaded 2-core machine. Everything is written and flushed by now."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
 if __name__ == "__main__":
-    exit_now(main(parse_config(Config, description=__doc__, validate=validate)))
+    exit_now(main(parse_config(Config, description=__doc__, validate=validate)))  # see chapter 01
