@@ -114,7 +114,36 @@ def _fmt(x) -> str:
         if x.is_integer() and abs(x) < 1e15:
             return str(int(x))
         return f"{x:.4g}" if 1e-3 <= abs(x) < 1e6 else f"{x:.3e}"
+    if isinstance(x, (list, tuple)):
+        return "[" + ", ".join(_fmt(i) for i in x) + "]"
     return str(x)
+
+
+TABLE_WIDTH = 100  # the console rule: the table fits 100 columns
+CELL_WIDTH = 20  # a value longer than this is cut in the table (summary.json keeps it whole)
+
+
+def _cell(text: str, width: int = CELL_WIDTH) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _table_lines(rows: list[tuple], width: int = TABLE_WIDTH) -> list[str]:
+    """Rows of (name, *values) as aligned lines no wider than `width`: values are cut to
+    CELL_WIDTH, names wrap onto continuation lines."""
+    import textwrap
+
+    rows = [(str(r[0]), *(_cell(str(v)) for v in r[1:])) for r in rows]
+    value_widths = [max(len(r[i]) for r in rows) for i in range(1, len(rows[0]))]
+    room = width - sum(value_widths) - 2 * len(value_widths)
+    name_width = max(16, min(max(len(r[0]) for r in rows), room))
+    lines = []
+    for r in rows:
+        names = textwrap.wrap(r[0], name_width) or [""]
+        first = "  ".join([names[0].ljust(name_width),
+                           *(v.ljust(w) for v, w in zip(r[1:], value_widths))])
+        lines.append(first.rstrip())
+        lines += ["  " + n for n in names[1:]]
+    return lines
 
 
 class RunRecorder:
@@ -224,11 +253,11 @@ class RunRecorder:
                   if c.get("compare", "==") == "==" else "",
                   "ok" if c["ok"] else ("FAIL" if c["kind"] != "timing" else "slow"))
                  for c in self.checks]
-        widths = [max(len(str(r[i])) for r in rows) for i in range(6)]
-        for r in rows:
-            if r[0] in ("figure", "check"):
-                log.info("")
-            log.info("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
+        split = len(self.figures) + 1
+        for part in (rows[:split], rows[split:]):
+            log.info("")
+            for line in _table_lines(part):
+                log.info(line)
 
     def finish(self) -> int:
         """Gather every rank's verdicts, write summary.json, print the table; return 1 on every

@@ -297,6 +297,24 @@ def test_recorder_writes_summary_and_metrics(tmp_path):
     assert line["step"] == 1 and line["loss"] == 0.5 and line["lr"] == 0.1 and "time_s" in line
 
 
+def test_table_fits_100_columns(tmp_path, capsys):
+    from common import log as course_log
+
+    course_log.setup_logging(rank=0, world_size=1)
+    rec = results.RunRecorder(_Cfg(out=str(tmp_path)), "train.py")
+    long_name = "a check whose name is much longer than any table column could hold in one line"
+    rec.figure("per-rank step times", [1.25, 2.5, 3.75, 4.125, 5.0, 6.0, 7.0, 8.0], unit="ms")
+    rec.figure("peak", 1e11, unit="FLOP/s")
+    rec.check(long_name, "parity", 1e-13, 0.0, 1e-12)
+    rec.check("bound", "formula", 0.5, [0.25, 0.75], compare="between")
+    rec.print_table()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and max(len(line) for line in lines) <= results.TABLE_WIDTH
+    text = " ".join(" ".join(line.split()) for line in lines)
+    assert long_name in text or all(w in text for w in long_name.split())
+    assert "in [0.25, 0.75]" in text and "[1.25, 2.5, 3.75, 4…" in text
+
+
 def test_recorder_fails_on_a_failed_parity_check(tmp_path):
     rec = results.RunRecorder(_Cfg(out=str(tmp_path)), "train.py")
     rec.check("counted", "count", measured=3, expected=4)
