@@ -20,12 +20,13 @@ Project another run: --project-params 70e9 --project-tokens 2e12 --project-devic
 from __future__ import annotations
 
 import datetime
+import gc
 import json
-import logging
 import os
 import re
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,9 +192,20 @@ def setup_distributed(device: str = "auto", backend: str = "auto", timeout_s: fl
 
 
 def teardown_distributed() -> None:
-    """Destroy the default group if there is one (call it in `finally`)."""
+    """Destroy the default group if there is one (call it in `finally`).
+
+    `destroy_process_group` does not always free the group: once `torch._dynamo` is imported
+    (optimizers, DDP and FlopCounterMode import it) something keeps a reference, so gloo's worker
+    threads live on, and one may still be releasing the last collective's tensors. A process that
+    exits at that moment aborts after all its work is done ("terminate called without an active
+    exception", pytorch/pytorch#190489). Collecting reference cycles and giving the workers 50 ms
+    to go idle avoids it, as `common.distributed.teardown_distributed` does."""
     if dist.is_initialized():
+        backend = dist.get_backend()
         dist.destroy_process_group()
+        gc.collect()
+        if backend == "gloo":
+            time.sleep(0.05)
 
 
 def rank_view(info: DistInfo) -> dict:
@@ -282,22 +294,6 @@ def record_projection(rec: RunRecorder, cfg: Config, achieved_flops: float) -> N
             calc.days(assumed), "days")
 
 
-def exit_now(status: int) -> None:
-    """End the process at once, after flushing, without the interpreter's own teardown.
-
-    `destroy_process_group` does not always destroy the group: once `torch._dynamo` is imported
-    (optimizers, DDP and FlopCounterMode import it) something keeps a reference to it, so gloo's
-    worker threads outlive `teardown_distributed`. If one of them is still releasing the tensors
-    of the last collective while Python shuts down, it needs the GIL, the dying interpreter ends
-    the thread, and the process aborts: "terminate called without an active exception"
-    (pytorch/pytorch#190489; 3 runs in 12 of this script on a loaded 2-core machine). By now
-    every file is written and closed, so nothing is lost by skipping that teardown."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
 def validate(cfg: Config, world_size: int) -> None:
     """Nothing here depends on the world size: every rank times its own --batch-size samples,
     so any world from 1 up is valid."""
@@ -369,4 +365,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main(parse_config(Config, description=__doc__, validate=validate)))
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from chapters.ch01_overview.train import choose_device, exit_now, teardown_distributed
+from chapters.ch01_overview.train import choose_device, teardown_distributed
 from chapters.ch02_single_node.task import TaskConfig, check_batch_divides
 from chapters.ch02_single_node.train import train
 from common.config import parse_config
@@ -79,9 +79,8 @@ def run_rank(rank: int, cfg: Config) -> None:
         status = train(cfg, info, script_file=__file__)
     finally:
         teardown_distributed()
-    # A non-zero status makes the parent's mp.spawn raise ProcessExitedException. exit_now skips
-    # the interpreter's teardown, where gloo's surviving threads can abort the process (chapter 01).
-    exit_now(status)
+    if status:
+        sys.exit(status)  # the parent's mp.spawn raises ProcessExitedException
 
 
 def main(cfg: Config) -> int:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from chapters.ch01_overview.train import choose_device, exit_now, teardown_distributed
+from chapters.ch01_overview.train import choose_device, teardown_distributed
 from chapters.ch02_single_node.task import (
     PARITY_TOLERANCE,
     TaskConfig,
@@ -148,4 +148,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main(parse_config(Config, description=__doc__, validate=validate)))  # see chapter 01
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

@@ -21,6 +21,7 @@ and 16 ranks.
 
 
 import copy
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,6 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from chapters.ch01_overview.train import exit_now
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, check_global_batch, parse_config, require_at_least_one
 from common.data import regression_data
@@ -266,4 +266,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main(parse_config(Config, description=__doc__, validate=validate)))  # see chapter 01
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

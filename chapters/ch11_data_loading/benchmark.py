@@ -17,6 +17,7 @@ On a 2-core machine workers beyond 1–2 cannot help: there is no core left to r
 # launch: python
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -24,7 +25,6 @@ from typing import Literal
 import torch
 from torch.utils.data import DataLoader
 
-from chapters.ch01_overview.train import exit_now
 from chapters.ch11_data_loading.datasets import AugmentedImages, CachedDataset
 from common.config import RunConfig, parse_config, require_at_least_one
 from common.distributed import setup_distributed, teardown_distributed
@@ -188,4 +188,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main(parse_config(Config, description=__doc__, validate=validate)))  # see chapter 01
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

@@ -17,6 +17,7 @@ Run:
 """
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 
@@ -25,7 +26,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from chapters.ch01_overview.train import exit_now
 from chapters.ch03_data_parallel.train import all_reduce_gradients
 from chapters.ch11_data_loading.datasets import TokenWindows, ensure_tokens, read_tokens
 from chapters.ch11_data_loading.sampling import ShardSampler, check_shards, epoch_shards
@@ -212,4 +212,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main(parse_config(Config, description=__doc__, validate=validate)))  # see chapter 01
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

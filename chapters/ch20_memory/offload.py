@@ -18,6 +18,7 @@ Run:
 """
 
 import copy
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,6 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-from chapters.ch01_overview.train import exit_now
 from chapters.ch03_data_parallel.train import all_reduce_gradients
 from chapters.ch20_memory.recompute import ResidualMLP
 from common.config import RunConfig, parse_config, require_at_least_one
@@ -244,4 +244,4 @@ def run(cfg: Config, info) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main(parse_config(Config, description=__doc__, validate=validate)))  # see chapter 01
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

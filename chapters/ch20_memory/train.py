@@ -17,12 +17,12 @@ Run:
 """
 
 import copy
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from chapters.ch01_overview.train import exit_now
 from chapters.ch03_data_parallel.train import all_reduce_gradients
 from chapters.ch20_memory.recompute import (
     RERUNS,
@@ -230,4 +230,4 @@ def main(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main(parse_config(Config, description=__doc__, validate=validate)))  # see chapter 01
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))
