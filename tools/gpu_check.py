@@ -51,8 +51,9 @@ from tools.precheck import launches_itself, script_module  # noqa: E402
 GLOO_ON_CUDA = {
     "ch01_overview/train", "ch02_single_node/train", "ch02_single_node/spawn",
     "ch03_data_parallel/train", "ch07_communication/broadcast_test", "ch08_overlap/train",
-    "ch10_mixed_precision/train", "ch13_fault_tolerance/train", "ch13_fault_tolerance/hang",
-    "ch14_monitoring/train", "ch15_profiling/train",
+    "ch10_mixed_precision/train", "ch11_data_loading/train", "ch13_fault_tolerance/train",
+    "ch13_fault_tolerance/hang", "ch14_monitoring/train", "ch15_profiling/train",
+    "ch20_memory/train",
 }
 # Packages a script cannot run without (checked before launching; a run that still fails on a
 # missing module is reported "skipped" too).
