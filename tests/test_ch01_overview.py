@@ -102,6 +102,9 @@ def test_projection_and_metrics_of_the_run(run2):
     mfu = f["MFU (achieved / peak)"]["measured"]
     assert mfu == pytest.approx(f["achieved FLOP/s per rank"]["measured"] / f["peak FLOP/s per rank"]["measured"])
     assert run2.check("MFU <= 1")["kind"] == "timing"  # reported, never fatal
+    # The step time comes with its spread: every rank's fastest and slowest timed step.
+    step = f["step time, median (slowest rank)"]
+    assert 0 < step["spread"][0] <= step["measured"] <= step["spread"][1]
     rate = f["achieved FLOP/s per rank"]["measured"]
     measured = f["projected: days on 8 devices at this run's rate"]["measured"]
     assert rate > 0 and measured == pytest.approx(4.2e22 / (8 * rate) / 86400)
@@ -335,6 +338,34 @@ def test_srun_with_one_gpu_per_task_and_missing_gpus():
     assert train.choose_device(0, 8, "cpu", gpu_count=0, env=one_per_task) == (torch.device("cpu"), "gloo")
     # Two ranks sharing one GPU: only gloo allows it.
     assert train.choose_device(1, 2, "cuda", "gloo", gpu_count=1, env={}) == (torch.device("cuda", 0), "gloo")
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_inline_teardown_does_what_commons_does(no_launcher, monkeypatch, backend):
+    """Chapter 01's teardown copies common.distributed's: destroy the group, collect reference
+    cycles, and under gloo give its worker threads 50 ms. Both are run and their steps compared
+    (a copy that dropped the collection or the wait, or waited under NCCL, would differ)."""
+    import gc
+    import time
+
+    import common.distributed as common_dist
+
+    steps = []
+    destroy = dist.destroy_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: (steps.append("destroy"), destroy(*a)))
+    monkeypatch.setattr(dist, "get_backend", lambda *a: backend)  # the group's backend, as reported
+    monkeypatch.setattr(gc, "collect", lambda *a: steps.append("gc") or 0)
+    monkeypatch.setattr(time, "sleep", lambda s: steps.append(f"sleep {s}"))
+    seen = {}
+    for name, teardown in (("inline", train.teardown_distributed), ("common", common_dist.teardown_distributed)):
+        steps.clear()
+        train.setup_distributed("cpu", "gloo", timeout_s=30)
+        teardown()
+        assert not dist.is_initialized()
+        teardown()  # without a group: nothing to do
+        seen[name] = list(steps)
+    expected = ["destroy", "gc"] + (["sleep 0.05"] if backend == "gloo" else [])
+    assert seen["inline"] == seen["common"] == expected
 
 
 def test_setup_reads_an_srun_launch_of_one_task(monkeypatch):

@@ -343,6 +343,8 @@ def main(cfg: Config) -> int:
             if i % cfg.log_every == 0 or i == len(losses):
                 rec.metrics(i, loss=loss, lr=cfg.lr)
         step_s = slowest(stats.median)
+        # The range of every rank's timed steps, as the spread beside the median (timings vary).
+        fastest_step, slowest_step = reduce_number(stats.min, "min"), reduce_number(stats.max, "max")
         achieved = counted / step_s
         # MFU's denominator: the datasheet peak on a known GPU (as PaLM defines MFU); on a CPU a
         # measured n×n matmul at this rank's thread count, a noisy stand-in (not a peak).
@@ -350,7 +352,8 @@ def main(cfg: Config) -> int:
         peak = reduce_number(peak, "max")  # one denominator for every rank: the best one measured
         log.info("step: %s on rank 0; slowest rank's median %.2f ms", stats, step_s * 1e3)
         log.info("peak FLOP/s: %.3e (%s)", peak, source)
-        rec.figure("step time, median (slowest rank)", step_s * 1e3, unit="ms")
+        rec.figure("step time, median (slowest rank)", step_s * 1e3, unit="ms",
+                   spread=(fastest_step * 1e3, slowest_step * 1e3))
         rec.figure("achieved FLOP/s per rank", achieved, unit="FLOP/s")
         rec.figure("peak FLOP/s per rank", peak, unit="FLOP/s")
         rec.figure("peak FLOP/s is", "datasheet" if source.startswith("datasheet") else "measured matmul")

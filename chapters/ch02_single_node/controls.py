@@ -41,9 +41,15 @@ VARIANTS = {
 }
 
 
+STRIDED = "strided"
+"""Not a mistake: DistributedSampler's strided shard, indices[rank::world_size] (exercise 2)."""
+
+
 def train_variant(cfg: TaskConfig, variant: str, device: torch.device) -> dict:
-    """Train like train.py, or broken as `variant` says. Returns the parameters after every
-    step, and what train.py's two collective checks measure on this variant."""
+    """Train like train.py, or broken as `variant` says (or with the STRIDED shard). Returns
+    the parameters after every step, and what train.py's two collective checks measure on it."""
+    if variant not in VARIANTS and variant != STRIDED:
+        raise ValueError(f"unknown variant {variant!r}")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     X, Y = build_data(cfg, device)
     model = build_model(cfg, device)
@@ -53,8 +59,11 @@ def train_variant(cfg: TaskConfig, variant: str, device: torch.device) -> dict:
     history = []
     for step in range(cfg.steps):
         idx = global_batch_indices(step, cfg.global_batch_size, cfg.n_samples)
-        shard_rank = 0 if variant == "same_shard" else rank  # the bug: everyone takes shard 0
-        idx = shard_for_rank(idx, shard_rank, world_size)
+        if variant == STRIDED:
+            idx = idx[rank::world_size]
+        else:
+            shard_rank = 0 if variant == "same_shard" else rank  # the bug: everyone takes shard 0
+            idx = shard_for_rank(idx, shard_rank, world_size)
         if step == 0:
             distinct = count_distinct_samples(idx, cfg.n_samples, device)
         reduction = "sum" if variant == "sum_loss" else "mean"
@@ -106,15 +115,17 @@ def gradient_buckets(cfg: TaskConfig, device: torch.device, bucket_cap_mb: float
 def ddp_controls(steps: int = 8, seed: int = 0, small_bucket_mb: float = 0.004,
                  exercise: bool = False) -> dict:
     """Everything above in one start of the ranks (each start costs seconds). With `exercise`,
-    also the lesson's exercise 5: bucket sizes of a 4.2 M-parameter MLP (--d-hidden 1024
-    --n-layers 6) with the default cap and with bucket_cap_mb=1."""
+    also the lesson's exercise 2 (the strided shard) and exercise 5: bucket sizes of a
+    4.2 M-parameter MLP (--d-hidden 1024 --n-layers 6) with the default cap and with
+    bucket_cap_mb=1."""
     cfg = TaskConfig(steps=steps, seed=seed, device="cpu")
     device = torch.device("cpu")
     n_params = sum(p.numel() for p in build_model(cfg, device).parameters())
     extra = {}
     if exercise:
         big = TaskConfig(steps=2, seed=seed, device="cpu", d_hidden=1024, n_layers=6)
-        extra = {"exercise_default": gradient_buckets(big, device, None, steps=2),
+        extra = {"exercise_strided": train_variant(cfg, STRIDED, device),
+                 "exercise_default": gradient_buckets(big, device, None, steps=2),
                  "exercise_1mb": gradient_buckets(big, device, 1, steps=2)}
     return {**extra,
         "rank": dist.get_rank(),

@@ -73,7 +73,8 @@ def setup_distributed(rank: int, world_size: int, device: str = "auto", backend:
 
 def run_rank(rank: int, cfg: Config) -> None:
     """What every spawned process runs; mp.spawn passes the rank as the first argument."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.nprocs))  # as torchrun limits threads
+    # Each process gets its share of the cores (torchrun would set OMP_NUM_THREADS=1 instead).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.nprocs))
     info = setup_distributed(rank, cfg.nprocs, cfg.device, cfg.backend, cfg.timeout)
     try:
         status = train(cfg, info, script_file=__file__)

@@ -124,7 +124,8 @@ def train(cfg: Config, info: DistInfo, script_file: str = __file__) -> int:
     if info.is_main:
         save_checkpoint(rec.out / "final_params.pt", final)
     rec.figure("final loss", measured=loss.item(), unit="MSE")
-    rec.figure("step time (median)", measured=statistics.median(step_times) * 1e3, unit="ms")
+    rec.figure("step time (median)", measured=statistics.median(step_times) * 1e3, unit="ms",
+               spread=(min(step_times) * 1e3, max(step_times) * 1e3))
     rec.check("distinct samples per global batch", "count", measured=distinct,
               expected=cfg.global_batch_size)
     rec.check("replicas identical on every rank", "parity",

@@ -78,18 +78,21 @@ def train_tokens_ddp(model, x, y, mask, cfg, info, normalise: str) -> list[int]:
 
 
 def compare(cfg, info, modes=("global", "naive")) -> dict:
-    """Max |Δparam| against one process for each normalisation in `modes`, and each rank's
-    token count at each step."""
+    """Max |Δparam| against one process for each normalisation in `modes`, each rank's token
+    count at each step, and the trained parameters ("states": mode -> state_dict; a test
+    compares them with a reference of its own)."""
     x, y, mask = token_batches(cfg, info.device)
     torch.manual_seed(cfg.seed)
     model = MLP(cfg.d_in, 16, 1, n_layers=2).to(info.device, DTYPES[cfg.dtype])
     reference = copy.deepcopy(model)
     train_tokens_single(reference, x, y, mask, cfg)
-    result = {}
+    result, states = {}, {}
     for normalise in modes:
         replica = copy.deepcopy(model)
         counts = train_tokens_ddp(replica, x, y, mask, cfg, info, normalise)
         result[normalise] = max_param_diff(replica, reference)
+        states[normalise] = {k: v.detach().cpu() for k, v in replica.state_dict().items()}
+    result["states"] = states
     gathered = [None] * info.world_size
     dist.all_gather_object(gathered, counts)
     result["tokens_per_rank"] = gathered  # [rank][step]

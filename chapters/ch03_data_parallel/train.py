@@ -21,8 +21,10 @@ and 16 ranks.
 
 
 import copy
+import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, check_global_batch, parse_config, require_at_least_one
 from common.data import regression_data
-from common.distributed import setup_distributed, teardown_distributed
+from common.distributed import DistributedSetupError, setup_distributed, teardown_distributed
 from common.log import log, setup_logging
 from common.models import MLP
 from common.results import RunRecorder
@@ -127,19 +129,22 @@ def train_single(model: nn.Module, X, Y, cfg: Config) -> list[float]:
 
 
 def train_hand_dp(model: nn.Module, X, Y, cfg: Config, rank: int, world_size: int) -> dict:
-    """Accumulate k micro-batches locally, then one all-reduce per gradient, then step."""
+    """Accumulate k micro-batches locally, then one all-reduce per gradient, then step.
+    Returns the all-reduce calls, the learning rate and the wall time of every step."""
     opt, sched = make_optimizer(model, cfg)
-    k, calls, lrs = cfg.grad_accum_steps, 0, []
+    k, calls, lrs, times = cfg.grad_accum_steps, 0, [], []
     for step in range(cfg.steps):
-        opt.zero_grad()
-        for x, y in zip(micro_batches(X[step], rank, world_size, k),
-                        micro_batches(Y[step], rank, world_size, k)):
-            (F.mse_loss(model(x), y) / k).backward()  # / k: the mean over all k micro-batches
-        calls += all_reduce_gradients(model, world_size)
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return {"all_reduce_calls": calls, "lrs": lrs}
+        with Timer(X.device) as timer:  # synchronises CUDA before reading the clock
+            opt.zero_grad()
+            for x, y in zip(micro_batches(X[step], rank, world_size, k),
+                            micro_batches(Y[step], rank, world_size, k)):
+                (F.mse_loss(model(x), y) / k).backward()  # / k: the mean over all k micro-batches
+            calls += all_reduce_gradients(model, world_size)
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        times.append(timer.elapsed)
+    return {"all_reduce_calls": calls, "lrs": lrs, "step_times": times}
 
 
 def counting_allreduce_hook(state: dict, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -159,24 +164,26 @@ def train_ddp(model: nn.Module, X, Y, cfg: Config, info, use_no_sync: bool = Tru
     counter = {"calls": 0, "bytes": 0}
     ddp.register_comm_hook(counter, counting_allreduce_hook)
     opt, sched = make_optimizer(ddp, cfg)
-    k, calls_per_micro = cfg.grad_accum_steps, []
+    k, calls_per_micro, times = cfg.grad_accum_steps, [], []
     for step in range(cfg.steps):
-        opt.zero_grad()
-        pairs = list(zip(micro_batches(X[step], info.rank, info.world_size, k),
-                         micro_batches(Y[step], info.rank, info.world_size, k)))
-        scale = k if divide_by_k else 1
-        for i, (x, y) in enumerate(pairs):
-            before = counter["calls"]
-            last = i == k - 1
-            if last or not use_no_sync:
-                (F.mse_loss(ddp(x), y) / scale).backward()
-            else:
-                with ddp.no_sync():  # forward and backward inside: no all-reduce this time
+        with Timer(X.device) as timer:  # the step only: DDP's construction is not timed
+            opt.zero_grad()
+            pairs = list(zip(micro_batches(X[step], info.rank, info.world_size, k),
+                             micro_batches(Y[step], info.rank, info.world_size, k)))
+            scale = k if divide_by_k else 1
+            for i, (x, y) in enumerate(pairs):
+                before = counter["calls"]
+                last = i == k - 1
+                if last or not use_no_sync:
                     (F.mse_loss(ddp(x), y) / scale).backward()
-            calls_per_micro.append(counter["calls"] - before)
-        opt.step()
-        sched.step()
-    return {**counter, "calls_per_micro": calls_per_micro}
+                else:
+                    with ddp.no_sync():  # forward and backward inside: no all-reduce this time
+                        (F.mse_loss(ddp(x), y) / scale).backward()
+                calls_per_micro.append(counter["calls"] - before)
+            opt.step()
+            sched.step()
+        times.append(timer.elapsed)
+    return {**counter, "calls_per_micro": calls_per_micro, "step_times": times}
 
 
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
@@ -191,8 +198,18 @@ def global_batches(cfg: Config, device: torch.device):
     return X.view(*shape, cfg.d_in).to(device), Y.view(*shape, 1).to(device)
 
 
+def time_figure(rec: RunRecorder, name: str, seconds: list[float]) -> None:
+    """Median step time with its min-max over the steps (a timing: it varies between runs)."""
+    ms = [t * 1e3 for t in seconds]
+    rec.figure(name, statistics.median(ms), unit="ms", spread=(min(ms), max(ms)))
+
+
 def main(cfg: Config) -> int:
-    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    except DistributedSetupError as e:  # e.g. --backend nccl on a CPU: one clear line
+        print(f"{Path(__file__).name}: error: {e}", file=sys.stderr)
+        return 2
     try:
         setup_logging(info.rank, info.world_size)
         per_step = info.world_size * cfg.grad_accum_steps
@@ -206,10 +223,8 @@ def main(cfg: Config) -> int:
                  info.world_size, cfg.grad_accum_steps, cfg.global_batch_size // per_step)
 
         losses = train_single(single, X, Y, cfg)  # every rank can afford the reference here
-        with Timer(info.device) as t_hand:
-            hand_log = train_hand_dp(hand, X, Y, cfg, info.rank, info.world_size)
-        with Timer(info.device) as t_ddp:
-            ddp_log = train_ddp(ddp_model, X, Y, cfg, info)
+        hand_log = train_hand_dp(hand, X, Y, cfg, info.rank, info.world_size)
+        ddp_log = train_ddp(ddp_model, X, Y, cfg, info)
         for step, (loss, lr) in enumerate(zip(losses, hand_log["lrs"])):
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
                 rec.metrics(step, loss=loss, lr=lr)
@@ -249,8 +264,8 @@ def main(cfg: Config) -> int:
 
         rec.figure("final loss", losses[-1])
         rec.figure("DDP buckets per step", ddp_log["calls"] / cfg.steps)
-        rec.figure("hand DP time per step", t_hand.elapsed / cfg.steps * 1e3, unit="ms")
-        rec.figure("DDP time per step", t_ddp.elapsed / cfg.steps * 1e3, unit="ms")
+        time_figure(rec, "hand DP time per step", hand_log["step_times"])
+        time_figure(rec, "DDP time per step", ddp_log["step_times"])
         rec.figure("all-reduce calls per step, hand DP", hand_log["all_reduce_calls"] / cfg.steps,
                    expected=n_tensors)
         rec.figure("DDP bytes per step", ddp_log["bytes"] / cfg.steps,
