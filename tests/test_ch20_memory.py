@@ -108,6 +108,18 @@ def test_saved_bytes_follow_the_formula_and_gradients_are_exact(dtype, T, d, f, 
     assert max_diff(broken, grads["none"]) > 1e-3, "the gradient check missed a detached graph"
 
 
+def test_tanh_gelu_control_at_the_lesson_size():
+    """The lesson quotes the tanh-gelu control at its default size (T=64, d=32, f=128, L=4)."""
+    torch.manual_seed(0)
+    model = recompute.ResidualMLP(32, 128, 4).double()
+    x, y = torch.randn(64, 32, dtype=torch.float64), torch.randn(64, 32, dtype=torch.float64)
+    _, reference = one_step(model, x, y, lambda blk, h: recompute.run_block(blk, h, "none"))
+    _, tanh = one_step(model, x, y, lambda blk, h: h + TanhGeluLinear.apply(
+        blk.fc1(h), blk.fc2.weight, blk.fc2.bias))
+    tol = train.parity_tolerance("selective", train.Config(), train.largest(reference))
+    assert 7.5e-6 < max_diff(tanh, reference) < 8.5e-6 and tol < 2e-14  # 7.9e-6: 10^8 x tol
+
+
 def test_hooks_check_only_what_the_hooks_can_see(monkeypatch, tmp_path):
     """torch < 2.14 (2.11 on the lent GPU machines) keeps SAC's tensors out of the hooks' sight.
     Emulated here with respect_saved_tensors_hooks=False: the hooks then undercount, so the
@@ -157,6 +169,9 @@ def test_train_script_on_two_ranks(tmp_path):
         assert check["measured"] == 0.0 and check["tolerance"] == 0.0
     selective = res.check("DP training selective == none (max |dparam|)")
     assert 0 < selective["tolerance"] < 1e-11 and selective["ok"]  # a few ulps x roundings x steps
+    for s in recompute.STRATEGIES:  # timings: one run with its spread, never asserted
+        fig = res.summary["figures"][f"step time, {s}"]
+        assert fig["unit"] == "us" and fig["spread"][0] <= fig["measured"] <= fig["spread"][1]
     assert res.summary["world_size"] == 2 and res.summary["device"] == "cpu"
 
 
@@ -169,6 +184,9 @@ def test_offload_script_on_two_ranks(tmp_path):
     psi = cfg.n_layers * (2 * cfg.d_model * cfg.d_ff + cfg.d_ff + cfg.d_model)
     check = res.check("FSDP2 + offload: state bytes summed over ranks = 4 x params x bytes")
     assert check["measured"] == 4 * psi * 8
+    for way in ("to host", "to device"):
+        assert res.check(f"hand offload: bytes copied {way} per step = params x bytes")["measured"] \
+            == psi * 8
     assert res.check("FSDP2 + CPU offload == FSDP2 on device (max |dparam|)")["measured"] < 1e-12
     assert res.check("hand offload: master weights sharing the working weights' memory")["measured"] == 0
     assert "offload moves nothing" in res.output
@@ -195,8 +213,13 @@ def test_offload_negative_control_and_placement(monkeypatch):
         base = recompute.ResidualMLP(8, 16, 2).double()
         X, Y = torch.randn(3, 8, 8, dtype=torch.float64), torch.randn(3, 8, 8, dtype=torch.float64)
         ref, _ = offload.train_on_device(copy.deepcopy(base), X, Y, cfg, info)
-        hand, opt = offload.train_zero_offload(copy.deepcopy(base), X, Y, cfg, info)
-        stale, _ = offload.train_zero_offload(copy.deepcopy(base), X, Y, cfg, info, copy_back=False)
+        hand, opt, moved = offload.train_zero_offload(copy.deepcopy(base), X, Y, cfg, info)
+        stale, _, stale_moved = offload.train_zero_offload(copy.deepcopy(base), X, Y, cfg, info,
+                                                           copy_back=False)
+        # ZeRO-Offload's traffic, computed here: psi parameters of 8 bytes, down and back.
+        psi = 2 * (8 * 16 + 16 + 16 * 8 + 8)
+        assert moved == {"to host": psi * 8, "to device": psi * 8}
+        assert stale_moved == {"to host": psi * 8, "to device": 0}  # the control sends nothing back
         good = offload.max_diff(offload.full_params(hand), offload.full_params(ref))
         bad = offload.max_diff(offload.full_params(stale), offload.full_params(ref))
         state = offload.training_state(hand, opt)
@@ -211,6 +234,32 @@ def test_offload_negative_control_and_placement(monkeypatch):
     assert good == 0.0
     assert bad > 1e-4, "an offload that never copies back went unnoticed"
     assert not dist.is_initialized()
+
+
+class _OffloadedShard:
+    """Stands for an FSDP2 parameter under CPUOffloadPolicy on a GPU: a DTensor whose local
+    shard is on the host while its mesh is on CUDA (NCCL refuses to gather host tensors)."""
+
+    device_mesh = type("Mesh", (), {"device_type": "cuda"})()
+
+    def __init__(self):
+        self.on = "cpu"
+
+    def detach(self):
+        return self
+
+    def to(self, device):
+        self.on = device
+        return self
+
+    def full_tensor(self):
+        assert self.on == "cuda", "gathered a host shard over the device mesh (NCCL: crash)"
+        return torch.ones(2)
+
+
+def test_offloaded_shards_are_gathered_on_the_mesh_device():
+    model = type("Model", (), {"parameters": lambda self: [_OffloadedShard()]})()
+    assert torch.equal(offload.full_params(model)[0], torch.ones(2))
 
 
 def test_memory_formula_and_bad_input():

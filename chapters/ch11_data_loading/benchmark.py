@@ -53,6 +53,8 @@ class Config(RunConfig):
     """Simulated training step (a sleep, so it uses no CPU) for the stall measurement."""
     start_method: Literal["fork", "spawn", "forkserver"] = "fork"
     """How workers start: fork is Linux's default and cheap; spawn (macOS, Windows) re-imports torch per worker."""
+    persistent_workers: bool = True
+    """Keep the workers between epochs (--no-persistent-workers: every epoch starts them again)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,7 +67,7 @@ class Config(RunConfig):
 
 def make_loader(dataset, cfg: Config, num_workers: int, pin_memory: bool) -> DataLoader:
     """Persistent workers start once, in the warm-up, not in every timed epoch."""
-    extra = dict(persistent_workers=True, prefetch_factor=2,
+    extra = dict(persistent_workers=cfg.persistent_workers, prefetch_factor=2,
                  multiprocessing_context=cfg.start_method) if num_workers else {}
     return DataLoader(dataset, batch_size=cfg.batch_size, shuffle=False, num_workers=num_workers,
                       pin_memory=pin_memory, **extra)
@@ -75,6 +77,8 @@ def read_epoch(loader: DataLoader, device: torch.device, compute_s: float = 0.0)
     """One pass: copy each batch to the device (asynchronously from pinned memory) and
     optionally 'train' for compute_s. Returns the images seen and the seconds spent waiting."""
     seen, pinned, wait = [], 0, 0.0
+    # `wait` times the host waiting for the loader, which does no device work; the copies may
+    # still run on a GPU meanwhile, as they would in training. The epoch's total is synchronised.
     t = time.perf_counter()
     for images, _ in loader:
         wait += time.perf_counter() - t
@@ -84,7 +88,13 @@ def read_epoch(loader: DataLoader, device: torch.device, compute_s: float = 0.0)
             time.sleep(compute_s)
         t = time.perf_counter()
     synchronize(device)
-    return {"images": torch.cat(seen).cpu(), "pinned": pinned, "wait_s": wait}
+    return {"images": torch.cat(seen).cpu(), "pinned": pinned, "wait_s": wait,
+            "batches": len(seen)}
+
+
+def stall_fraction(wait_s: float, batches: int, compute_s: float) -> float:
+    """Measured share of the step time spent waiting: wait / (wait + steps x compute)."""
+    return wait_s / (wait_s + batches * compute_s)
 
 
 def time_setting(dataset, cfg: Config, device, num_workers: int, pin_memory: bool) -> dict:
@@ -94,10 +104,11 @@ def time_setting(dataset, cfg: Config, device, num_workers: int, pin_memory: boo
     stats = benchmark(lambda: last.update(read_epoch(loader, device)),
                       warmup=cfg.warmup, repeats=cfg.repeats, device=device)
     stall = read_epoch(loader, device, cfg.compute_ms / 1e3)
-    return {"workers": num_workers, "pin": pin_memory, "samples_s": throughput(len(dataset), stats.median),
+    n = len(dataset)
+    return {"workers": num_workers, "pin": pin_memory, "samples_s": throughput(n, stats.median),
+            "spread": (throughput(n, stats.max), throughput(n, stats.min)),
             "stats": stats, "images": last["images"], "pinned": last["pinned"],
-            "stall": stall["wait_s"] / (stall["wait_s"] + len(stall["images"]) / cfg.batch_size
-                                        * cfg.compute_ms / 1e3)}
+            "stall": stall_fraction(stall["wait_s"], stall["batches"], cfg.compute_ms / 1e3)}
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -161,7 +172,8 @@ def main(cfg: Config) -> int:
             expected = None
             if zero and r["workers"] != "cache" and r["workers"] > 0:
                 expected = zero["samples_s"] * min(r["workers"], cores)
-            rec.figure(f"samples/s, {name}", r["samples_s"], expected=expected, unit="samples/s")
+            rec.figure(f"samples/s, {name}", r["samples_s"], expected=expected, unit="samples/s",
+                       spread=None if r["workers"] == "cache" else r["spread"])  # (slowest-fastest)
             if r["workers"] != "cache":
                 rec.figure(f"stall fraction, {name}", r["stall"], unit="of step time",
                            expected=expected_stall(r["workers"], cores, cfg, zero))

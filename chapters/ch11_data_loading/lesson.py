@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from chapters.ch11_data_loading import benchmark, datasets, sampling
+from common.checkpoint import load_checkpoint
 from common.data import CharTokenizer
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
@@ -102,7 +103,8 @@ for name, ds in (("decode + augment", images), ("cached", datasets.CachedDataset
 
 # %% [markdown]
 # The benchmark over `num_workers` (`python chapters/ch11_data_loading/benchmark.py`) drew this
-# figure in one run on a shared 2-core machine without CUDA (the timings vary 2x between runs);
+# figure in one run on a shared 2-core machine without CUDA (median and min-max of three
+# epochs; the timings vary 2x between runs);
 # `pin_memory` needs CUDA, so there it is off and reported "n/a on CPU". With 0 workers the stall
 # matches t_d / (t_c + t_d) closely; the benchmark prints theory and measurement side by side:
 
@@ -129,7 +131,7 @@ print(result.output[result.output.index("figure"):])
 print(f"({time.perf_counter() - start:.1f} s)")
 
 # %%
-orders = torch.load(out_dir / "train" / "indices.pt")["orders"]
+orders = load_checkpoint(out_dir / "train" / "indices.pt")["orders"]
 fig, ax = plt.subplots(figsize=(7, 2))
 for epoch, shards in enumerate(orders):
     for rank, shard in enumerate(shards):
@@ -149,8 +151,14 @@ plt.show()
 
 # %% [markdown]
 # ## Exercises
-# 1. Run the script with 3 ranks with and without `--drop-last`. Which windows are read twice,
-#    which not at all, and why does `DistributedSampler` insist on equal shard sizes?
-# 2. Comment out `sampler.set_epoch(epoch)` in `train.py`. Which check fails?
-# 3. Run the benchmark with `--start-method spawn`. How much does starting the workers cost,
-#    and why do `persistent_workers=True` matter then?
+# 1. Run `train.py` on 3 ranks with and without `--drop-last`. Which windows are read twice,
+#    which not at all? Predict the numbers from the formulas first.
+# 2. Comment out `sampler.set_epoch(epoch)` in `train.py`'s `main`. Which check fails?
+# 3. Run the benchmark with `--start-method spawn --no-persistent-workers`. How much does
+#    starting a worker cost per epoch?
+# 4. Find the `--work` at which 2 workers stop removing the stall of a 10 ms step. Does the
+#    measured stall match $t_d/(t_c+t_d)$ for 0 workers?
+# 5. Make `TokenWindows` overlapping (stride 1 instead of `block_size`): how many windows are
+#    there, and what does an epoch mean then?
+#
+# The lesson's exercises come with hints and worked answers.

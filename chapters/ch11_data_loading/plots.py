@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -30,10 +31,13 @@ def make_figures(fig_dir: Path) -> list[Path]:
     torch.set_num_threads(1)
     rows = run_grid(Config(workers=[0, 1, 2], items=128, repeats=3), torch.device("cpu"))
     fig, ax = plt.subplots(figsize=(6, 3.4))
-    pts = [(r["workers"], r["samples_s"]) for r in rows if r["workers"] != "cache" and not r["pin"]]
-    ax.plot(*zip(*pts), marker="o", label="measured (pin_memory: n/a on CPU)")
+    timed = [r for r in rows if r["workers"] != "cache" and not r["pin"]]
+    pts = [(r["workers"], r["samples_s"]) for r in timed]
+    ax.errorbar(*zip(*pts), yerr=[[r["samples_s"] - r["spread"][0] for r in timed],
+                                  [r["spread"][1] - r["samples_s"] for r in timed]],
+                marker="o", capsize=3, label="measured: median, min-max of 3 epochs (pin_memory: n/a on CPU)")
     zero = dict(pts)[0]
-    cores = 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     ax.plot([w for w, _ in pts], [zero * min(w, cores) if w else zero for w, _ in pts], ls=":",
             marker="x", label=f"theory: min(w, {cores} cores) x rate at 0 workers")
     cached = next(r["samples_s"] for r in rows if r["workers"] == "cache")
@@ -42,7 +46,8 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.set_xticks(sorted({r["workers"] for r in rows if r["workers"] != "cache"}))
     ax.set_xlabel("num_workers")
     ax.set_ylabel("samples/s (median of 3 epochs)")
-    ax.set_title("DataLoader throughput: one run, shared 2-core CPU", fontsize=10)
+    ax.set_title(f"DataLoader throughput: one run, shared {cores}-core CPU (varies 2x between runs)",
+                 fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "loader_throughput.png")

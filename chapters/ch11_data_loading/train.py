@@ -135,8 +135,8 @@ def train_epoch(model, loader, source: torch.Tensor, cfg: Config, info) -> dict:
             for p in model.parameters():
                 p -= cfg.lr * p.grad
         seen += idx.tolist()
-        losses.append(loss.item())
-        t = time.perf_counter()
+        losses.append(loss.item())  # .item() waits for the device: the step is done
+        t = time.perf_counter()  # from here to the next batch, the loop waits for data only
     return {"seen": seen, "losses": losses, "mismatched": mismatched, "compared": compared,
             "wait_s": wait}
 
@@ -180,13 +180,14 @@ def main(cfg: Config) -> int:
             orders.append(shards)
             mismatched += out["mismatched"]
             compared += out["compared"]
-            # What each rank must have read: its whole shard, or the first --steps batches of it.
-            length = min(len(sampler), cfg.steps * cfg.batch_size)
-            whole = length == len(sampler)
-            expected_compared += length
-            verdict = check_shards(shards, n, cfg.drop_last)
+            # What each rank must have read, from the hand sampler (not from the sampler under
+            # test): its whole shard, or the first --steps batches of it.
             hand = epoch_shards(lambda r: ShardSampler(n, world, r, seed=cfg.seed,
                                                        drop_last=cfg.drop_last), world, epoch)
+            length = min(len(hand[info.rank]), cfg.steps * cfg.batch_size)
+            whole = length == len(hand[info.rank])
+            expected_compared += length
+            verdict = check_shards(shards, n, cfg.drop_last)
             rec.check(f"epoch {epoch}: ranks whose shard != hand sampler's", "count",
                       shard_mismatches(shards, hand, length), 0)
             if whole:

@@ -86,7 +86,7 @@ plt.show()
 # %%
 result = run_torchrun(REPO_ROOT / "chapters/ch20_memory/train.py", nproc=2,
                       out_dir=REPO_ROOT / "runs" / "notebooks" / "ch20")
-print(result.output[result.output.index("check"):])
+print(result.output[result.output.index("\ncheck ") + 1:])
 
 # %%
 times = {s: result.summary["figures"][f"step time / none, {s}"] for s in recompute.STRATEGIES}
@@ -103,9 +103,13 @@ for name, (device_bytes, host_bytes) in offload.per_rank_bytes(10**9, 4, 8).item
 
 # %% [markdown]
 # ## Exercises
-# 1. Add `aten.gelu` to the list of saved ops of `torch_selective`. Predict the new byte count.
-# 2. Make `GeluLinear` keep nothing but x and recompute h too. What does it save, what does it cost?
-# 3. Run `offload.py --dtype float32` on a GPU machine and compare `torch.cuda.max_memory_allocated`
-#    with and without `CPUOffloadPolicy`.
+# 1. Add `aten.gelu` to `MATMULS` in `recompute.py`. Predict the new `torch_selective` byte
+#    count, then run the script.
+# 2. Write a `policy_fn` for SAC that saves only fc1's matmul. Does it reach the hand-written
+#    selective count?
+# 3. With `--d-ff 512`, how much does selective save compared with full? Which ratio $f/d$
+#    makes selective worthwhile?
+# 4. On a GPU, run `train.py --d-model 1024 --d-ff 4096 --tokens 8192 --dtype float32` with and
+#    without `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` and compare the fragmentation figure.
 #
 # The lesson's exercises come with hints and worked answers.

@@ -1,11 +1,12 @@
-"""CPU offload: keep optimizer state (and parameters) in host memory, train exactly the same.
+"""CPU offload: keep optimizer state (and parameters) in host memory, train the same model.
 
 ZeRO-Offload keeps the optimizer's master weights and Adam moments on the host and runs the
 optimizer step there; FSDP2's CPUOffloadPolicy keeps the parameter shards, their gradients and
 so the optimizer state on the host too. This script trains the same model on device, with a
 hand-written optimizer offload and with FSDP2 with and without CPU offload, checks the trained
-parameters agree, checks every tensor sits where its policy says, and records the per-rank
-memory formula. On a machine without CUDA host and device are the same memory: nothing moves.
+parameters agree, counts the bytes the hand offload copies each way per step, checks every
+tensor sits where its policy says (on a GPU) and records the per-rank memory formula. On a
+machine without CUDA host and device are the same memory: nothing moves.
 
 Run:
     python chapters/ch20_memory/offload.py                                      # one process
@@ -80,21 +81,26 @@ def train_on_device(model, X, Y, cfg: Config, info):
 
 def train_zero_offload(model, X, Y, cfg: Config, info, copy_back: bool = True):
     """ZeRO-Offload by hand: master weights and Adam moments live on the host; each step
-    copies gradients device→host, steps there, copies the weights host→device."""
+    copies gradients device→host, steps there, copies the weights host→device. Returns the
+    model, the host optimizer and the bytes copied each way per step, counted from the tensors
+    copied (what crosses PCIe on a GPU; a copy within the same memory on a CPU)."""
     master = [p.detach().to(HOST, copy=True) for p in model.parameters()]  # copy: even on CPU
     opt = torch.optim.Adam(master, lr=cfg.lr)
+    moved = {"to host": 0, "to device": 0}
     for step in range(cfg.steps):
         model.zero_grad()
         F.mse_loss(model(shard(X[step], info)), shard(Y[step], info)).backward()
         all_reduce_gradients(model, info.world_size)
         for p, m in zip(model.parameters(), master):
             m.grad = p.grad.to(HOST, copy=True)
+            moved["to host"] += m.grad.numel() * m.grad.element_size()
         opt.step()
         if copy_back:  # the negative control forgets this: the device model never learns
             with torch.no_grad():
                 for p, m in zip(model.parameters(), master):
                     p.copy_(m)
-    return model, opt
+                    moved["to device"] += m.numel() * m.element_size()
+    return model, opt, {k: v // cfg.steps for k, v in moved.items()}
 
 
 def shard_model(model, info, offload: bool):
@@ -120,9 +126,16 @@ def train_fsdp(model, X, Y, cfg: Config, info):
 
 
 def full_params(model) -> list[torch.Tensor]:
-    """Whole parameters on every rank (FSDP2's are DTensors: all-gather them)."""
-    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
-            for p in model.parameters()]
+    """Whole parameters on every rank (FSDP2's are DTensors: all-gather them). An offloaded
+    shard lives on the host while its mesh is on the GPU, and NCCL gathers device tensors only:
+    move it to the mesh's device first, as torch's own state-dict gathering does."""
+    full = []
+    for p in model.parameters():
+        p = p.detach()
+        if hasattr(p, "full_tensor"):
+            p = p.to(p.device_mesh.device_type).full_tensor()
+        full.append(p.cpu())
+    return full
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -189,7 +202,7 @@ def run(cfg: Config, info) -> int:
                  "checks below test the bookkeeping and the numbers, the savings are GPU figures")
 
     ref, ref_opt = train_on_device(copy.deepcopy(base), X, Y, cfg, info)
-    hand, hand_opt = train_zero_offload(copy.deepcopy(base), X, Y, cfg, info)
+    hand, hand_opt, moved = train_zero_offload(copy.deepcopy(base), X, Y, cfg, info)
     fsdp, fsdp_opt = train_fsdp(shard_model(copy.deepcopy(base), info, False), X, Y, cfg, info)
     off, off_opt = train_fsdp(shard_model(copy.deepcopy(base), info, True), X, Y, cfg, info)
 
@@ -231,6 +244,10 @@ def run(cfg: Config, info) -> int:
         rec.figure("FSDP2 + offload: parameter shards not pinned", "n/a on CPU")
 
     psi, elem = sum(p.numel() for p in base.parameters()), torch.finfo(dtype).bits // 8
+    # ZeRO-Offload's traffic: the gradients down, the updated weights back, Ψ·b bytes each way.
+    for way, counted in moved.items():
+        rec.check(f"hand offload: bytes copied {way} per step = params x bytes", "formula",
+                  counted, psi * elem)
     state = training_state(off, off_opt)
     held = sum(t.numel() * t.element_size() for t in state)  # what this rank holds
     rec.figure("FSDP2 + offload: state bytes, this rank", held,
