@@ -19,8 +19,8 @@
 # FLOPs of a real training step with PyTorch's `FlopCounterMode`, and launches the chapter's
 # "hello distributed" script on two CPU processes with `torchrun`.
 #
-# Units: GB means decimal gigabytes (1e9 bytes, as on datasheets); GiB is 2**30 bytes (what
-# `nvidia-smi` prints).
+# Units: GB means decimal gigabytes (1e9 bytes, as on datasheets); GiB is 2**30 bytes, the
+# binary unit of memory tools (`nvidia-smi` prints MiB, 2**20 bytes).
 
 # %%
 import inspect

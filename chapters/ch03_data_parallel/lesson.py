@@ -110,9 +110,12 @@ plt.show()
 
 # %% [markdown]
 # ## Exercises
+# The lesson's exercises, with hints and worked answers
+# ([README.md](../chapters/ch03_data_parallel/README.md#exercises)):
 # 1. Run the script with `--dtype float32` on 2 and 3 processes. How large do the parity
-#    differences get, and why are they not zero?
-# 2. Change `all_reduce_gradients` to skip the bias of the last layer. Which checks fail?
-# 3. Make the token loss normalise by the rank's *local* token count
-#    (`token_loss.train_tokens_ddp(..., "local")`). When does that match one process, and when
-#    not? (Hints and answers: the lesson's exercises.)
+#    differences get, and why is "hand DP == DDP" exactly 0 on 2 ranks but not on 3?
+# 2. Make `all_reduce_gradients` skip one tensor. Which checks fail, and by how much?
+# 3. Replace its six all-reduces by one all-reduce of a flattened buffer, and compare the step
+#    time with DDP's.
+# 4. Normalise the token loss by the rank's *local* token count
+#    (`token_loss.train_tokens_ddp(..., "local")`). When does that match one process?
