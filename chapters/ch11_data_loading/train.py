@@ -151,6 +151,8 @@ def main(cfg: Config) -> int:
         builders = reduce_number(int(built))  # one per node where the file was missing
         if builders:
             log.info("built %s on %d node(s), by each node's local rank 0", path, builders)
+        else:
+            log.info("tokens: %s", path)
         dataset = TokenWindows(path, cfg.block_size, cfg.windows)
         source = read_tokens(path)  # a second reader, for the window check
         n, world = len(dataset), info.world_size
@@ -159,8 +161,8 @@ def main(cfg: Config) -> int:
         pin = info.device.type == "cuda"
         sampler, loader = make_loader(dataset, cfg, info.rank, world, pin_memory=pin)
         rec.figure("pin_memory", pin if pin else "n/a on CPU")
-        log.info("%s: %d windows of %d tokens, %d ranks x %d windows per epoch, %d workers per rank",
-                 path, n, cfg.block_size, world, len(sampler), cfg.num_workers)
+        log.info("%d windows of %d tokens, %d ranks x %d windows per epoch, %d workers per rank",
+                 n, cfg.block_size, world, len(sampler), cfg.num_workers)
         vocab = int(source.max()) + 1
         model = torch.nn.Embedding(vocab, vocab).to(info.device)  # bigram: logits of the next token
         torch.nn.init.zeros_(model.weight)  # uniform predictions: loss starts at ln(vocab)
