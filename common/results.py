@@ -119,6 +119,11 @@ def _fmt(x) -> str:
     return str(x)
 
 
+def _short(x) -> str:
+    """Three significant digits: the ends of a spread."""
+    return f"{x:.3g}" if isinstance(x, float) else _fmt(x)
+
+
 TABLE_WIDTH = 100  # the console rule: the table fits 100 columns
 CELL_WIDTH = 20  # a value longer than this is cut in the table (summary.json keeps it whole)
 
@@ -242,10 +247,10 @@ class RunRecorder:
         return [c for c in self.checks if not c["ok"] and c["kind"] != "timing"]
 
     def print_table(self) -> None:
-        rows = [("figure", "unit", "expected", "measured", "", "")]
+        rows = [("figure", "unit", "expected", "measured", "range", "")]
         rows += [(n, f["unit"], _fmt(f["expected"]) if f["expected"] is not None else "-",
-                  _fmt(f["measured"]) + (f" ({_fmt(f['spread'][0])}-{_fmt(f['spread'][1])})"
-                                         if "spread" in f else ""), "", "")
+                  _fmt(f["measured"]),
+                  f"{_short(f['spread'][0])}–{_short(f['spread'][1])}" if "spread" in f else "", "")
                  for n, f in self.figures.items()]
         rows += [("check", "kind", "expected", "measured", "tolerance", "ok")]
         rows += [(c["name"], c["kind"], expected_text(c), _fmt(c["measured"]),
