@@ -221,6 +221,10 @@ def test_precheck_answers_help_and_refuses_in_one_process(tmp_path):
     assert helped.returncode == 10 and helped.stdout.count("usage: train.py") == 1
     typo = run("2", "--bogus")
     assert typo.returncode == 2 and typo.stderr.count("\n") == 1 and "--bogus" in typo.stderr
+    if not torch.cuda.is_available():
+        nccl = run("2", "--backend", "nccl")
+        assert nccl.returncode == 2 and nccl.stderr.count("\n") == 1
+        assert "nccl backend needs CUDA" in nccl.stderr
 
 
 def test_config_requires_documented_fields():

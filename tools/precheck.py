@@ -6,7 +6,7 @@ parses the options exactly as the script will (`Config` and `validate(cfg, world
 script's module) at the world size given, and exits with
   0  the options are valid: go on and launch;
   2  they are not: one line says why (an unknown option, a value out of range, a layout the
-     world size cannot hold);
+     world size cannot hold, a device or backend this machine cannot give that many processes);
   10 `--help` was asked for and printed: nothing to launch.
 `./course run` calls it so that a typo costs a second, not a torchrun start per rank. A script
 that starts its own processes (`# launch: python`) is validated at its own `--nprocs`, or 1.
@@ -48,14 +48,24 @@ def main(argv: list[str]) -> int:
         return HELP_PRINTED
     validate = getattr(module, "validate", None)
     cfg = parse_config(module.Config, args, description=module.__doc__, prog=script.name)
+    if launches_itself(script):
+        world = getattr(cfg, "nprocs", 1)
     if validate is not None:
-        if launches_itself(script):
-            world = getattr(cfg, "nprocs", 1)
         try:
             validate(cfg, world)
         except ValueError as e:
             print(f"{script.name}: error: {e} (world size {world})", file=sys.stderr)
             return 2
+    # The device and backend this machine can give `world` processes (--backend nccl on a CPU,
+    # more processes than GPUs): refused here rather than in every rank's traceback.
+    from common.distributed import DistributedSetupError, choose_device_and_backend
+
+    try:
+        choose_device_and_backend(0, world, getattr(cfg, "device", "auto"),
+                                  getattr(cfg, "backend", "auto"))
+    except DistributedSetupError as e:
+        print(f"{script.name}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
