@@ -131,8 +131,8 @@ def choose_device_and_backend(
     - GPUs asked for (`--device cuda`, or Slurm allocated them) but none visible: an error, not a
       silent run on the CPU.
     - Fewer GPUs than local ranks: an error under `auto`; with `--device cuda --backend gloo` the
-      ranks share the GPUs (gloo takes CUDA tensors for all-reduce and broadcast only; NCCL
-      refuses two ranks on one GPU).
+      ranks share the GPUs (gloo runs some collectives on CUDA tensors: all-reduce, broadcast,
+      all-gather, not send/recv or reduce-scatter; NCCL refuses two ranks on one GPU).
     `gpu_count` and `env` default to this machine's; tests pass their own.
     """
     gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
@@ -159,7 +159,7 @@ def choose_device_and_backend(
         raise DistributedSetupError(
             f"{local_world_size} processes on this node but {gpus} GPU(s): start one process per "
             f"GPU (--nproc_per_node={gpus}), or share them with --device cuda --backend gloo "
-            f"(all-reduce and broadcast only), or run on the CPU with --device cpu")
+            f"(all-reduce, broadcast and all-gather only), or run on the CPU with --device cpu")
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if backend == "nccl" and dev.type != "cuda":
@@ -226,8 +226,8 @@ def setup_distributed(device: str = "auto", backend: str = "auto", timeout_s: fl
 
 def comm_device(group=None) -> torch.device:
     """Where a tensor handed to a collective must live: the current CUDA device under NCCL
-    (it takes CUDA tensors only), the CPU under gloo (whose CUDA support stops at all-reduce
-    and broadcast)."""
+    (it takes CUDA tensors only), the CPU under gloo (which runs every collective on CPU
+    tensors, and only some on CUDA tensors)."""
     if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -12,7 +12,7 @@ for G GPUs:
 - G >= 2: world 2 and world G with NCCL, one rank per GPU;
 - G == 1: NCCL cannot put two ranks on one GPU ("Duplicate GPU detected"), so two ranks share it
   with `--backend gloo --device cuda` for the scripts whose collectives gloo runs on CUDA tensors
-  (all-reduce and broadcast); the others are reported "n/a on one GPU".
+  (all-reduce, broadcast, all-gather: what DDP needs); the others are reported "n/a on one GPU".
 A script whose optional package is missing (DeepSpeed, transformers, ...) is reported "skipped"
 with the package's name. Several runs go at once (`--jobs`); each is bounded by `--timeout`.
 

@@ -127,7 +127,8 @@ def choose_device(local_rank: int, local_world_size: int, device: str = "auto",
     - GPUs asked for (`--device cuda`, or Slurm allocated some) but none visible: an error, never
       a silent run on the CPU;
     - fewer GPUs than local ranks: an error, unless `--device cuda --backend gloo` shares them
-      (gloo takes CUDA tensors for all-reduce and broadcast only; NCCL refuses two ranks on one GPU).
+      (gloo runs all-reduce, broadcast and all-gather on CUDA tensors, not send/recv or
+      reduce-scatter; NCCL refuses two ranks on one GPU).
     From chapter 03 on, `common.distributed.choose_device_and_backend` decides the same way
     (a test checks that the two agree)."""
     gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
@@ -156,7 +157,7 @@ def choose_device(local_rank: int, local_world_size: int, device: str = "auto",
         raise DistributedSetupError(
             f"{local_world_size} processes on this node but {gpus} GPU(s): start one process per "
             f"GPU (--nproc_per_node={gpus}), or share them with --device cuda --backend gloo "
-            f"(all-reduce and broadcast only), or run on the CPU with --device cpu")
+            f"(all-reduce, broadcast and all-gather only), or run on the CPU with --device cpu")
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if backend == "nccl" and dev.type != "cuda":
