@@ -128,7 +128,9 @@ def _add_argument(parser: argparse.ArgumentParser, f: dataclasses.Field, hint, d
     else:
         kwargs["type"] = hint
     shown = default if default != "" else "''"
-    help_text = f"{doc} (default: {shown})".replace("%", "%%")  # argparse %-formats help
+    # a field whose documentation already says its default (--out) does not get it twice
+    help_text = doc if "(default:" in doc else f"{doc} (default: {shown})"
+    help_text = help_text.replace("%", "%%")  # argparse %-formats help
     parser.add_argument(flag, help=help_text, **kwargs)
 
 
@@ -189,7 +191,23 @@ def parse_config(cls: type, argv: list[str] | None = None, description: str | No
             if rank == 0:
                 print(f"{parser.prog}: error: {e} (world size {world_size})", file=sys.stderr)
             sys.exit(2)
+    if argv is None:  # a script's own command line, not a test or a precheck: a real run
+        _start_library_log(cfg)
     return cfg
+
+
+def _start_library_log(cfg) -> None:
+    """Route library warnings and logs of this run to its output folder (see `common.log`),
+    from the start: the imports and setup that follow warn before any `RunRecorder` exists."""
+    import __main__
+    from common.log import library_log
+
+    script = getattr(__main__, "__file__", None)
+    if getattr(cfg, "out", "") or script:
+        from common.results import default_out_dir
+
+        out = cfg.out or default_out_dir(script)
+        library_log(out, launch_world_size()[1])
 
 
 def config_dict(cfg) -> dict:

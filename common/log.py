@@ -1,25 +1,42 @@
-"""Rank-aware logging and progress.
+"""Rank-aware logging, progress, and a log file for the libraries' noise.
 
 Rank 0 speaks at INFO; other ranks only warn, unless `all_ranks=True`, in which case every
 line carries its rank. `print` is never shadowed: chapters call `log.info(...)`.
+
+The console holds the course's own lines; what libraries say goes to `<out>/library.log`:
+
+- `library_log(out_dir, rank)` (called by `parse_config` and `RunRecorder`, so no chapter calls
+  it) sends Python warnings and the records of every other library's loggers (torch, DeepSpeed,
+  wandb, ...) to the file, which is created on the first message only. Rank r > 0 writes
+  `library.rank<r>.log`. At the end of the run rank 0 names the file in one line if anything
+  was written.
+- `with library_output():` around one noisy call (`deepspeed.initialize`, `wandb.init`, a
+  profiler export) also sends file descriptors 1 and 2 there: C++ log lines, a compiler's build
+  log, a library's `print`. The course's own lines still reach the console.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import os
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 log = logging.getLogger("course")
 
 
 class _StdoutHandler(logging.StreamHandler):
-    """Writes to whatever `sys.stdout` is when a line is logged (Jupyter and pytest swap it)."""
+    """Writes to whatever `sys.stdout` is when a line is logged (Jupyter and pytest swap it), or
+    to the console itself while `library_output` sends file descriptor 1 to the library log."""
 
     @property
     def stream(self):
-        return sys.stdout
+        return _console if _console is not None else sys.stdout
 
     @stream.setter
     def stream(self, value) -> None:
@@ -58,3 +75,165 @@ def progress(iterable: Iterable, total: int | None = None, desc: str = "",
         if i % every == 0 or i == total:
             of = f"/{total}" if total else ""
             log.info("%s %d%s (%.1f s)", desc, i, of, time.perf_counter() - start)
+
+
+# --- the library log --------------------------------------------------------------------------
+
+_library: dict = {}  # path, rank, file (opened on the first message), named (the line printed)
+_console = None  # the console (a copy of fd 1) while library_output() has taken fds 1 and 2
+
+
+def library_log_path() -> Path | None:
+    """This process's library log (None if `library_log` was not called)."""
+    return _library.get("path")
+
+
+def _library_file():
+    if _library.get("file") is None:
+        _library["path"].parent.mkdir(parents=True, exist_ok=True)
+        _library["file"] = open(_library["path"], "a", buffering=1, errors="replace")
+    return _library["file"]
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    _library_file().write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+class _LibraryFileHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            _library_file().write(self.format(record) + "\n")
+        except Exception:  # never let a library's log line end the run
+            self.handleError(record)
+
+
+_file_handler = _LibraryFileHandler()
+_file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+
+def _divert(record: logging.LogRecord) -> bool:
+    """A filter on the libraries' console handlers: the record goes to the file instead."""
+    if _library:
+        _file_handler.handle(record)
+        return False
+    return True
+
+
+def _is_console_handler(handler: logging.Handler) -> bool:
+    if isinstance(handler, (logging.FileHandler, _StdoutHandler)):
+        return False
+    if type(handler).__name__ == "_StderrHandler":  # torch's: writes to sys.stderr of the moment
+        return True
+    stream = getattr(handler, "stream", None)
+    return stream is not None and stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+
+
+def route_library_loggers() -> None:
+    """Send the records of every logger but the course's to the library log: a filter on each
+    handler that writes to the console (libraries such as DeepSpeed and torch install their own
+    when imported, so this runs again after a `library_output` block), and the file as the root
+    logger's handler (for loggers without one of their own). Idempotent."""
+    if not _library:
+        return
+    if _file_handler not in logging.root.handlers:
+        logging.root.addHandler(_file_handler)
+    loggers = [logging.root, *logging.root.manager.loggerDict.values()]
+    for logger in loggers:
+        if not isinstance(logger, logging.Logger) or logger is log:
+            continue
+        for handler in logger.handlers:
+            if _divert not in handler.filters and _is_console_handler(handler):
+                handler.addFilter(_divert)
+
+
+def library_log(out_dir: str | Path, rank: int = 0) -> Path:
+    """Send Python warnings and the libraries' log records of this process to
+    `<out_dir>/library.log` (`library.rank<r>.log` on rank r > 0); return that path.
+
+    The file is truncated when it is first written, and created only if something is; a stale
+    one from an earlier run is removed now. Calling it again with the same folder does nothing.
+    """
+    name = "library.log" if rank == 0 else f"library.rank{rank}.log"
+    path = Path(out_dir) / name
+    if _library.get("path") == path:
+        return path
+    if _library.get("file") is not None:
+        _library["file"].close()
+    _library.clear()
+    _library.update(path=path, rank=rank, file=None, named=False)
+    with contextlib.suppress(OSError):
+        path.unlink()
+    warnings.showwarning = _show_warning
+    route_library_loggers()
+    if not _library.get("atexit"):
+        atexit.register(name_library_log)
+        _library["atexit"] = True
+    return path
+
+
+def shown_path(path: str | Path) -> str:
+    """A path as the learner would type it: relative to the working folder when inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def name_library_log() -> None:
+    """On rank 0, say in one line where the libraries' messages went, if anything was written
+    (by this rank, or by another into its own file). Once per run."""
+    if not _library or _library["named"] or _library["rank"] != 0:
+        return
+    path = _library["path"]
+    others = sorted(path.parent.glob("library.rank*.log"))
+    if not ((path.exists() and path.stat().st_size) or others):
+        return
+    _library["named"] = True
+    shown = shown_path(path)
+    more = f" (other ranks: {len(others)} more file{'s' if len(others) > 1 else ''} beside it)" \
+        if others else ""
+    log.info("library warnings and logs: %s%s", shown, more)
+
+
+@contextlib.contextmanager
+def library_output():
+    """Inside the block, whatever this process writes to file descriptors 1 and 2 (C++ log
+    lines, a compiler's build log, a library's prints) goes to the library log, while the
+    course's logger still writes to the console. Does nothing if `library_log` was not called
+    (a test or a notebook calling the chapter's functions in process)."""
+    global _console
+    if not _library or _console is not None:
+        yield
+        return
+    target = _library_file()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    _console = os.fdopen(os.dup(saved[1]), "w", buffering=1, errors="replace")
+    try:
+        target.flush()
+        for fd in (1, 2):
+            os.dup2(target.fileno(), fd)
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        _console.close()
+        _console = None
+        route_library_loggers()  # loggers the block's imports created
+
+
+def torch_extension_built(name: str) -> bool:
+    """Is the C++ extension `name` (e.g. DeepSpeed's "deepspeed_shm_comm") already built in
+    torch's extension cache (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), so that
+    loading it compiles nothing? Lets a script announce a long first build only when it comes."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return any(p.is_file() for pattern in (f"{name}/{name}.so", f"*/{name}/{name}.so")
+               for p in root.glob(pattern))

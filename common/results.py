@@ -28,7 +28,6 @@ import math
 import platform
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -36,7 +35,7 @@ import torch.distributed as dist
 
 from common.checkpoint import atomic_write
 from common.config import config_dict
-from common.log import log
+from common.log import library_log, library_output, log, name_library_log, shown_path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHECK_KINDS = ("parity", "formula", "count", "timing")
@@ -151,6 +150,15 @@ def _table_lines(rows: list[tuple], width: int = TABLE_WIDTH) -> list[str]:
     return lines
 
 
+def _is_main_script(script_file: str) -> bool:
+    """Is `script_file` the program this process runs (under torchrun, python, or a rank that
+    `mp.spawn` started from it)?"""
+    try:
+        return Path(sys.argv[0]).resolve() == Path(script_file).resolve()
+    except (IndexError, OSError):
+        return False
+
+
 class RunRecorder:
     """Collects figures and checks on every rank; rank 0 writes them."""
 
@@ -164,13 +172,18 @@ class RunRecorder:
         self.checks: list[dict] = []
         self.start = time.perf_counter()
         self._metrics = self._tb = None
+        if _is_main_script(script_file):  # not a test or notebook calling in process
+            library_log(self.out, info.rank if info is not None else 0)
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             self._metrics = open(self.out / "metrics.jsonl", "w")
             if getattr(cfg, "tensorboard", False):
-                from torch.utils.tensorboard import SummaryWriter  # needs tensorboard
+                with library_output():
+                    from torch.utils.tensorboard import SummaryWriter  # needs tensorboard
 
-                self._tb = SummaryWriter(str(self.out / "tb"))
+                    self._tb = SummaryWriter(str(self.out / "tb"))
+                log.info("TensorBoard events go to %s; to see them: tensorboard --logdir %s",
+                         shown_path(self.out / "tb"), shown_path(self.out))
 
     def metrics(self, step: int, **values) -> None:
         """Append one line to metrics.jsonl (flushed at once: nothing lost on a crash)."""
@@ -215,8 +228,8 @@ class RunRecorder:
         try:
             dist.all_gather_object(everyone, mine)
         except Exception as e:  # a peer is gone: report this rank's view, and say so
-            warnings.warn(f"could not gather the other ranks' checks ({e}); summary is rank "
-                          f"{dist.get_rank()}'s view only", stacklevel=2)
+            log.warning("could not gather the other ranks' checks (%s); summary is rank %d's "
+                        "view only", e, dist.get_rank())
             return
         for rank, theirs in enumerate(everyone):
             seen: dict[str, int] = {}
@@ -278,6 +291,7 @@ class RunRecorder:
                 self._tb.close()
             self.print_table()
             log.info("\nwrote %s", self.out / "summary.json")
+            name_library_log()
             if failed:
                 names = ", ".join(c["name"] for c in failed)
                 print(f"FAILED checks: {names}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """The same training with DeepSpeed's ZeRO stages, checked against plain DDP + Adam.
 
 DeepSpeed implements ZeRO as a training engine configured by a JSON file: the stage is one
-number in it. This script builds that config (printed at the start), trains train.py's tiny GPT
+number in it. This script builds that config (written to <out>/ds_config.json), trains train.py's tiny GPT
 with each stage and compares the parameters with DDP + Adam; a broken run (every rank fed the
 same shard) must fail the same comparison. Needs `pip install deepspeed==0.19.8` (CPU works; the
 first run compiles a small communication op, about a minute, cached in ~/.cache/torch_extensions).
@@ -19,7 +19,6 @@ Run:
 import json
 import os
 import sys
-import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -29,7 +28,7 @@ from chapters.ch06_hybrid_zero import train
 from chapters.ch06_hybrid_zero.probe import StepProbe
 from common.config import check_global_batch, parse_config
 from common.distributed import reduce_number, setup_distributed, teardown_distributed
-from common.log import log, setup_logging
+from common.log import library_output, log, setup_logging, shown_path, torch_extension_built
 from common.results import RunRecorder
 
 
@@ -103,7 +102,8 @@ def train_deepspeed(stage: int, cfg: Config, X, Y, vocab: int, info, data_rank: 
     model = train.build_model(cfg, vocab, info.device)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     config = ds_config(stage, cfg.global_batch_size // info.world_size)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    with library_output():  # DeepSpeed prints its whole configuration here
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     probe = StepProbe()
     for step, (x, y) in enumerate(zip(X, Y)):
         with probe if step == len(X) - 1 else nullcontext():
@@ -122,17 +122,21 @@ def main(cfg: Config) -> int:
     try:
         setup_logging(info.rank, info.world_size)
         os.environ.setdefault("LOCAL_RANK", str(info.local_rank))  # DeepSpeed asserts it is set
-        # DeepSpeed 0.19 calls all_gather_into_tensor/reduce_scatter_tensor, which torch 2.14
-        # renamed (every call warns, on every rank): not the course's lines.
-        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
-                                category=FutureWarning)
-        import deepspeed
+        # DeepSpeed's warnings (on torch 2.14 a FutureWarning per renamed collective it calls),
+        # its build log and its config dump go to the library log that the run names at the end.
+        if info.device.type == "cpu" and not torch_extension_built("deepspeed_shm_comm"):
+            log.info("building DeepSpeed's communication operator (first run only, about a minute) ...")
+        with library_output():
+            import deepspeed
 
-        deepspeed.init_distributed(dist_backend=info.backend)  # reuses our process group
+            deepspeed.init_distributed(dist_backend=info.backend)  # reuses our process group
         rec = RunRecorder(cfg, __file__, info)
         X, Y, vocab = train.global_batches(cfg, info.device)
-        log.info("DeepSpeed %s, config for stage %d:\n%s", deepspeed.__version__, cfg.stages[-1],
-                 json.dumps(ds_config(cfg.stages[-1], cfg.global_batch_size // info.world_size), indent=2))
+        config = ds_config(cfg.stages[-1], cfg.global_batch_size // info.world_size)
+        if info.is_main:
+            (rec.out / "ds_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        log.info("DeepSpeed %s; its config for ZeRO-%d: %s", deepspeed.__version__, cfg.stages[-1],
+                 shown_path(rec.out / "ds_config.json"))
         model, opt = train.make_stage("DDP", train.build_model(cfg, vocab, info.device), cfg, info)
         losses = train.train_steps(model, opt, X, Y, info.rank, info.world_size)
         for step, loss in enumerate(losses):
