@@ -11,3 +11,27 @@ checkpoint   atomic save, safe load
 timing       timers, throughput, matmul peak, MFU
 launch       torchrun launches and N-rank gloo runs, for tests and notebooks
 """
+
+
+def _say_if_another_checkout() -> None:
+    """One line when a chapter script of one checkout imports this `common` from another (the
+    environment's editable install points at the clone that installed it). `./course` always runs
+    the checkout it lives in; a script started directly with python or torchrun may not."""
+    import os
+    import sys
+    from pathlib import Path
+
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not script or os.environ.get("RANK", "0") != "0":
+        return
+    here = Path(__file__).resolve().parents[1]
+    for parent in Path(script).resolve().parents:
+        if (parent / "common" / "__init__.py").is_file() and (parent / "chapters").is_dir():
+            if parent != here:
+                print(f"course: {Path(script).name} is in {parent} but runs the code of {here} "
+                      f"(installed there); start it with {parent}/course run, or set "
+                      f"PYTHONPATH={parent}", file=sys.stderr)
+            return
+
+
+_say_if_another_checkout()

@@ -34,6 +34,23 @@ def launches_itself(path: str | Path) -> bool:
     return any(line.startswith("# launch: python") for line in Path(path).read_text().splitlines())
 
 
+def pinned_torch() -> str:
+    """The torch version requirements.txt pins (the lessons' numbers were made with it)."""
+    for line in (REPO_ROOT / "requirements.txt").read_text().splitlines():
+        if line.startswith("torch=="):
+            return line.split("==", 1)[1].strip()
+    return ""
+
+
+def torch_note(found: str, pinned: str) -> str | None:
+    """One line when the torch found is not the pinned one (e.g. a GPU machine's own 2.11)."""
+    found = found.split("+")[0]
+    if not pinned or found == pinned:
+        return None
+    return (f"course: note: torch {found} found, the course is pinned to {pinned}; the scripts run,"
+            " but figures and messages may differ from the lessons'")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or not argv[1].isdigit():
         print("usage: python tools/precheck.py SCRIPT WORLD_SIZE [options...]", file=sys.stderr)
@@ -43,6 +60,10 @@ def main(argv: list[str]) -> int:
     from common.config import build_parser, parse_config
 
     module = script_module(script)
+    import torch
+
+    if note := torch_note(torch.__version__, pinned_torch()):
+        print(note, file=sys.stderr)
     if any(a in ("-h", "--help") for a in args):
         build_parser(module.Config, description=module.__doc__, prog=script.name).print_help()
         return HELP_PRINTED

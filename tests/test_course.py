@@ -1,0 +1,189 @@
+"""The front door, `./course`: a typo, `--help` or an unknown script is answered in one plain
+process before any rank starts; two clones sharing one environment each run their own code; the
+torch build is chosen for the machine, with one line when the choice could not be had; the lab
+works on copies, so a learner's saved notebook never reaches the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+WRITTEN = sorted(p.name[2:4] for p in (REPO / "chapters").glob("ch[0-9][0-9]_*"))
+
+
+def course(*args: str, root: Path = REPO, env: dict | None = None, timeout: float = 120):
+    """`ROOT/course ARGS` with this interpreter as the course's Python (no setup step)."""
+    env = {**os.environ, "COURSE_PYTHON": sys.executable, **(env or {})}
+    start = time.perf_counter()
+    done = subprocess.run([str(root / "course"), *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+    return done, time.perf_counter() - start
+
+
+def functions(script: str, root: Path = REPO, env: dict | None = None):
+    """Run bash `script` with the functions of ROOT/course defined (sourced, nothing dispatched)."""
+    env = {**os.environ, "COURSE_FUNCTIONS_ONLY": "1", **(env or {})}
+    return subprocess.run(["bash", "-c", f'source "{root}/course"; {script}'], capture_output=True,
+                          text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def clone(tmp_path: Path, name: str = "clone_b") -> Path:
+    """A second clone of this repository (its committed state)."""
+    target = tmp_path / name
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(target)], check=True, timeout=120)
+    return target
+
+
+@pytest.mark.timeout(180)
+def test_typo_help_and_unknown_names_are_answered_before_any_rank_starts():
+    took = {}
+    typo, took["typo"] = course("run", "03", "--bogus")
+    assert typo.returncode == 2 and typo.stdout == ""
+    assert typo.stderr.splitlines() == ["train.py: error: unrecognized arguments: --bogus (see --help)"]
+
+    helped, took["help"] = course("run", "3", "--help")
+    assert helped.returncode == 0 and helped.stdout.count("usage: train.py") == 1  # once, not per rank
+    assert "+ torchrun" not in helped.stderr and "--global-batch-size" in helped.stdout
+
+    script, took["script"] = course("run", "03", "nosuchscript")
+    assert script.returncode == 1 and len(script.stderr.splitlines()) == 1
+    assert "has no script 'nosuchscript' (its scripts: train)" in script.stderr
+    assert "spawn" in course("run", "02", "plots")[0].stderr  # lists 02's scripts, not its plots
+
+    later, took["unwritten"] = course("run", "18")
+    assert later.returncode == 1 and len(later.stderr.splitlines()) == 1
+    assert "chapter 18 (Sequence parallelism and long context) is not written yet" in later.stderr
+    assert later.stderr.rstrip().endswith("written so far: " + " ".join(WRITTEN))
+    unknown, took["unknown"] = course("run", "99")
+    assert unknown.returncode == 1 and "the chapters are 01 to 30" in unknown.stderr
+    # Names are answered by the shell alone; options need the script's Config (one Python process,
+    # importing torch). Through torchrun each took ~17 s and printed once per rank.
+    print("answered in (s):", {k: round(v, 2) for k, v in took.items()})
+    assert max(took["script"], took["unwritten"], took["unknown"]) < 5
+
+
+@pytest.mark.timeout(300)
+def test_two_clones_sharing_one_environment_each_run_their_own_code(tmp_path):
+    """The environment's editable install points at one checkout (the one that installed it);
+    a second clone started through its own ./course must still run its own code."""
+    b = clone(tmp_path)
+    with open(b / "common" / "__init__.py", "a") as f:
+        f.write('\nprint("marker: clone B\'s common", file=__import__("sys").stderr)\n')
+    train = b / "chapters" / "ch01_overview" / "train.py"
+    train.write_text(train.read_text().replace('"""', '"""Clone B\'s chapter 01. ', 1))
+
+    where = "import common, chapters; print(common.__file__, chapters.__file__)"
+    mine, _ = course("python", "-c", where, root=b)
+    assert mine.returncode == 0, mine.stderr
+    assert all(Path(p).is_relative_to(b) for p in mine.stdout.split())
+    theirs, _ = course("python", "-c", where)
+    assert all(Path(p).is_relative_to(REPO) for p in theirs.stdout.split())
+
+    helped, _ = course("run", "01", "--help", root=b)  # precheck: B's script and B's common
+    assert "Clone B's chapter 01." in helped.stdout and "marker: clone B" in helped.stderr
+    assert "Clone B" not in course("run", "01", "--help")[0].stdout
+
+    ran, _ = course("run", "01", "--steps", "1", "--out", str(tmp_path / "run"), root=b,
+                    env={"COURSE_NPROC": "1"}, timeout=180)  # torchrun's rank: B's common
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "marker: clone B" in ran.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["chapter"] == "ch01_overview"
+
+    tested, _ = course("test", "-q", "-s", "-p", "no:cacheprovider", "tests/test_common.py",
+                       "-k", "requires_documented_fields", root=b, timeout=180)
+    assert tested.returncode == 0 and "marker: clone B" in tested.stdout + tested.stderr
+
+    env_line, _ = course("env", root=b)
+    assert f"checkout : {b}" in env_line.stdout
+
+    # Started directly, without ./course, B's script imports the installed checkout's `common`
+    # (if the environment has one): it says so in one line.
+    plain = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    installed = subprocess.run([sys.executable, "-c", "import common; print(common.__file__)"],
+                               capture_output=True, text=True, env=plain, cwd=tmp_path, timeout=60)
+    if installed.returncode != 0:
+        pytest.skip("this environment has no installed `common` (COURSE_PYTHON without the course)")
+    other = Path(installed.stdout.strip()).parents[1]
+    direct = subprocess.run([sys.executable, str(train), "--help"], capture_output=True, text=True,
+                            env=plain, cwd=tmp_path, timeout=60)
+    said = [line for line in direct.stderr.splitlines() if line.startswith("course:")]
+    assert said == [f"course: train.py is in {b} but runs the code of {other} (installed there); "
+                    f"start it with {b}/course run, or set PYTHONPATH={b}"]
+
+
+@pytest.mark.timeout(120)
+def test_torch_build_choice_and_its_fallback(tmp_path):
+    choice = "has_nvidia_gpu() { false; }; torch_choice"
+    if sys.platform.startswith("linux"):
+        assert functions(choice).stdout.strip() == "cpu (Linux without an NVIDIA GPU)"
+        gpu = "has_nvidia_gpu() { true; }; torch_choice"
+        assert functions(gpu).stdout.strip() == "cuda (an NVIDIA GPU is present)"
+    assert functions(choice, env={"COURSE_TORCH": "cuda"}).stdout.startswith("cuda")
+    assert functions(choice, env={"COURSE_TORCH": "cpu"}).stdout.startswith("cpu")
+    bad = functions(choice, env={"COURSE_TORCH": "gpu"})
+    assert bad.returncode != 0 and "COURSE_TORCH must be auto, cpu or cuda" in bad.stderr
+
+    fake = tmp_path / "bin"  # the probe sees an nvidia-smi on PATH
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    probe = functions("has_nvidia_gpu && echo yes", env={"PATH": f"{fake}:{os.environ['PATH']}"})
+    assert probe.stdout.strip() == "yes"
+
+    # The CPU index does not answer (as on machines without access to it): nothing is installed
+    # from it, and the build actually present is reported in one line if it is not the CPU build.
+    fallback = functions(f'PY="{sys.executable}"; install_cpu_torch; report_torch_build cpu',
+                         env={"COURSE_TORCH_INDEX": "http://127.0.0.1:9/whl/cpu"})
+    lines = fallback.stderr.splitlines()
+    assert fallback.returncode == 0 and lines[0].endswith("could not be reached")
+    if torch.version.cuda:
+        assert lines[1:] == [f"course: using the pinned torch with CUDA {torch.version.cuda} (~6 GB; "
+                             "it runs on CPU too): the CPU-only build was not available"]
+    else:
+        assert lines[1:] == []
+    wanted_cuda = functions(f'PY="{sys.executable}"; report_torch_build cuda')
+    assert wanted_cuda.stderr == ""
+
+    from tools.precheck import pinned_torch, torch_note
+
+    assert pinned_torch() == "2.14.1" and torch_note("2.14.1+cu130", "2.14.1") is None
+    assert "torch 2.11.0 found, the course is pinned to 2.14.1" in torch_note("2.11.0+cu126", "2.14.1")
+
+
+@pytest.mark.timeout(120)
+def test_lab_works_on_copies_that_follow_the_course_unless_edited(tmp_path):
+    b = clone(tmp_path)
+    first = functions("prepare_lab", root=b)
+    assert first.returncode == 0 and first.stderr == ""
+    names = sorted(p.name for p in (b / "notebooks").glob("*.ipynb"))
+    assert sorted(p.name for p in (b / "lab").glob("*.ipynb")) == names and len(names) == len(WRITTEN)
+
+    edited, untouched = b / "lab" / names[0], b / "lab" / names[1]
+    nb = json.loads(edited.read_text())
+    nb["cells"][0]["source"] = "my notes"
+    edited.write_text(json.dumps(nb))
+    for name in names[:2]:  # the course updates both notebooks
+        path = b / "notebooks" / name
+        nb = json.loads(path.read_text())
+        nb["cells"].append({"cell_type": "markdown", "id": "new", "metadata": {}, "source": "new"})
+        path.write_text(json.dumps(nb))
+    second = functions("prepare_lab", root=b)
+    assert json.loads(edited.read_text())["cells"][0]["source"] == "my notes"  # kept
+    assert untouched.read_bytes() == (b / "notebooks" / names[1]).read_bytes()  # followed
+    assert second.stderr.splitlines() == [
+        f"course: lab/{names[0]} is your edited copy; the course's notebook changed since "
+        f"(notebooks/{names[0]}). Rename yours to get the new one.",
+        f"course: lab/{names[1]}: updated to the course's new version"]
+    status = subprocess.run(["git", "status", "--porcelain", "--", "lab"], cwd=b,
+                            capture_output=True, text=True, check=True)
+    assert status.stdout == ""  # the copies are the learner's, outside git and the tests
+    shutil.rmtree(b)
