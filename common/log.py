@@ -185,14 +185,12 @@ def name_library_log() -> None:
     if not _library or _library["named"] or _library["rank"] != 0:
         return
     path = _library["path"]
-    others = sorted(path.parent.glob("library.rank*.log"))
+    others = [p for p in path.parent.glob("library.rank*.log") if p.stat().st_size]
     if not ((path.exists() and path.stat().st_size) or others):
         return
     _library["named"] = True
-    shown = shown_path(path)
-    more = f" (other ranks: {len(others)} more file{'s' if len(others) > 1 else ''} beside it)" \
-        if others else ""
-    log.info("library warnings and logs: %s%s", shown, more)
+    more = f" (+{len(others)} of other ranks)" if others else ""
+    log.info("library warnings and logs: %s%s", shown_path(path), more)
 
 
 @contextlib.contextmanager
@@ -225,6 +223,11 @@ def library_output():
             os.close(copy)
         _console.close()
         _console = None
+        if target.tell() == 0 and os.fstat(target.fileno()).st_size == 0:  # nothing was said
+            target.close()
+            _library["file"] = None
+            with contextlib.suppress(OSError):
+                _library["path"].unlink()
         route_library_loggers()  # loggers the block's imports created
 
 

@@ -182,8 +182,8 @@ class RunRecorder:
                     from torch.utils.tensorboard import SummaryWriter  # needs tensorboard
 
                     self._tb = SummaryWriter(str(self.out / "tb"))
-                log.info("TensorBoard events go to %s; to see them: tensorboard --logdir %s",
-                         shown_path(self.out / "tb"), shown_path(self.out))
+                log.info("TensorBoard events go to %s; to see them:", shown_path(self.out / "tb"))
+                log.info("  tensorboard --logdir %s", shown_path(self.out / "tb"))
 
     def metrics(self, step: int, **values) -> None:
         """Append one line to metrics.jsonl (flushed at once: nothing lost on a crash)."""

@@ -269,9 +269,10 @@ def main(cfg: Config) -> int:
         rec = RunRecorder(cfg, __file__, info)
         seed_everything(cfg.seed)
         dense = DenseModel(cfg.d_model, cfg.n_heads, d_ff, cfg.n_layers, cfg.dropout).to(info.device, DTYPES[cfg.dtype])
-        log.info("TP degree %d on %s/%s: B=%d S=%d h=%d heads=%d (%d per rank) d_ff=%d (%d per rank), "
-                 "collectives: %s", tp, info.device, info.backend, cfg.batch_size, cfg.seq_len, cfg.d_model,
-                 cfg.n_heads, cfg.n_heads // tp, d_ff, d_ff // tp, cfg.collectives)
+        log.info("TP degree %d on %s/%s: B=%d S=%d h=%d heads=%d (%d per rank) d_ff=%d (%d per rank)",
+                 tp, info.device, info.backend, cfg.batch_size, cfg.seq_len, cfg.d_model,
+                 cfg.n_heads, cfg.n_heads // tp, d_ff, d_ff // tp)
+        log.info("collectives: %s", cfg.collectives)
 
         refs, runs = train_all_versions(dense, cfg, info)
         for step, (loss, loss_p0, norm) in enumerate(zip(refs["dense"]["losses"], refs["dense p=0"]["losses"],

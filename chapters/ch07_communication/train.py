@@ -343,8 +343,8 @@ def report_fits(rec: RunRecorder, rows: list[dict], n: int) -> None:
     for impl, row in largest.items():
         rec.figure(f"all-reduce busbw at {big} B, {impl}", row["busbw"], unit="GB/s")
     if n == 2:
-        log.info("  n = 2: tree and naive send the same two messages (S up, S down); any gap "
-                 "between their times is noise. Run 4 or more ranks to see them differ.")
+        log.info("  n = 2: tree and naive send the same two messages (S up, S down); any gap")
+        log.info("  between their times is noise. Run 4 or more ranks to see them differ.")
     if n > 1:  # timing: reported, never fatal
         rec.check("hand ring busbw / torch busbw (largest size)", "timing",
                   largest["ring"]["busbw"] / largest["torch"]["busbw"], [0.5, 1.5], compare="between")

@@ -49,7 +49,7 @@ from common.distributed import (
     teardown_distributed,
     trainable_params,
 )
-from common.log import log, setup_logging
+from common.log import library_output, log, setup_logging
 from common.models import GPTConfig, TinyGPT
 from common.results import RunRecorder
 from common.seed import seed_everything
@@ -244,13 +244,15 @@ def trace_variant(kind: str, init: nn.Module, X, Y, cfg: Config, info, cap_kb: i
     events.watch_wrapper(model)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    # the profiler's own C++ log lines (kineto) go to the library log, not the console
+    with library_output(), profile(activities=activities) as prof:
         for step in range(cfg.profile_steps):
             x, y = (rank_shard(t[step], info.rank, info.world_size) for t in (X, Y))
             events.start_step()
             train_step(wrapped, sync, opt, x, y, events, info.device)
     if info.is_main:
-        prof.export_chrome_trace(str(path))  # .gz: compressed, open it in ui.perfetto.dev
+        with library_output():
+            prof.export_chrome_trace(str(path))  # .gz: compressed, open it in ui.perfetto.dev
 
 
 def train_single(init: nn.Module, X, Y, cfg: Config) -> tuple[nn.Module, list[float]]:
@@ -323,9 +325,9 @@ def main(cfg: Config) -> int:
         params = trainable_params(init.parameters())
         n_bytes = sum(p.numel() * p.element_size() for p in params)
         buckets = bucket_names(init, cfg.bucket_kb * 1024)
-        log.info("world %d on %s/%s: %d trainable tensors, %d bytes of gradient, %d buckets of "
-                 "<= %d KiB, global batch %d%s", info.world_size, info.device, info.backend,
-                 len(params), n_bytes, len(buckets), cfg.bucket_kb, X.shape[1],
+        log.info("world %d on %s/%s: %d trainable tensors, %d bytes of gradient, global batch %d",
+                 info.world_size, info.device, info.backend, len(params), n_bytes, X.shape[1])
+        log.info("%d buckets of <= %d KiB%s", len(buckets), cfg.bucket_kb,
                  f", {cfg.backward_sleep_ms:g} ms sleep per block in backward" if cfg.backward_sleep_ms else "")
 
         single, losses = train_single(init, X, Y, cfg)

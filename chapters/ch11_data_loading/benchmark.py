@@ -125,9 +125,9 @@ def run_grid(cfg: Config, device: torch.device) -> list[dict]:
     for w in cfg.workers:
         for pin in pins:
             rows.append(time_setting(dataset, cfg, device, w, pin))
-            log.info("workers %d  pin_memory %-5s  %8.1f samples/s  (%s)  stalled %.0f%% of a %g ms step",
-                     w, pin, rows[-1]["samples_s"], rows[-1]["stats"], 100 * rows[-1]["stall"],
-                     cfg.compute_ms)
+            log.info("workers %d  pin_memory %-5s  %8.1f samples/s  stalled %.0f%% of a %g ms step",
+                     w, pin, rows[-1]["samples_s"], 100 * rows[-1]["stall"], cfg.compute_ms)
+            log.info("  %s", rows[-1]["stats"])
     cached = time_setting(CachedDataset(dataset), cfg, device, 0, False)
     rows.append({**cached, "workers": "cache"})
     log.info("cached (workers 0)        %8.1f samples/s", cached["samples_s"])

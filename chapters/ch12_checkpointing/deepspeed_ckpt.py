@@ -28,7 +28,7 @@ from common.checkpoint import save_checkpoint
 from common.config import RunConfig, parse_config
 from common.data import regression_data
 from common.distributed import setup_distributed, teardown_distributed
-from common.log import log, setup_logging
+from common.log import library_output, log, setup_logging, torch_extension_built
 from common.models import MLP
 from common.results import RunRecorder
 from common.seed import seed_everything
@@ -93,7 +93,8 @@ def train_engine(stage: int, cfg: Config, info):
     model = MLP(cfg.d_in, cfg.d_hidden, 1).to(info.device)
     initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, cfg.batch_size))
+    with library_output():  # DeepSpeed prints its whole configuration here
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, cfg.batch_size))
     X, Y = regression_data(cfg.batch_size * info.world_size * cfg.steps, cfg.d_in, 1, seed=cfg.seed,
                            dtype=torch.float32)
     for x, y in zip(X.chunk(cfg.steps), Y.chunk(cfg.steps)):
@@ -136,15 +137,20 @@ def main(cfg: Config) -> int:
     try:
         setup_logging(info.rank, info.world_size)
         os.environ.setdefault("LOCAL_RANK", str(info.local_rank))  # DeepSpeed asserts it is set
-        import deepspeed
+        # DeepSpeed's warnings, build log and dumps go to the library log the run names at the end
+        if info.device.type == "cpu" and not torch_extension_built("deepspeed_shm_comm"):
+            log.info("building DeepSpeed's communication operator (first run only, about a minute) ...")
+        with library_output():
+            import deepspeed
 
-        deepspeed.init_distributed(dist_backend=info.backend)  # reuses our process group
+            deepspeed.init_distributed(dist_backend=info.backend)  # reuses our process group
         rec = RunRecorder(cfg, __file__, info)
         for stage in cfg.stages:
             engine, initial = train_engine(stage, cfg, info)
             saved = whole_parameters(engine, stage)        # what the checkpoint must hold
             save_dir = rec.out / f"zero{stage}"
-            engine.save_checkpoint(str(save_dir), tag=cfg.tag)  # a collective: every rank writes
+            with library_output():  # DeepSpeed logs each file it writes
+                engine.save_checkpoint(str(save_dir), tag=cfg.tag)  # a collective: every rank writes
             dist.barrier()                                  # all partitions on disk before reading
             files = list_checkpoint(save_dir)
             log.info("ZeRO-%d checkpoint %s:\n  %s", stage, save_dir, "\n  ".join(files))
@@ -154,7 +160,8 @@ def main(cfg: Config) -> int:
                       len(optim), info.world_size)
             if info.is_main:
                 save_checkpoint(rec.out / f"zero{stage}_params.pt", saved)  # for the tests
-                plain = convert(save_dir, cfg.tag)
+                with library_output():  # zero_to_fp32 prints what it reads
+                    plain = convert(save_dir, cfg.tag)
                 rec.figure(f"ZeRO-{stage} converted tensors", len(plain), len(saved))
                 whole = sum(t.numel() for t in saved.values())
                 rec.check(f"ZeRO-{stage}: weight elements in rank 0's model file", "count",

@@ -250,7 +250,10 @@ def main(cfg: Config) -> int:
             out = resume_demo(cfg, X, Y, rec)
         for i, loss in enumerate(out["losses"]):
             rec.metrics(out["first_step"] + i, loss=loss)
-        log.info("losses from step %d: %s", out["first_step"], " ".join(f"{v:.4f}" for v in out["losses"]))
+        values = [f"{v:.4f}" for v in out["losses"]]
+        log.info("losses from step %d:", out["first_step"])
+        for i in range(0, len(values), 12):  # 12 a line: the console's 100 columns
+            log.info("  %s", " ".join(values[i:i + 12]))
         save_checkpoint(rec.out / "losses.pt", {"first_step": out["first_step"],
                                                 "losses": torch.tensor(out["losses"], dtype=torch.float64)})
         return rec.finish()

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from common.config import RunConfig, parse_config
 from common.distributed import setup_distributed, teardown_distributed
-from common.log import log, setup_logging
+from common.log import library_output, log, setup_logging
 from common.results import RunRecorder, check_ok
 
 
@@ -101,8 +101,9 @@ def healthy_rank(cfg: Config, info, barrier_group) -> dict:
     log.info("all_reduce failed after %.1f s: %s", ar_s, ar_err)
     # monitored_barrier needs gloo (it is built from send/recv); it has its own group because
     # the default one may be unusable after a timeout.
-    mb_s, mb_err = timed_collective(lambda: dist.monitored_barrier(
-        group=barrier_group, timeout=timedelta(seconds=cfg.timeout), wait_all_ranks=True))
+    with library_output():  # gloo's own C++ error lines say what the next line says
+        mb_s, mb_err = timed_collective(lambda: dist.monitored_barrier(
+            group=barrier_group, timeout=timedelta(seconds=cfg.timeout), wait_all_ranks=True))
     log.info("monitored_barrier failed after %.1f s: %s", mb_s, mb_err)
     return {"ar_s": ar_s, "ar_err": ar_err, "mb_s": mb_s, "mb_err": mb_err}
 

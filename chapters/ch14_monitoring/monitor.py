@@ -101,7 +101,7 @@ def wandb_offline_init(out: Path, config: dict, project: str = "course-ch14"):
     """
     import os
 
-    from common.log import log
+    from common.log import library_output, log
 
     os.environ["WANDB_MODE"] = "offline"
     os.environ["WANDB_DIR"] = str(out)
@@ -114,8 +114,9 @@ def wandb_offline_init(out: Path, config: dict, project: str = "course-ch14"):
     out.mkdir(parents=True, exist_ok=True)
     settings = wandb.Settings(console="off", silent=True, disable_git=True, save_code=False,
                               x_disable_stats=True, x_disable_meta=True)
-    return wandb.init(project=project, dir=str(out), mode="offline", config=config,
-                      settings=settings)
+    with library_output():  # what wandb still says (its service starting) goes to the library log
+        return wandb.init(project=project, dir=str(out), mode="offline", config=config,
+                          settings=settings)
 
 
 def wandb_run_file(out: Path) -> Path:

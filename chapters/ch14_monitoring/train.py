@@ -40,7 +40,7 @@ from common.distributed import (
     setup_distributed,
     teardown_distributed,
 )
-from common.log import log, setup_logging
+from common.log import library_output, log, setup_logging
 from common.models import MLP
 from common.results import RunRecorder
 from common.seed import seed_everything
@@ -233,7 +233,8 @@ def main(cfg: Config) -> int:
         rec.check("grad norm == clip_grad_norm_'s total norm", "formula", grad_norm(model), total,
                   2e-5, relative=True)
         if run is not None:
-            run.finish()
+            with library_output():  # wandb's closing summary goes to the library log
+                run.finish()
         if info.is_main:
             save_checkpoint(rec.out / "step_times.pt", {k: torch.tensor(v) for k, v in
                                                         (("compute", compute), ("wait", wait), ("whole", whole))})

@@ -47,7 +47,7 @@ from chapters.ch15_profiling.trace_breakdown import (
 from common.config import RunConfig, parse_config, require_at_least_one
 from common.data import regression_data
 from common.distributed import setup_distributed, teardown_distributed
-from common.log import log, setup_logging
+from common.log import library_output, log, setup_logging
 from common.models import MLP
 from common.results import RunRecorder
 from common.seed import seed_everything
@@ -148,12 +148,14 @@ def profile_steps(ddp: DDP, x, y, cfg: Config, info, path) -> None:
     range) lines the ranks up, so less of the all-reduce time in the trace is waiting for a late
     peer (not none: a rank descheduled during its backward still arrives late)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
-    with profile(activities=activities, profile_memory=True) as prof:
+    # the profiler's own C++ log lines (kineto) go to the library log, not the console
+    with library_output(), profile(activities=activities, profile_memory=True) as prof:
         for _ in range(cfg.profile_steps):
             dist.barrier()
             train_step(ddp, x, y, cfg.lr, info.device)
     if info.is_main:
-        prof.export_chrome_trace(str(path))  # open in ui.perfetto.dev or chrome://tracing
+        with library_output():
+            prof.export_chrome_trace(str(path))  # open in ui.perfetto.dev or chrome://tracing
 
 
 def time_collectives(numels: list[int], info, repeats: int) -> float:
@@ -266,7 +268,8 @@ def main(cfg: Config) -> int:
         rec.check("step FLOPs counted = 6·B·Σ in·out − 2·B·in₀·out₀", "formula", counted, flops)
         peak, source = peak_flops(info.device, torch.float32, cfg.matmul_size)  # same threads as the step
         util = mfu(flops, stats.median, peak)
-        log.info("step %s; peak %.3g FLOP/s (%s); MFU %.4f", stats, peak, source, util)
+        log.info("step %s", stats)
+        log.info("peak %.3g FLOP/s (%s); MFU %.4f", peak, source, util)
         rec.figure("model FLOPs per step per rank", flops, unit="FLOP")
         rec.figure("step time, median", stats.median * 1e3, unit="ms")
         rec.figure("step time, min-max", [round(stats.min * 1e3, 3), round(stats.max * 1e3, 3)], unit="ms")

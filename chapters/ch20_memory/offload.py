@@ -198,8 +198,8 @@ def run(cfg: Config, info) -> int:
     log.info("world %d on %s/%s, host %s: %d blocks %dx%d, Adam, %d steps", info.world_size,
              info.device, info.backend, HOST, cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.steps)
     if info.device == HOST:
-        log.info("device and host are the same memory here: offload moves nothing; the "
-                 "checks below test the bookkeeping and the numbers, the savings are GPU figures")
+        log.info("device and host are the same memory here: offload moves nothing; the checks")
+        log.info("below test the bookkeeping and the numbers, the savings are GPU figures")
 
     ref, ref_opt = train_on_device(copy.deepcopy(base), X, Y, cfg, info)
     hand, hand_opt, moved = train_zero_offload(copy.deepcopy(base), X, Y, cfg, info)
