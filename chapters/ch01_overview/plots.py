@@ -73,13 +73,13 @@ def make_figures(fig_dir: Path) -> list[Path]:
     plot_memory(a, b)
     fig.tight_layout()
     paths = [fig_dir / "memory.png"]
-    fig.savefig(paths[-1], dpi=110)
+    fig.savefig(paths[-1], dpi=110, metadata={"Software": None})
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     plot_time_to_train(ax)
     fig.tight_layout()
     paths.append(fig_dir / "time_to_train.png")
-    fig.savefig(paths[-1], dpi=110)
+    fig.savefig(paths[-1], dpi=110, metadata={"Software": None})
     plt.close(fig)
     return paths

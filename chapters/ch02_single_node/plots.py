@@ -1,10 +1,12 @@
 """The lesson's figure: how far DDP done right and done wrong drifts from one process; and the
 README's generated diff single.py → train.py (make_diff.py).
 
-    python tools/figures.py ch02     # redraws figures/*.png and the README's diff (~10 s)
+    python tools/figures.py ch02           # redraws figures/*.png and the README's diff
+    python tools/figures.py --rerun ch02   # re-measures figures/data.json first (~15 s)
 
-Starts 2 gloo ranks (`controls.ddp_controls`) and compares the parameters after every step
-with one process training on the same global batches.
+`measure` starts 2 gloo ranks (`controls.ddp_controls`) and compares the parameters after every
+step with one process training on the same global batches; the figure is drawn from what it
+recorded.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from chapters.ch02_single_node.make_diff import write_readme
 from chapters.ch02_single_node.task import PARITY_TOLERANCE, max_param_diff, reference_state
 from common.launch import run_on_ranks
 
+FIG_DIR = Path(__file__).resolve().parent / "figures"
+MEASURE_S = 15
 FLOOR = 1e-18  # exact agreement (a difference of 0) is drawn here: a log axis has no 0
 
 
@@ -33,11 +37,15 @@ def parity_drift(steps: int = 10) -> dict[str, list[float]]:
             for v in VARIANTS}
 
 
-def make_figures(fig_dir: Path) -> list[Path]:
+def measure() -> dict:
+    return {"parity_drift": parity_drift()}
+
+
+def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     import matplotlib.pyplot as plt
 
     fig_dir.mkdir(parents=True, exist_ok=True)
-    drift = parity_drift()
+    drift = data["parity_drift"]
     fig, ax = plt.subplots(figsize=(7, 4))
     for (variant, diffs), marker, ls in zip(drift.items(), "osD^", ["-", "--", "-", ":"]):
         steps = range(1, len(diffs) + 1)
@@ -51,6 +59,7 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8, loc="center left")
     fig.tight_layout()
     path = fig_dir / "parity_drift.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Software": None})
     plt.close(fig)
-    return [path, write_readme()]
+    # the README's diff is rewritten only when drawing into the chapter itself
+    return [path, write_readme()] if fig_dir.resolve() == FIG_DIR else [path]

@@ -44,7 +44,7 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths = [fig_dir / "token_weights.png"]
-    fig.savefig(paths[0], dpi=120)
+    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
@@ -57,6 +57,6 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "lr_schedule.png")
-    fig.savefig(paths[1], dpi=120)
+    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
     plt.close(fig)
     return paths

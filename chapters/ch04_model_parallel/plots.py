@@ -45,7 +45,7 @@ def make_figures(fig_dir: Path) -> list[Path]:
     axes[-1].set_xlabel("time (one forward or backward = 1 unit)")
     fig.tight_layout()
     paths = [fig_dir / "timelines.png"]
-    fig.savefig(paths[0], dpi=120)
+    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 3.4))
@@ -60,6 +60,6 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "bubble.png")
-    fig.savefig(paths[1], dpi=120)
+    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
     plt.close(fig)
     return paths

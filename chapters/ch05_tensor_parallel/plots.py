@@ -97,7 +97,7 @@ def make_figures(fig_dir: Path) -> list[Path]:
     def save(fig, name):
         fig.tight_layout()
         paths.append(fig_dir / name)
-        fig.savefig(paths[-1], dpi=120)
+        fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
         plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7.5, 3.2))

@@ -1,8 +1,9 @@
-"""Figures for the chapter 06 lesson (regenerate with `python tools/figures.py ch06`).
+"""Figures for the chapter 06 lesson (`python tools/figures.py ch06`; `--rerun` re-measures).
 
-The paper's panel is the formula; the tiny model's panels are measured: train.py runs on two
-CPU processes and its counts (bytes held at rest and at the peak of a step, bytes handed to
-collectives) are drawn beside what the formulas predict.
+The paper's panel is the formula; the tiny model's panels are measured (recorded in
+figures/data.json by `measure`): train.py runs on two CPU processes and its counts (bytes held
+at rest and at the peak of a step, bytes handed to collectives) are drawn beside what the
+formulas predict.
 """
 
 from __future__ import annotations
@@ -69,37 +70,45 @@ def volume_bars(ax, saved: dict, psi_bytes: int) -> None:
     ax.legend(fontsize=7, loc="upper left")
 
 
-def make_figures(fig_dir: Path) -> list[Path]:
-    import matplotlib.pyplot as plt
+MEASURE_S = 40
 
+
+def measure() -> dict:
+    """train.py on two CPU processes: the bytes each way held and handed to collectives, and Ψ bytes."""
+    from chapters.ch06_hybrid_zero.train import Config, build_model, global_batches
     from common.checkpoint import load_checkpoint
     from common.launch import run_torchrun
 
-    fig_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(__file__).with_name("train.py")
         run_torchrun(script, nproc=2, args=["--no-mixed-precision"], out_dir=tmp, timeout=300)
         saved = load_checkpoint(Path(tmp) / "final_params.pt")
-    from chapters.ch06_hybrid_zero.train import Config, build_model, global_batches
-
     cfg = Config()
     vocab = global_batches(cfg, torch.device("cpu"))[2]
     z = memory.sizes(build_model(cfg, vocab, torch.device("cpu")))
-    psi_bytes = z["psi"] * z["b"]
+    return {**{when: {w: saved[when][w] for w in WAYS} for when in ("rest", "peak", "volume")},
+            "psi_bytes": int(z["psi"] * z["b"])}
+
+
+def make_figures(fig_dir: Path, data: dict) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    saved, psi_bytes = data, data["psi_bytes"]
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [2, 3]})
     paper_bars(axes[0])
     measured_bars(axes[1], saved, WAYS[:5])
     fig.tight_layout()
     paths = [fig_dir / "memory_per_stage.png"]
-    fig.savefig(paths[0], dpi=120)
+    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 3.4))
     volume_bars(ax, saved, psi_bytes)
     fig.tight_layout()
     paths.append(fig_dir / "comm_volume.png")
-    fig.savefig(paths[1], dpi=120)
+    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
     plt.close(fig)
 
     g = torch.Generator().manual_seed(0)
@@ -116,6 +125,6 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "qwz_error.png")
-    fig.savefig(paths[2], dpi=120)
+    fig.savefig(paths[2], dpi=120, metadata={"Software": None})
     plt.close(fig)
     return paths

@@ -1,9 +1,9 @@
-"""Figures for the chapter 07 lesson (regenerate with `python tools/figures.py ch07`).
+"""Figures for the chapter 07 lesson (`python tools/figures.py ch07`; `--rerun` re-measures).
 
 `alpha_beta.png` is the α–β model (no run needed), with the size where the ring starts to beat
-the double tree marked; `bandwidth.png` runs the benchmark for real on two CPU processes (to
-32 MiB) and on four (to 2 MiB, two simulated nodes of two), about a minute, and draws bus
-bandwidth against message size.
+the double tree marked; `bandwidth.png` draws bus bandwidth against message size from the
+benchmark that `measure` ran for real on two CPU processes (to 32 MiB) and on four (to 2 MiB,
+two simulated nodes of two), about a minute, recorded in figures/data.json.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ from chapters.ch07_communication.cost_model import (
 )
 
 ALGORITHMS = ("ring", "double_tree", "tree", "naive")
+# one colour per implementation in every panel (ring is the same green everywhere)
+IMPL_COLOURS = {"hier": "tab:blue", "naive": "tab:orange", "ring": "tab:green", "torch": "tab:red",
+                "tree": "tab:purple", "double_tree": "tab:brown"}
+OP_STYLES = {"all_gather": ("o", "-"), "reduce_scatter": ("s", "--"), "broadcast": ("^", ":")}
+MEASURE_S = 90
 MODEL = dict(alpha=5e-6, beta=1 / 25e9)  # 5 µs, 25 GB/s: a 200 Gb/s InfiniBand link
 
 
@@ -31,7 +36,7 @@ def model_curves(n: int, alpha: float, beta: float, sizes: list[float]) -> dict[
 def draw_model(ax, n: int, sizes: list[float]) -> None:
     """The α–β model's busbw at n ranks, with the ring/double-tree crossover marked."""
     for name, bw in model_curves(n, MODEL["alpha"], MODEL["beta"], sizes).items():
-        ax.plot(sizes, bw, label=name)
+        ax.plot(sizes, bw, label=name, color=IMPL_COLOURS[name])
     for eta, style in ((1.0, ":"), (0.92, "--")):
         s = ring_tree_crossover(n, MODEL["alpha"], MODEL["beta"], eta)
         if s <= sizes[-1]:
@@ -45,11 +50,14 @@ def draw_model(ax, n: int, sizes: list[float]) -> None:
     ax.legend(fontsize=7)
 
 
-def draw_bandwidth(ax, rows: list[dict], op: str = "all_reduce") -> None:
-    """busbw against size for each implementation of `op` (rows from metrics.jsonl)."""
+def draw_bandwidth(ax, rows: list[dict], op: str = "all_reduce", label_op: bool = False) -> None:
+    """busbw against size for each implementation of `op` (rows from metrics.jsonl), one colour
+    per implementation (IMPL_COLOURS) and, with label_op, one marker and line style per op."""
+    marker, line = OP_STYLES.get(op, ("o", "-")) if label_op else ("o", "-")
     for impl in sorted({r["impl"] for r in rows if r["op"] == op}):
         pts = [(r["size"], r["busbw"]) for r in rows if r["op"] == op and r["impl"] == impl]
-        ax.plot(*zip(*pts), marker="o", label=impl)
+        ax.plot(*zip(*pts), marker=marker, ls=line, color=IMPL_COLOURS.get(impl, "0.4"), ms=5,
+                label=f"{impl} ({op.replace('_', '-')})" if label_op else impl)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
@@ -62,10 +70,15 @@ def benchmark_rows(nproc: int, max_bytes: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(__file__).with_name("train.py")
         run_torchrun(script, nproc=nproc, args=["--max-bytes", str(max_bytes)], out_dir=tmp, timeout=600)
-        return [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r[k] for k in ("op", "impl", "size", "busbw")} for r in rows]
 
 
-def make_figures(fig_dir: Path) -> list[Path]:
+def measure() -> dict:
+    return {"two_processes": benchmark_rows(2, 32 * 2**20), "four_processes": benchmark_rows(4, 2 * 2**20)}
+
+
+def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     import matplotlib.pyplot as plt
 
     fig_dir.mkdir(parents=True, exist_ok=True)
@@ -75,23 +88,21 @@ def make_figures(fig_dir: Path) -> list[Path]:
         draw_model(ax, n, sizes)
     fig.tight_layout()
     paths = [fig_dir / "alpha_beta.png"]
-    fig.savefig(paths[0], dpi=120)
+    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
     plt.close(fig)
 
-    two, four = benchmark_rows(2, 32 * 2**20), benchmark_rows(4, 2 * 2**20)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
+    two, four = data["two_processes"], data["four_processes"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     draw_bandwidth(axes[0], two, "all_reduce")
     axes[0].set_title("all-reduce, 2 CPU processes (gloo), one run", fontsize=9)
     draw_bandwidth(axes[1], four, "all_reduce")
     axes[1].set_title("all-reduce, 4 CPU processes on 2 cores, one run", fontsize=9)
-    draw_bandwidth(axes[2], two, "all_gather")
-    draw_bandwidth(axes[2], [dict(r, impl=f"{r['impl']} ({r['op']})") for r in two
-                             if r["op"] in ("reduce_scatter", "broadcast")], "reduce_scatter")
-    draw_bandwidth(axes[2], [dict(r, op="x", impl="torch (broadcast)") for r in two
-                             if r["op"] == "broadcast"], "x")
+    for op in ("all_gather", "reduce_scatter", "broadcast"):
+        draw_bandwidth(axes[2], two, op, label_op=True)
     axes[2].set_title("all-gather, reduce-scatter, broadcast, 2 processes", fontsize=9)
+    fig.suptitle("Measured bus bandwidth against message size (colour = implementation)", fontsize=10)
     fig.tight_layout()
     paths.append(fig_dir / "bandwidth.png")
-    fig.savefig(paths[1], dpi=120)
+    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
     plt.close(fig)
     return paths

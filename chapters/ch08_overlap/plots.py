@@ -1,11 +1,11 @@
-"""Figures for the chapter 08 lesson (regenerate with `python tools/figures.py ch08`).
+"""Figures for the chapter 08 lesson (`python tools/figures.py ch08`; `--rerun` re-measures).
 
 The timeline is an ordering, not a clock: each row is one training step's event log on rank 0
 (a tick per gradient made ready, a marker per all-reduce launched and per all-reduce seen
 complete, a line where backward ended), with the x axis the position in the log. It is drawn
 from a real two-process run with a fixed sleep in each block's backward (`--backward-sleep-ms
-20`), so that the early buckets have time to finish while backward still runs; the notebook
-draws the same picture from its own run.
+20`), so that the early buckets have time to finish while backward still runs; `measure` records
+its event logs in figures/data.json; the notebook draws the same picture from its own run.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from chapters.ch08_overlap.train import VARIANTS
 
 LABELS = {"naive": "naive (ch03)", "deferred": "same buckets,\nafter backward",
           "bucketed": "BucketedDDP", "ddp": "torch DDP"}
+MEASURE_S = 25
 FIGURE_ARGS = ["--backward-sleep-ms", "20", "--steps", "3", "--profile-steps", "0", "--sweep-kb", "64"]
 
 
@@ -44,22 +45,28 @@ def draw_timeline(ax, logs: dict[str, list[dict]]) -> None:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
-def make_figures(fig_dir: Path) -> list[Path]:
-    import matplotlib.pyplot as plt
-
+def measure() -> dict:
+    """Rank 0's event log of one step per variant, from a real two-process run."""
     from common.launch import run_torchrun
 
-    fig_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(__file__).with_name("train.py")
         run_torchrun(script, nproc=2, args=FIGURE_ARGS, out_dir=tmp, timeout=300)
         logs = json.loads((Path(tmp) / "events.json").read_text())
+    return {"events": {k: [{"kind": e["kind"], "seq": e["seq"]} for e in logs[k]] for k in VARIANTS}}
+
+
+def make_figures(fig_dir: Path, data: dict) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    logs = data["events"]
     fig, ax = plt.subplots(figsize=(10.5, 3.6))
     draw_timeline(ax, logs)
     ax.set_title("One step on rank 0 of 2 (64 KiB buckets, 20 ms sleep per block in backward): "
                  "order, not time", fontsize=9)
     fig.tight_layout()
     path = fig_dir / "timeline.png"
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Software": None})
     plt.close(fig)
     return [path]

@@ -1,6 +1,7 @@
-"""Figures for the chapter 09 lesson (regenerate with `python tools/figures.py ch09`).
+"""Figures for the chapter 09 lesson (`python tools/figures.py ch09`; `--rerun` re-measures).
 
-They are drawn from a real run: train.py on two CPU processes, every method.
+They are drawn from a real run recorded in figures/data.json by `measure`: train.py on two CPU
+processes, every method.
 """
 
 from __future__ import annotations
@@ -8,9 +9,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from common.checkpoint import load_checkpoint
-from common.launch import run_torchrun
-
+MEASURE_S = 30
 STYLE = {"dense": ("black", "-"), "fp16": ("grey", ":"), "bf16": ("silver", ":"),
          "topk": ("tab:blue", "-"), "topk_no_ef": ("tab:blue", "--"), "qsgd": ("tab:green", "-"),
          "signsgd": ("tab:red", "-"), "signsgd_no_ef": ("tab:red", "--"),
@@ -18,7 +17,8 @@ STYLE = {"dense": ("black", "-"), "fp16": ("grey", ":"), "bf16": ("silver", ":")
 
 
 def draw(curves: dict, summary: dict, fig_dir: Path) -> list[Path]:
-    """Loss curves of every method and the compression ratio beside the final loss."""
+    """Loss curves of every method and the compression ratio beside the final loss (from the
+    run's summary.json figures)."""
     import matplotlib.pyplot as plt
 
     fig_dir.mkdir(parents=True, exist_ok=True)
@@ -35,12 +35,12 @@ def draw(curves: dict, summary: dict, fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     paths = [fig_dir / "loss_curves.png"]
-    fig.savefig(paths[0], dpi=120)
+    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
     plt.close(fig)
 
-    figs = summary["figures"]
     methods = list(curves)
     fig, ax = plt.subplots(figsize=(7, 3.6))
+    figs = summary["figures"]
     ratios = [figs[f"compression ratio {m}"]["measured"] for m in methods]
     finals = [figs[f"final loss {m}"]["measured"] for m in methods]
     ax.scatter(ratios, finals, c=[STYLE.get(m, ("tab:orange",))[0] for m in methods])
@@ -54,14 +54,25 @@ def draw(curves: dict, summary: dict, fig_dir: Path) -> list[Path]:
     ax.set_title("What each method saves and what it costs")
     fig.tight_layout()
     paths.append(fig_dir / "ratio_vs_loss.png")
-    fig.savefig(paths[1], dpi=120)
+    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
     plt.close(fig)
     return paths
 
 
-def make_figures(fig_dir: Path) -> list[Path]:
+def measure() -> dict:
+    """train.py on two CPU processes: each method's loss curve, compression ratio and final loss."""
+    from common.checkpoint import load_checkpoint
+    from common.launch import run_torchrun
+
     script = Path(__file__).with_name("train.py")
     with tempfile.TemporaryDirectory() as out:
         result = run_torchrun(script, nproc=2, out_dir=out, timeout=180)
         curves = load_checkpoint(Path(out) / "curves.pt")
-        return draw(curves, result.summary, fig_dir)
+    figs = result.summary["figures"]
+    names = [f"{what} {m}" for m in curves for what in ("compression ratio", "final loss")]
+    return {"curves": {m: [float(x) for x in losses] for m, losses in curves.items()},
+            "summary": {"figures": {n: {"measured": figs[n]["measured"]} for n in names}}}
+
+
+def make_figures(fig_dir: Path, data: dict) -> list[Path]:
+    return draw(data["curves"], data["summary"], fig_dir)

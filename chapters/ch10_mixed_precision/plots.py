@@ -1,4 +1,8 @@
-"""Figures for the chapter 10 lesson (regenerate with `python tools/figures.py ch10`)."""
+"""Figures for the chapter 10 lesson (`python tools/figures.py ch10`; `--rerun` re-measures).
+
+`measure` trains the script's model in one process (four precisions) and traces three loss
+scalers; figures/data.json holds what it recorded and the figures are drawn from it.
+"""
 
 from __future__ import annotations
 
@@ -30,12 +34,41 @@ def loss_curves(cfg: train.Config) -> dict[str, list[float]]:
         teardown_distributed()
 
 
-def make_figures(fig_dir: Path) -> list[Path]:
+MEASURE_S = 20
+INF_STEPS = (5, 6, 12)
+SCALERS = (("GradScaler", "-o"), ("hand scaler", "--x"), ("never backs off (broken)", ":"))
+
+
+def scale_traces(cfg: train.Config) -> dict[str, dict]:
+    """Loss scale per step and steps skipped of each scaler on the script's data and model
+    (seed 0), its first TRACE_STEPS steps, with an inf injected at INF_STEPS."""
+    X, Y = regression_data(cfg.steps * cfg.global_batch_size, cfg.d_in, 1, seed=cfg.seed)
+    X = X.view(cfg.steps, -1, cfg.d_in)[:train.TRACE_STEPS]
+    Y = Y.view(cfg.steps, -1, 1)[:train.TRACE_STEPS]
+    torch.manual_seed(cfg.seed)
+    model = MLP(cfg.d_in, cfg.d_hidden, 1)
+    scalers = {"GradScaler": torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3),
+               "hand scaler": loss_scaler.DynamicLossScaler(2.0**12, growth_interval=3),
+               "never backs off (broken)": loss_scaler.DynamicLossScaler(
+                   2.0**12, backoff_factor=1.0, growth_interval=3)}
+    traces = {}
+    for name, scaler in scalers.items():
+        trace = loss_scaler.scaler_trace(model, X, Y, scaler, set(INF_STEPS))
+        traces[name] = {"scales": [float(x) for x in trace["scales"]], "skipped": trace["skipped"]}
+    return traces
+
+
+def measure() -> dict:
+    cfg = train.Config()
+    return {"loss_curves": {k: [float(x) for x in v] for k, v in loss_curves(cfg).items()},
+            "scale_traces": scale_traces(cfg)}
+
+
+def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     import matplotlib.pyplot as plt
 
     fig_dir.mkdir(parents=True, exist_ok=True)
-    cfg = train.Config()
-    curves = loss_curves(cfg)
+    curves = data["loss_curves"]
     fig, (ax, gap) = plt.subplots(1, 2, figsize=(10, 3.4))
     for i, (name, losses) in enumerate(curves.items()):
         ax.plot(losses, label=name, ls="--" if "no master" in name else "-", color=f"C{i}")
@@ -49,29 +82,19 @@ def make_figures(fig_dir: Path) -> list[Path]:
     gap.legend(fontsize=8)
     fig.tight_layout()
     paths = [fig_dir / "loss_curves.png"]
-    fig.savefig(paths[0], dpi=120)
+    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
     plt.close(fig)
 
-    # the script's data and model (seed 0), its first TRACE_STEPS steps
-    X, Y = regression_data(cfg.steps * cfg.global_batch_size, cfg.d_in, 1, seed=cfg.seed)
-    X = X.view(cfg.steps, -1, cfg.d_in)[:train.TRACE_STEPS]
-    Y = Y.view(cfg.steps, -1, 1)[:train.TRACE_STEPS]
-    torch.manual_seed(cfg.seed)
-    model, inf_steps = MLP(cfg.d_in, cfg.d_hidden, 1), {5, 6, 12}
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    for name, scaler, style in (
-            ("GradScaler", torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3), "-o"),
-            ("hand scaler", loss_scaler.DynamicLossScaler(2.0**12, growth_interval=3), "--x"),
-            ("never backs off (broken)", loss_scaler.DynamicLossScaler(
-                2.0**12, backoff_factor=1.0, growth_interval=3), ":")):
-        trace = loss_scaler.scaler_trace(model, X, Y, scaler, inf_steps)
+    for name, style in SCALERS:
+        trace = data["scale_traces"][name]
         ax.semilogy(trace["scales"], style, label=f"{name}, skipped {trace['skipped']}", ms=4)
-    for s in inf_steps:
+    for s in INF_STEPS:
         ax.axvline(s, color="red", alpha=0.2)
     ax.set(xlabel="step", ylabel="loss scale", title="Dynamic loss scaling (red: injected inf)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(fig_dir / "loss_scale.png")
-    fig.savefig(paths[1], dpi=120)
+    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
     plt.close(fig)
     return paths

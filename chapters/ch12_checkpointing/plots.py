@@ -1,4 +1,8 @@
-"""Figures for the chapter 12 lesson (regenerate with `python tools/figures.py ch12`)."""
+"""Figures for the chapter 12 lesson (`python tools/figures.py ch12`; `--rerun` re-measures).
+
+`measure` trains (resume curves) and builds deltas (their sizes); figures/data.json holds what
+it recorded and the figures are drawn from it.
+"""
 
 from __future__ import annotations
 
@@ -38,12 +42,22 @@ def delta_sizes(cfg: train.Config, touched: list[int]) -> tuple[list[int], int]:
     return sizes, deltas.state_bytes(new)
 
 
-def make_figures(fig_dir: Path) -> list[Path]:
+MEASURE_S = 15
+TOUCHED = [16, 64, 256, 1024, 4096, 8192]
+
+
+def measure() -> dict:
+    sizes, full = delta_sizes(train.Config(), TOUCHED)
+    return {"resume_curves": {k: [float(x) for x in v] for k, v in resume_curves(resume.Config()).items()},
+            "delta_bytes": sizes, "full_bytes": full}
+
+
+def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     import matplotlib.pyplot as plt
 
     fig_dir.mkdir(parents=True, exist_ok=True)
     cfg = resume.Config()
-    curves = resume_curves(cfg)
+    curves = data["resume_curves"]
     fig, ax = plt.subplots(figsize=(7, 3.4))
     styles = {"uninterrupted": dict(lw=4, alpha=0.35, color="k"), "resumed, full state": dict(ls="--")}
     for name, losses in curves.items():
@@ -56,12 +70,11 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=7)
     fig.tight_layout()
     paths = [fig_dir / "resume_curves.png"]
-    fig.savefig(paths[0], dpi=120)
+    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
     plt.close(fig)
 
     tcfg = train.Config()
-    touched = [16, 64, 256, 1024, 4096, 8192]
-    sizes, full = delta_sizes(tcfg, touched)
+    touched, sizes, full = TOUCHED, data["delta_bytes"], data["full_bytes"]
     fig, ax = plt.subplots(figsize=(6, 3.4))
     frac = [n / tcfg.vocab for n in touched]
     ax.loglog(frac, [s / 2**10 for s in sizes], "o-", label="delta (measured): changed × 8 B")
@@ -72,6 +85,6 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "delta_size.png")
-    fig.savefig(paths[1], dpi=120)
+    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
     plt.close(fig)
     return paths

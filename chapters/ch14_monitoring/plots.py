@@ -1,6 +1,7 @@
-"""Figures for the chapter 14 lesson (regenerate with `python tools/figures.py ch14`).
+"""Figures for the chapter 14 lesson (`python tools/figures.py ch14`; `--rerun` re-measures).
 
-They come from a real run: three CPU ranks under torchrun, rank 1 slowed by 30 ms per step.
+They come from a real run recorded in figures/data.json by `measure`: three CPU ranks under
+torchrun, rank 1 slowed by 30 ms per step.
 """
 
 from __future__ import annotations
@@ -10,17 +11,19 @@ import tempfile
 from pathlib import Path
 
 from chapters.ch14_monitoring import monitor, train
-from common.checkpoint import load_checkpoint
-from common.launch import run_torchrun
+
+MEASURE_S = 25
+DASHBOARD = ("loss", "lr", "grad_norm", "samples_per_s")
 
 
 def straggler_figure(times: dict, found: dict, path: Path) -> Path:
     """Per-rank compute and all-reduce wait per step, with each rank's straggler threshold."""
     import matplotlib.pyplot as plt
 
-    compute, wait = times["compute"] * 1e3, times["wait"] * 1e3
+    compute = [[t * 1e3 for t in row] for row in times["compute"]]
+    wait = [[t * 1e3 for t in row] for row in times["wait"]]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
-    for r in range(compute.shape[0]):
+    for r in range(len(compute)):
         tag = " (flagged)" if r in found["flagged"] else ""
         line, = axes[0].plot(compute[r], label=f"rank {r}{tag}")
         axes[0].axhline(found["thresholds"][r] * 1e3, ls=":", color=line.get_color())
@@ -32,8 +35,9 @@ def straggler_figure(times: dict, found: dict, path: Path) -> Path:
         ax.legend(fontsize=8)
     axes[0].set_ylabel("ms (log scale)")
     axes[0].set_yscale("log")
+    fig.suptitle("3 CPU ranks, rank 1 slowed by 30 ms per step: its compute time flags it", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Software": None})
     plt.close(fig)
     return path
 
@@ -44,23 +48,34 @@ def dashboard_figure(lines: list[dict], path: Path) -> Path:
 
     steps = [line["step"] for line in lines]
     fig, axes = plt.subplots(1, 4, figsize=(12, 2.8))
-    for ax, key in zip(axes, ("loss", "lr", "grad_norm", "samples_per_s")):
+    for ax, key in zip(axes, DASHBOARD):
         ax.plot(steps, [line[key] for line in lines], marker=".")
         ax.set_title(key)
         ax.set_xlabel("step")
+    fig.suptitle("A training dashboard's first four scalars, from metrics.jsonl (3 CPU ranks)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Software": None})
     plt.close(fig)
     return path
 
 
-def make_figures(fig_dir: Path) -> list[Path]:
-    fig_dir.mkdir(parents=True, exist_ok=True)
+def measure() -> dict:
+    """Per-rank compute and wait times of every step, and rank 0's metrics lines."""
+    from common.checkpoint import load_checkpoint
+    from common.launch import run_torchrun
+
     with tempfile.TemporaryDirectory(prefix="ch14-") as tmp:
         run_torchrun(Path(train.__file__), nproc=3, out_dir=tmp, timeout=180,
                      args=["--slow-rank", "1", "--slow-ms", "30", "--no-wandb"])
         times = load_checkpoint(Path(tmp) / "step_times.pt")
         lines = [json.loads(t) for t in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-    found = monitor.find_stragglers(times["compute"].tolist())
+    return {"step_times_s": {k: times[k].tolist() for k in ("compute", "wait")},
+            "metrics": [{k: line[k] for k in ("step", *DASHBOARD)} for line in lines]}
+
+
+def make_figures(fig_dir: Path, data: dict) -> list[Path]:
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    times = data["step_times_s"]
+    found = monitor.find_stragglers(times["compute"])
     return [straggler_figure(times, found, fig_dir / "straggler.png"),
-            dashboard_figure(lines, fig_dir / "dashboard.png")]
+            dashboard_figure(data["metrics"], fig_dir / "dashboard.png")]

@@ -1,6 +1,7 @@
-"""Figures for the chapter 15 lesson (regenerate with `python tools/figures.py ch15`).
+"""Figures for the chapter 15 lesson (`python tools/figures.py ch15`; `--rerun` re-measures).
 
-They come from real runs of `train.py` on two CPU processes (gloo): DDP's default single bucket,
+They come from real runs of `train.py` on two CPU processes (gloo), recorded by `measure` in
+figures/data.json (the events the figures draw, and each run's breakdown): DDP's default single bucket,
 and `--bucket-cap-mb 0.1` (two buckets, the first all-reduce launched while backward still runs).
 The notebook draws the same pictures from its own run with these functions.
 """
@@ -18,8 +19,9 @@ from chapters.ch15_profiling.trace_breakdown import (
     load_events,
     step_spans,
 )
-from common.launch import run_torchrun
 
+MEASURE_S = 40
+RUNS = (("1 bucket (default)", []), ("2 buckets (--bucket-cap-mb 0.1)", ["--bucket-cap-mb", "0.1"]))
 COLOURS = {"compute": "tab:blue", "exposed comm": "tab:red", "idle": "0.75"}
 
 
@@ -81,29 +83,55 @@ def draw_memory(ax, events: list[dict], grad_bytes: int, device_type: int = 0) -
     ax.legend(fontsize=8, loc="lower right")
 
 
-def make_figures(fig_dir: Path) -> list[Path]:
+def drawn_events(events: list[dict], memory: bool) -> list[dict]:
+    """The events the figures draw: the step annotations, the aten ops and collectives inside the
+    first step, and (with memory) the allocator's [memory] events, with only the fields drawn."""
+    lo, hi = step_spans(events, "train_step", "cpu")[0]
+    keys = ("ph", "name", "cat", "ts", "dur", "tid")
+    kept = []
+    for e in events:
+        if e.get("name") == "train_step" or (
+                e.get("ph") == "X" and e["ts"] < hi and e["ts"] + e["dur"] > lo
+                and (is_collective(e) or is_compute(e, "cpu"))):
+            kept.append({k: e[k] for k in keys if k in e})
+        elif memory and e.get("name") == "[memory]":
+            args = {k: e["args"][k] for k in ("Device Type", "Total Allocated") if k in e["args"]}
+            kept.append({"name": e["name"], "ph": e.get("ph"), "ts": e["ts"], "args": args})
+    return kept
+
+
+def measure() -> dict:
+    """Two profiled runs (one bucket, two buckets): the events drawn and each run's breakdown."""
+    from common.launch import run_torchrun
+
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="ch15-") as tmp:
+        for i, (label, args) in enumerate(RUNS):
+            out = Path(tmp) / str(i)
+            run_torchrun(Path(train.__file__), nproc=2, out_dir=out, args=args, timeout=300)
+            events = load_events(out / "trace.json.gz")
+            runs[label] = {"events": drawn_events(events, memory=i == 0), "breakdown": breakdown(events)}
+    return {"runs": runs}
+
+
+def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     import matplotlib.pyplot as plt
 
     fig_dir.mkdir(parents=True, exist_ok=True)
     cfg = train.Config()
     dims = [cfg.d_in] + [cfg.d_hidden] * (cfg.n_layers - 1) + [1]
     n_params = sum(a * b + b for a, b in zip(dims, dims[1:]))
-    runs = {}
-    with tempfile.TemporaryDirectory(prefix="ch15-") as tmp:
-        for label, args in (("1 bucket (default)", []), ("2 buckets (--bucket-cap-mb 0.1)",
-                                                         ["--bucket-cap-mb", "0.1"])):
-            out = Path(tmp) / str(len(runs))
-            run_torchrun(Path(train.__file__), nproc=2, out_dir=out, args=args, timeout=300)
-            runs[label] = load_events(out / "trace.json.gz")
+    runs = {label: data["runs"][label]["events"] for label, _ in RUNS}
 
     fig, axes = plt.subplots(3, 1, figsize=(10, 7), gridspec_kw={"height_ratios": [1, 1, 1.3]})
     for ax, (label, events) in zip(axes, runs.items()):
         draw_step_timeline(ax, events)
         ax.set_title(f"rank 0, first profiled step, {label}", fontsize=9)
-    draw_breakdown(axes[2], {label: breakdown(events) for label, events in runs.items()})
+    draw_breakdown(axes[2], {label: data["runs"][label]["breakdown"] for label in runs})
+    axes[2].set_title("rank 0, mean of the profiled steps: where a step's time goes", fontsize=9)
     fig.tight_layout()
     paths = [fig_dir / "timeline.png"]
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 3))
@@ -111,6 +139,6 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.set_title("CPU memory during three profiled DDP steps (profile_memory=True)", fontsize=9)
     fig.tight_layout()
     paths.append(fig_dir / "memory.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
     plt.close(fig)
     return paths

@@ -1,4 +1,8 @@
-"""Figures for the chapter 16 lesson (regenerate with `python tools/figures.py ch16`)."""
+"""Figures for the chapter 16 lesson (`python tools/figures.py ch16`; `--rerun` re-measures).
+
+The running sums are computed at draw time; the accumulation errors and the training run with
+its skipped steps are recorded by `measure` in figures/data.json and drawn from there.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +29,17 @@ def one_process_run(cfg: Config) -> dict:
     return train(model, opt, X, Y, cfg, 0, 1, sharded=False)
 
 
-def make_figures(fig_dir: Path) -> list[Path]:
+MEASURE_S = 15
+
+
+def measure() -> dict:
+    run = one_process_run(Config())
+    return {"accumulation_errors": precision.accumulation_errors(100_000),
+            "run": {"every_loss": [float(x) for x in run["every_loss"]],
+                    "skipped_bad": list(run["skipped_bad"]), "spikes": list(run["spikes"])}}
+
+
+def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     import matplotlib.pyplot as plt
 
     fig_dir.mkdir(parents=True, exist_ok=True)
@@ -43,10 +57,11 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "running_sum.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
     plt.close(fig)
 
-    errors = precision.accumulation_errors(100_000)
+    errors = {k: {**e, "bound": math.inf if e["bound"] is None else e["bound"]}  # JSON: inf -> null
+              for k, e in data["accumulation_errors"].items()}
     names = list(errors)
     fig, ax = plt.subplots(figsize=(7, 3.6))
     xs = range(len(names))
@@ -64,12 +79,11 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "accumulation_errors.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
     plt.close(fig)
 
-    cfg = Config()
-    run = one_process_run(cfg)
-    losses = run["every_loss"]
+    run = data["run"]
+    losses = [float("nan") if x is None else x for x in run["every_loss"]]
     fig, ax = plt.subplots(figsize=(6, 3.4))
     ax.semilogy(range(len(losses)), [x if math.isfinite(x) else float("nan") for x in losses],
                 marker="o", ms=3, label="global loss")
@@ -83,6 +97,6 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "loss_skips.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
     plt.close(fig)
     return paths

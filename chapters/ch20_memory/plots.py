@@ -38,7 +38,7 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths = [fig_dir / "saved_bytes.png"]
-    fig.savefig(paths[0], dpi=120)
+    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
     plt.close(fig)
 
     table = per_rank_bytes(psi=1_000_000_000, elem=4, world=8)
@@ -52,6 +52,6 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "offload_bytes.png")
-    fig.savefig(paths[1], dpi=120)
+    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
     plt.close(fig)
     return paths
