@@ -53,7 +53,10 @@ class LaunchError(AssertionError):
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None, cwd: Path) -> tuple[int, str]:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    # One thread per rank unless the caller chose otherwise: torchrun's default too, which it
+    # otherwise announces in a 4-line banner on every launch of more than one process.
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, cwd=cwd, start_new_session=True)
     try:

@@ -189,8 +189,8 @@ def name_library_log() -> None:
     if not ((path.exists() and path.stat().st_size) or others):
         return
     _library["named"] = True
-    more = f" (+{len(others)} of other ranks)" if others else ""
-    log.info("library warnings and logs: %s%s", shown_path(path), more)
+    more = f" (+{len(others)} of other ranks, beside it)" if others else ""
+    log.info("library warnings and logs%s:\n  %s", more, shown_path(path))
 
 
 @contextlib.contextmanager

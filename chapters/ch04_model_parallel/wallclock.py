@@ -33,6 +33,7 @@ from chapters.ch04_model_parallel.train import (
     serial_step,
 )
 from common.distributed import reduce_number
+from common.log import progress
 from common.models import MLP
 from common.results import RunRecorder
 from common.seed import seed_everything
@@ -170,7 +171,7 @@ def record_timings(cfg: Config, info, rec: RunRecorder) -> None:
     p, m = info.world_size, n_micro_batches(cfg, info.world_size)
     counts = sorted({1, 2, m, 2 * m})
     stage, x = real_stage(cfg, info, max(counts))
-    for k in counts:
+    for k in progress(counts, len(counts), "timing GPipe on real layers, m values", info.is_main, 1):
         run = measure(gpipe_step, stage, x[: k * cfg.time_micro_batch_size], info, k, cfg.time_repeats)
         rec.figure(f"real layers: bubble, m={k}", run.median, float(bubble_formula(p, k)), spread=(run.min, run.max))
         if k == m:
@@ -189,7 +190,7 @@ def record_timings(cfg: Config, info, rec: RunRecorder) -> None:
         return
     stage, x = sleep_stage(cfg, info, max(counts))
     band = cfg.sleep_band
-    for k in counts:
+    for k in progress(counts, len(counts), "timing GPipe on fixed sleeps, m values", info.is_main, 1):
         run = measure(gpipe_step, stage, x[: k * cfg.micro_batch_size], info, k, cfg.time_repeats)
         formula = float(bubble_formula(p, k))
         rec.figure(f"fixed-sleep GPipe: bubble, m={k}", run.median, formula, spread=(run.min, run.max))

@@ -28,7 +28,14 @@ from chapters.ch06_hybrid_zero import train
 from chapters.ch06_hybrid_zero.probe import StepProbe
 from common.config import check_global_batch, parse_config
 from common.distributed import reduce_number, setup_distributed, teardown_distributed
-from common.log import library_output, log, setup_logging, shown_path, torch_extension_built
+from common.log import (
+    library_output,
+    log,
+    progress,
+    setup_logging,
+    shown_path,
+    torch_extension_built,
+)
 from common.results import RunRecorder
 
 
@@ -145,7 +152,7 @@ def main(cfg: Config) -> int:
         tol = train.parity_tolerance(cfg)
         psi_bytes = sum(p.numel() * p.element_size() for p in reference.values()) - \
             reference["pos_emb.weight"].numel() * reference["pos_emb.weight"].element_size()
-        for stage in cfg.stages:
+        for stage in progress(cfg.stages, len(cfg.stages), "DeepSpeed ZeRO stages trained", info.is_main, 1):
             got, probe = train_deepspeed(stage, cfg, X, Y, vocab, info, info.rank)
             rec.check(f"DeepSpeed ZeRO-{stage} == DDP + Adam (max |dparam|)", "parity",
                       reduce_number(train.max_diff(got, reference), "max"), 0.0, tol)

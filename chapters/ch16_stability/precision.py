@@ -19,6 +19,8 @@ import struct
 
 import torch
 
+from common.log import progress
+
 U_BF16 = 2.0**-8   # unit roundoff: half the gap between 1 and the next bf16
 U_FP32 = 2.0**-24
 U_FP16 = 2.0**-11
@@ -120,16 +122,19 @@ METHODS = {
 
 
 def accumulation_errors(n: int = 100_000, seed: int = 0, low: float = 0.0, high: float = 1e-3,
-                        methods: dict | None = None) -> dict[str, dict[str, float]]:
+                        methods: dict | None = None, show_progress: bool = False) -> dict[str, dict[str, float]]:
     """Sum n uniform values in [low, high) five ways; the relative error |ŝ − s| / Σ|xᵢ| of each
     against the exact (math.fsum) sum of the same inputs, beside its worst-case bound.
-    `methods` replaces some of `METHODS` (the tests pass broken ones)."""
+    `methods` replaces some of `METHODS` (the tests pass broken ones). Summing element by element
+    in Python takes seconds: `show_progress` reports each method as it finishes."""
     g = torch.Generator().manual_seed(seed)
     x32 = low + torch.rand(n, generator=g, dtype=torch.float32) * (high - low)
     inputs = {"bf16": x32.to(torch.bfloat16).float().tolist(), "fp32": x32.tolist()}
     bounds = error_bounds(n)
     out = {}
-    for name, (fn, kind) in {**METHODS, **(methods or {})}.items():
+    todo = {**METHODS, **(methods or {})}
+    for name, (fn, kind) in progress(todo.items(), len(todo), f"summing {n} numbers, methods",
+                                     show_progress, 1):
         v = inputs[kind]
         s, exact, mass = fn(v), math.fsum(v), math.fsum(abs(x) for x in v)
         out[name] = {"sum": s, "exact": exact, "rel_error": abs(s - exact) / mass, "bound": bounds[name]}

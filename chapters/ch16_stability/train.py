@@ -194,7 +194,7 @@ def full_params(model: nn.Module) -> dict:
 def record_accumulation(rec: RunRecorder, cfg: Config) -> None:
     """The bf16 accumulation table beside Higham's bounds, checked where a bound says something
     (below 1), and the two stagnation points a broken sum would miss."""
-    errors = precision.accumulation_errors(cfg.sum_terms, cfg.seed)
+    errors = precision.accumulation_errors(cfg.sum_terms, cfg.seed, show_progress=rec.is_main)
     for name, e in errors.items():
         bound = e["bound"] if e["bound"] < 1 else "none below 1"
         rec.figure(f"rel. error {name}", e["rel_error"], bound)
