@@ -170,6 +170,7 @@ class RunRecorder:
         self.out = Path(cfg.out) if getattr(cfg, "out", "") else default_out_dir(script_file)
         self.figures: dict[str, dict] = {}
         self.checks: list[dict] = []
+        self._untabled: set[str] = set()  # figures a check already shows (see `figure`)
         self.start = time.perf_counter()
         self._metrics = self._tb = None
         if _is_main_script(script_file):  # not a test or notebook calling in process
@@ -198,9 +199,16 @@ class RunRecorder:
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
 
-    def figure(self, name: str, measured, expected=None, unit: str = "", spread=None) -> None:
+    def figure(self, name: str, measured, expected=None, unit: str = "", spread=None,
+               table: bool = True) -> None:
         """Record a measured figure beside the value theory predicts (if it predicts one).
-        `spread=(low, high)` records the range over repeats (a timing's min and max)."""
+        `spread=(low, high)` records the range over repeats (a timing's min and max).
+        `table=False` keeps it out of the printed table (summary.json still has it): for a figure
+        that a check prints with the same numbers, so the console shows each result once."""
+        if not table:
+            self._untabled.add(name)
+        else:
+            self._untabled.discard(name)
         self.figures[name] = {"measured": _plain(measured), "expected": _plain(expected), "unit": unit}
         if spread is not None:
             self.figures[name]["spread"] = [_plain(spread[0]), _plain(spread[1])]
@@ -264,15 +272,17 @@ class RunRecorder:
         rows += [(n, f["unit"], _fmt(f["expected"]) if f["expected"] is not None else "-",
                   _fmt(f["measured"]),
                   f"{_short(f['spread'][0])}–{_short(f['spread'][1])}" if "spread" in f else "", "")
-                 for n, f in self.figures.items()]
+                 for n, f in self.figures.items() if n not in self._untabled]
         rows += [("check", "kind", "expected", "measured", "tolerance", "ok")]
         rows += [(c["name"], c["kind"], expected_text(c), _fmt(c["measured"]),
                   (_fmt(c["tolerance"]) + (" rel" if c["relative"] else ""))
                   if c.get("compare", "==") == "==" else "",
                   "ok" if c["ok"] else ("FAIL" if c["kind"] != "timing" else "slow"))
                  for c in self.checks]
-        split = len(self.figures) + 1
+        split = len(self.figures) - len(self._untabled & set(self.figures)) + 1
         for part in (rows[:split], rows[split:]):
+            if len(part) == 1 and part is rows[:split] and self._untabled:
+                continue  # every figure is shown by a check
             log.info("")
             for line in _table_lines(part):
                 log.info(line)

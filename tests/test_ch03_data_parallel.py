@@ -67,12 +67,13 @@ def max_diff(a: dict, b: dict) -> float:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nproc", [1, 2, 3])
-def test_runs_match_an_independent_one_process_reference(nproc, tmp_path):
+def test_runs_match_an_independent_one_process_reference(nproc, tmp_path, quiet_console):
     if nproc == 1:
         res = run_python(SCRIPT, out_dir=tmp_path, timeout=60)  # no torchrun: a world of one
     else:
         res = run_torchrun(SCRIPT, nproc=nproc, out_dir=tmp_path, timeout=90)
     assert res.summary["world_size"] == nproc
+    quiet_console(res)  # plain DDP: the course's lines only, within 100 columns
     failed = [c["name"] for c in res.summary["checks"] if not c["ok"]]
     assert not failed, res.output[-3000:]
     cfg = train.Config()

@@ -213,9 +213,11 @@ def main(cfg: Config) -> int:
                      r["losses"][-1], statistics.median(ms), min(ms), max(ms))
             expected = hooks.expected_bytes(m, shapes, hook_state("dense", cfg))
             rec.figure(f"compression ratio {m}", dense_bytes / sent, expected=dense_bytes / expected)
-            rec.figure(f"final loss {m}", r["losses"][-1])
+            # the table above shows these two; the figures table shows them once, not again
+            rec.figure(f"final loss {m}", r["losses"][-1], table=False)
             rec.figure(f"step time {m}: median, min, max",
-                       [round(x, 3) for x in (statistics.median(ms), min(ms), max(ms))], unit="ms")
+                       [round(x, 3) for x in (statistics.median(ms), min(ms), max(ms))], unit="ms",
+                       table=False)
             # every step from step 2 on (torch's PowerSGD compresses from step 2): one value each
             rec.check(f"bytes/step {m} = formula", "formula",
                       sorted(set(r["bytes_sent"][2:])), [expected])

@@ -197,7 +197,7 @@ def record_accumulation(rec: RunRecorder, cfg: Config) -> None:
     errors = precision.accumulation_errors(cfg.sum_terms, cfg.seed, show_progress=rec.is_main)
     for name, e in errors.items():
         bound = e["bound"] if e["bound"] < 1 else "none below 1"
-        rec.figure(f"rel. error {name}", e["rel_error"], bound)
+        rec.figure(f"rel. error {name}", e["rel_error"], bound, table=e["bound"] >= 1)  # else: its check
         if e["bound"] < 1:
             rec.check(f"{name} error within bound", "formula", e["rel_error"], e["bound"], compare="<=")
     naive = errors["bf16 naive"]
