@@ -69,6 +69,14 @@ def test_slowed_rank_is_flagged_and_the_others_are_not(slowed):
 
 
 @pytest.mark.timeout(150)
+def test_console_says_where_the_events_went_and_holds_no_library_noise(slowed, quiet_console):
+    # TensorBoard's writer and wandb start inside library_output: their messages, if any, go to
+    # the library log; the console names the events' folder and the command that opens them.
+    quiet_console(slowed)
+    assert f"  tensorboard --logdir {slowed.out_dir / 'tb'}" in slowed.output.splitlines()
+
+
+@pytest.mark.timeout(150)
 def test_tensorboard_events_hold_the_logged_scalars(slowed):
     lines = jsonl(slowed.out_dir)
     scalars = monitor.read_tensorboard_scalars(slowed.out_dir / "tb")  # TensorBoard's EventAccumulator

@@ -224,8 +224,8 @@ def main(cfg: Config) -> int:
                        stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"],
                        unit="bytes")
         else:
-            log.info("CPU run: there is no caching-allocator statistic to read; the storage "
-                     "census is what torch.cuda.memory_allocated would show on a GPU.")
+            log.info("CPU run: there is no caching-allocator statistic to read; the storage census")
+            log.info("is what torch.cuda.memory_allocated would show on a GPU.")
         return rec.finish()
     finally:
         teardown_distributed()
