@@ -154,3 +154,32 @@ def test_ci_runs_the_readme_test_command():
     readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
     assert "./course test" in readme and "./course test" in ci
     assert "ruff check" in ci and (ROOT / "LICENSE").is_file()
+
+
+def lesson_minutes(chapter: Path) -> tuple[int, int]:
+    """(read, run) minutes from the lesson's '**Time:** about R min to read, M min to run'."""
+    text = " ".join((chapter / "README.md").read_text().split())
+    m = re.search(r"\*\*Time:\*\* about (\d+) min to read, (\d+) min to run", text)
+    assert m, f"{chapter.name}: no '**Time:** about R min to read, M min to run'"
+    return int(m.group(1)), int(m.group(2))
+
+
+def test_readme_times_and_routes_are_the_lessons_own():
+    """The chapter table's 'read · run' column is each lesson's Time line, and each start-here
+    route's hours are the sum of its chapters' reading times, to the nearest quarter hour."""
+    minutes = {c.name[2:4]: lesson_minutes(c) for c in CHAPTERS}
+    readme = (ROOT / "README.md").read_text()
+    rows = [row for line in readme.splitlines()
+            if (row := re.match(r"\| (\d\d) \| .* \| (?:(\d+) · (\d+) min)? ?\|$", line))]
+    assert len(rows) == 30
+    for row in rows:
+        if row:
+            shown = (int(row.group(2)), int(row.group(3))) if row.group(2) else None
+            assert shown == minutes.get(row.group(1)), f"README row {row.group(1)}: {shown}"
+    routes = re.findall(r"^\| [^|]+ \| ((?:\d\d → )+\d\d)[^|]* \| ([\d¼½¾]+) h \|$", readme, re.M)
+    assert len(routes) == 3
+    quarters = {"": 0, "¼": 0.25, "½": 0.5, "¾": 0.75}
+    for chapters, hours in routes:
+        total = sum(minutes[n][0] for n in chapters.split(" → ")) / 60
+        stated = int(re.match(r"\d+", hours).group()) + quarters[hours.lstrip("0123456789")]
+        assert abs(total - stated) <= 0.125, f"route {chapters}: {total:.2f} h, README says {hours} h"
