@@ -98,3 +98,23 @@ def test_help_states_each_default_once():
         if action.dest != "help":
             assert action.help.count("(default:") == 1, (action.dest, action.help)
     assert "runs/<chapter>/<script>/" in next(a.help for a in parser._actions if a.dest == "out")
+
+
+def test_a_figure_that_a_check_repeats_is_printed_once(tmp_path, capsys):
+    """One table per result: `figure(..., table=False)` keeps the figure in summary.json and out
+    of the printed table, where its check already shows the same numbers."""
+    import json
+
+    from common.config import RunConfig
+    from common.log import setup_logging
+    from common.results import RunRecorder
+
+    setup_logging(0, 1)
+    rec = RunRecorder(RunConfig(out=str(tmp_path)), __file__)
+    rec.figure("MFU (achieved / peak)", 0.4375, table=False)
+    rec.figure("step time", 12.5, unit="ms")
+    rec.check("MFU <= 1", "timing", 0.4375, 1.0, compare="<=")
+    assert rec.finish() == 0
+    out = capsys.readouterr().out
+    assert out.count("0.4375") == 1 and "step time" in out and "MFU (achieved" not in out
+    assert "MFU (achieved / peak)" in json.loads((tmp_path / "summary.json").read_text())["figures"]
