@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from urllib.parse import unquote
 
 import nbformat
 import pytest
@@ -40,3 +42,107 @@ def test_notebook_executes_on_cpu(chapter, tmp_path):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.output_type == "error"]
     assert not errors
+
+
+# The book (tools/book.py, `./course book`): built from the executions above, so these tests stay
+# at the end of this module and reuse them instead of running every notebook twice.
+
+def local_links(page: Path) -> list[str]:
+    """The local href/src targets of an HTML page (no scheme, not a pure anchor)."""
+    from html.parser import HTMLParser
+
+    found = []
+
+    class Links(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            for key, value in attrs:
+                if key in ("href", "src") and value and not value.startswith("#") \
+                        and not re.match(r"^[a-z][a-z0-9+.-]*:|^//", value, re.I):
+                    found.append(value)
+
+    Links().feed(page.read_text())
+    return found
+
+
+def missing_targets(root: Path) -> list[str]:
+    """Every local link or image of every page under `root` whose target does not exist."""
+    missing = []
+    for page in sorted(root.glob("*.html")):
+        for url in local_links(page):
+            target = (page.parent / unquote(url.split("#")[0].split("?")[0])).resolve()
+            if not target.exists():
+                missing.append(f"{page.name}: {url}")
+    return missing
+
+
+@pytest.fixture(scope="module")
+def built_book(tmp_path_factory):
+    stale = [c.name for c in CHAPTERS if not book.is_current(c)]
+    if stale:
+        pytest.skip(f"no current executed copy in build/executed/ for {', '.join(stale)}: "
+                    "the notebook executions of this module write them (run the module whole)")
+    out = tmp_path_factory.mktemp("book")
+    done = book.build(out, execute_missing=False, log=lambda *a: None)
+    assert done["executed"] == [], "the book ran notebooks again instead of reusing the executions"
+    return out, done
+
+
+@pytest.mark.timeout(120)
+def test_book_has_every_page_link_and_image_and_no_errors(built_book, tmp_path):
+    out, done = built_book
+    written = sorted(p.parent.name for p in (notebooks.REPO_ROOT / "chapters").glob("ch[0-9][0-9]_*/README.md"))
+    assert done["chapters"] == written
+    for name in written:
+        for page in (f"{name}.html", f"{name}.notebook.html"):
+            assert (out / page).stat().st_size > 1000, f"{page} missing or empty"
+    index = (out / "index.html").read_text()
+    listed = re.findall(r'<li><a href="(ch\d\d_[a-z0-9_]+)\.html"', index)
+    assert listed == written, "the index lists the chapters out of order or misses some"
+    assert not missing_targets(out), missing_targets(out)[:10]
+    assert sum(len(local_links(p)) for p in out.glob("ch*.html")) > 100  # the links were read
+    assert any("files/chapters/" in u and u.endswith(".png") for u in local_links(out / "ch07_communication.html"))
+    for page in out.glob("*.html"):  # offline: no script from a CDN
+        assert not re.search(r'<script[^>]+src="(https?:)?//', page.read_text()), page.name
+    for chapter in CHAPTERS:
+        nb = nbformat.read(book.executed_copy(chapter), as_version=4)
+        errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                  if o.output_type == "error"]
+        assert not errors, f"{chapter.name}: a cell output holds an error"
+        assert any(c.get("outputs") for c in nb.cells if c.cell_type == "code"), f"{chapter.name}: no outputs"
+    # the link check can fail: a page with a missing image and a link to nowhere
+    (tmp_path / "p.html").write_text('<img src="figures/none.png"><a href="nowhere.html#x">x</a>'
+                                     '<a href="#top">t</a><a href="https://example.org/">e</a>')
+    assert missing_targets(tmp_path) == ["p.html: figures/none.png", "p.html: nowhere.html#x"]
+
+
+def screenshot_is_not_blank(png: Path) -> bool:
+    from PIL import Image
+
+    with Image.open(png) as img:
+        colours = img.convert("RGB").getcolors(maxcolors=1 << 20)
+    return colours is None or len(colours) > 1
+
+
+@pytest.mark.timeout(120)
+def test_book_pages_render_in_headless_chromium(built_book, tmp_path):
+    import shutil
+    import subprocess
+
+    if os.environ.get("COURSE_SYSTEM_TESTS") != "1":
+        pytest.skip("set COURSE_SYSTEM_TESTS=1 (and ./course setup --system) to open the book in Chromium")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium binary (./course setup --system installs Debian's chromium)")
+    out, done = built_book
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+             "--virtual-time-budget=15000", "--window-size=1200,1600"]
+    for page in ("index.html", "ch07_communication.html", "ch07_communication.notebook.html"):
+        shot = tmp_path / f"{page}.png"
+        subprocess.run([*flags, f"--screenshot={shot}", (out / page).as_uri()], capture_output=True,
+                       timeout=60)
+        assert shot.exists() and screenshot_is_not_blank(shot), f"{page}: blank or no screenshot"
+    if not done["mathjax"]:
+        pytest.skip("the book was built without MathJax (no libjs-mathjax): formulas not typeset")
+    dom = subprocess.run([*flags, "--dump-dom", (out / "ch07_communication.html").as_uri()],
+                         capture_output=True, text=True, timeout=60).stdout
+    assert dom.count('class="mjx-chtml') > 10, "MathJax did not typeset the lesson's formulas"
