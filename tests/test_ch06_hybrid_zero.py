@@ -660,7 +660,8 @@ def test_deepspeed_zero_stages_match_ddp(tmp_path, quiet_console):
     assert config["zero_optimization"]["stage"] == 3 and "ds_config.json" in res.output
     # DeepSpeed's warnings, its operator's build and torch's FutureWarnings about the collectives
     # it calls go to the library log, which the console names; only the course's lines remain.
-    quiet_console(res, routed=("Setting accelerator to CPU",))
+    renamed = hasattr(dist, "all_gather_single")  # torch 2.14: the old names warn on every call
+    quiet_console(res, routed=("Setting accelerator to CPU",) + (("FutureWarning",) if renamed else ()))
     assert "DeepSpeed ZeRO stages trained 3/3" in res.output  # progress, off a terminal
 
 
