@@ -184,3 +184,20 @@ def test_lab_works_on_copies_that_follow_the_course_unless_edited(tmp_path):
                             capture_output=True, text=True, check=True)
     assert status.stdout == ""  # the copies are the learner's, outside git and the tests
     shutil.rmtree(b)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_run_ends_with_one_line_naming_the_first_failure(tmp_path):
+    """`./course run` starts torchrun through tools/torchrun.py: when a rank fails, one line says
+    which failed first and how, instead of torchrun's ChildFailedError traceback."""
+    script = tmp_path / "fails.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n")
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "torchrun.py"), "--standalone",
+                           "--nproc_per_node=2", str(script)], capture_output=True, text=True,
+                          timeout=100, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 3
+    assert done.stderr.splitlines()[-1] == (
+        f"course: {script} failed: rank 1 exited with code 3 first; torchrun then stopped 1 other "
+        "rank. Its own messages are above.")
+    assert "Traceback" not in done.stderr and "SIGTERM" not in done.stderr

@@ -399,7 +399,8 @@ def main(cfg: Config) -> int:
         rec.figure("bucketed: hidden under backward, median per rank", done_per_rank)
         for kb, r in sweep.items():
             n = len(build_buckets(params, kb * 1024))
-            rec.figure(f"bucketed step time, cap {kb} KiB ({n} buckets)", r["ms"], unit="ms")
+            rec.figure(f"bucketed step time, cap {kb} KiB ({n} bucket{'s' * (n != 1)})", r["ms"],
+                       unit="ms")
             rec.figure(f"bucketed / naive, cap {kb} KiB", r["ms"] / runs["naive"]["ms"])
         if cfg.profile_steps:
             for kind in VARIANTS:
