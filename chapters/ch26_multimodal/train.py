@@ -1,0 +1,248 @@
+"""A small CLIP trained data-parallel, its contrastive loss taking negatives from every rank.
+
+Each rank embeds its b = B / W image/caption pairs, all-gathers the embeddings so that every
+image meets all B captions (an all-gather that carries gradients: by hand and with
+`torch.distributed.nn.functional.all_gather`), and computes either the whole B x B loss or only
+its own b x B rows (the "local loss"). The script first proves, in float64, that the loss and
+the gradients equal one process on the global batch for both gathers and both losses, that a
+gather without gradients is rejected by the same check, and that the logits a rank builds are
+B² or 2·b·B bytes as counted; then it trains with DDP on shapes and their captions and asks the
+model to retrieve captions for colour/shape pairs it never saw in training (zero-shot).
+
+Run:
+    python chapters/ch26_multimodal/train.py                                      # one process
+    torchrun --standalone --nproc_per_node=2 chapters/ch26_multimodal/train.py    # 2 CPU processes
+    torchrun --standalone --nproc_per_node=4 chapters/ch26_multimodal/train.py --no-local-loss
+    torchrun --standalone --nproc_per_node=8 chapters/ch26_multimodal/train.py \\
+        --global-batch-size 1024 --steps 400                                      # 8 GPUs, NCCL
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        chapters/ch26_multimodal/train.py --global-batch-size 1024               # run on each node
+    srun --ntasks=8 --ntasks-per-node=8 --gpus-per-task=1 python chapters/ch26_multimodal/train.py
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from chapters.ch26_multimodal import contrastive, data
+from chapters.ch26_multimodal.contrastive import Counter, clip_loss, distributed_clip_loss
+from chapters.ch26_multimodal.model import CLIP
+from common.config import RunConfig, check_global_batch, parse_config, require_at_least_one
+from common.distributed import reduce_number, setup_distributed, teardown_distributed
+from common.log import log, progress, setup_logging
+from common.results import RunRecorder
+from common.seed import seed_everything
+
+# float64 parity: the longest dot product is the image projection's 512 terms, and a handful of
+# layers each add a rounding of ~n·u·|terms| (u = 1.1e-16): ~1e-12 at worst; see the lesson.
+PARITY_TOLERANCE = 1e-11
+VARIANTS = (("hand", False), ("torch", False), ("hand", True), ("torch", True))
+
+
+@dataclass
+class Config(RunConfig):
+    steps: int = 200
+    """Optimizer steps of the CLIP training."""
+    global_batch_size: int = 48
+    """Image/caption pairs per step over all ranks (B); each rank embeds B / world of them."""
+    embed_dim: int = 32
+    """Size of the shared embedding space both towers project to."""
+    image_size: int = 16
+    """Side of the generated images in pixels (a multiple of 4)."""
+    lr: float = 2e-3
+    """Learning rate of Adam."""
+    gather: str = "torch"
+    """All-gather used in training: torch (torch.distributed.nn.functional.all_gather), hand, or
+    nograd (no gradient through the gather: the wrong one, for the exercises)."""
+    local_loss: bool = True
+    """Train on each rank's b x B rows of the logits (open_clip's local_loss) instead of all B x B."""
+    eval_pairs: int = 256
+    """Held-out images for zero-shot retrieval (colour/shape pairs never seen in training)."""
+    margin: float = 0.2
+    """Zero-shot accuracy must beat chance (1/64) by at least this much."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_at_least_one(self, "global_batch_size", "embed_dim", "eval_pairs")
+        if self.image_size < 4 or self.image_size % 4:
+            raise ValueError(f"--image-size must be a positive multiple of 4, got {self.image_size}")
+        if self.gather not in contrastive.GATHERS:
+            raise ValueError(f"--gather must be one of {', '.join(contrastive.GATHERS)}, "
+                             f"not {self.gather!r}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Every rank embeds the same number of pairs, and the gathers' backward reduce-scatters."""
+    check_global_batch(cfg.global_batch_size, world_size)
+    on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if world_size > 1 and cfg.backend == "gloo" and on_gpus:
+        raise ValueError("gloo reduce-scatters CPU tensors only, and the all-gather's backward "
+                         "reduce-scatters: use NCCL (one GPU per rank) or --device cpu")
+
+
+def shard(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's contiguous b = B / world rows of a global batch."""
+    return x.chunk(world)[rank]
+
+
+def average_gradients(model: torch.nn.Module) -> None:
+    """Chapter 03's data parallelism: sum every gradient over the ranks, divide by the world."""
+    world = dist.get_world_size()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+
+
+def global_batch_gradients(model: CLIP, images, ids) -> tuple[float, dict]:
+    """One process on the whole global batch: the reference loss and gradients."""
+    model.zero_grad()
+    loss = clip_loss(*model(images, ids))
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def distributed_gradients(model: CLIP, images, ids, gather_how: str, local: bool,
+                          rank: int, world: int) -> tuple[float, dict, Counter]:
+    """This rank's shard through the distributed loss, then the gradients averaged over the
+    ranks (as DDP would): the mean loss over the ranks and the averaged gradients."""
+    model.zero_grad()
+    counter = Counter()
+    img, txt, scale = model(shard(images, rank, world), shard(ids, rank, world))
+    loss = distributed_clip_loss(img, txt, scale, gather_how, local, counter)
+    loss.backward()
+    average_gradients(model)
+    mean_loss = reduce_number(loss.detach()) / world
+    return mean_loss, {n: p.grad.clone() for n, p in model.named_parameters()}, counter
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+def check_parity(rec: RunRecorder, cfg: Config, info) -> None:
+    """Loss and gradients of every gather and loss against one process on the global batch
+    (float64, the same weights and batch on every rank), the no-gradient gather as the control,
+    and the logits and gathered bytes against their formulas."""
+    rank, world, B = info.rank, info.world_size, cfg.global_batch_size
+    seed_everything(cfg.seed)
+    model = CLIP(cfg.embed_dim, cfg.image_size).to(info.device, torch.float64)
+    train_combos, _ = data.split_combinations()
+    images, ids, _ = data.make_pairs(B, cfg.seed + 100, train_combos, cfg.image_size, torch.float64)
+    images, ids = images.to(info.device), ids.to(info.device)
+    ref_loss, ref_grads = global_batch_gradients(model, images, ids)
+    rec.figure("global-batch loss at the start (one process)", round(ref_loss, 6))
+    e, b = 8, B // world  # float64 bytes per element; pairs per rank
+    for how, local in VARIANTS + (("nograd", False), ("nograd", True)):
+        loss, grads, counter = distributed_gradients(model, images, ids, how, local, rank, world)
+        name = f"{how} gather, {'local' if local else 'global'} loss"
+        worst = reduce_number(max(abs(loss - ref_loss), max_diff(grads, ref_grads)), "max")
+        if how == "nograd" and world > 1:
+            rec.check(f"{name} != one process (control)", "parity", worst, PARITY_TOLERANCE,
+                      compare=">")
+            if not local:  # the towers get 1/W of their gradient; the temperature all of it
+                tower = [n for n in grads if n != "logit_scale"]
+                ratio = sum((grads[n] * ref_grads[n]).sum() for n in tower) / \
+                    sum((ref_grads[n] ** 2).sum() for n in tower)
+                rec.check("no-grad gather, global loss: tower gradient / true", "formula",
+                          ratio.item(), 1 / world, tolerance=1e-9)
+        elif how != "nograd":
+            rec.check(f"{name} == one process (max |dloss|, |dgrad|)", "parity", worst, 0.0,
+                      tolerance=PARITY_TOLERANCE)
+        if how == "hand":
+            kind, rows = ("local", b) if local else ("global", B)
+            rec.check(f"largest logits matrix per rank, {kind} = {'b·B' if local else 'B²'} x 8",
+                      "formula", max(r * c for r, c in counter.shapes) * e, rows * B * e)
+            rec.check(f"logits bytes per rank, {kind} = {'2·b·B' if local else 'B²'} x 8",
+                      "formula", counter.logits_bytes,
+                      contrastive.logits_bytes_formula(B, world, local, e))
+            if not local:
+                rec.check("bytes all-gathered per rank = 2·b·d x 8", "formula",
+                          counter.gathered_bytes, 2 * b * cfg.embed_dim * e)
+    if world == 1:
+        rec.figure("no-grad gather control", "n/a at world 1 (nothing to gather)")
+
+
+def zero_shot(model: CLIP, images, truth, device) -> float:
+    """Top-1 accuracy of retrieving each image's caption among all 64 captions."""
+    bank, _ = data.caption_bank()
+    with torch.no_grad():
+        sims = model.encode_image(images.to(device)) @ model.encode_text(bank.to(device)).T
+    return (sims.argmax(dim=1).cpu() == truth).float().mean().item()
+
+
+def eval_set(cfg: Config, combos: list, seed: int):
+    """Fresh images of the given combinations and the index of their caption in the bank."""
+    images, _, which = data.make_pairs(cfg.eval_pairs, seed, combos, cfg.image_size)
+    everything = data.all_combinations()
+    return images, torch.tensor([everything.index(combos[int(k)]) for k in which])
+
+
+def train_clip(cfg: Config, info, rec: RunRecorder) -> CLIP:
+    """DDP training on the training combinations: each step, this rank's shard of the global
+    batch, the distributed contrastive loss, Adam."""
+    rank, world, B = info.rank, info.world_size, cfg.global_batch_size
+    train_combos, held = data.split_combinations()
+    log.info("generating %d image/caption pairs (%d of 64 combinations; %d held out)",
+             cfg.steps * B, len(train_combos), len(held))
+    images, ids, _ = data.make_pairs(cfg.steps * B, cfg.seed + 1, train_combos, cfg.image_size)
+    held_images, held_truth = eval_set(cfg, held, cfg.seed + 2)
+    seed_everything(cfg.seed)
+    model = CLIP(cfg.embed_dim, cfg.image_size).to(info.device)
+    rec.figure("zero-shot accuracy before training (held-out)",
+               round(zero_shot(model, held_images, held_truth, info.device), 4))
+    ddp = DDP(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr)
+    for step in progress(range(cfg.steps), total=cfg.steps, desc="train", enabled=info.is_main, every=50):
+        rows = slice(step * B, (step + 1) * B)
+        x = shard(images[rows], rank, world).to(info.device)
+        t = shard(ids[rows], rank, world).to(info.device)
+        loss = distributed_clip_loss(*ddp(x, t), cfg.gather, cfg.local_loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            mean = reduce_number(loss.detach()) / world  # the global-batch loss
+            acc = zero_shot(model, held_images, held_truth, info.device)
+            rec.metrics(step, loss=mean, lr=cfg.lr, zero_shot=acc, temperature=1 / model.scale().item())
+    rec.figure("final loss (global batch)", round(mean, 4))
+    return model
+
+
+def check_zero_shot(rec: RunRecorder, cfg: Config, model: CLIP, info) -> None:
+    """Retrieval of held-out colour/shape pairs against chance, beside seen pairs."""
+    train_combos, held = data.split_combinations()
+    chance = 1 / len(data.all_combinations())
+    acc = zero_shot(model, *eval_set(cfg, held, cfg.seed + 2), info.device)
+    seen = zero_shot(model, *eval_set(cfg, train_combos, cfg.seed + 3), info.device)
+    rec.figure("zero-shot accuracy, seen colour/shape pairs", round(seen, 4), unit="top-1")
+    rec.figure("colour and position right, shape guessed (baseline)", 0.25, unit="top-1")
+    rec.check(f"zero-shot accuracy, held-out pairs >= chance + {cfg.margin}", "count",
+              round(acc, 4), round(chance + cfg.margin, 4), compare=">=")
+
+
+def main(cfg: Config) -> int:
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        setup_logging(info.rank, info.world_size)
+        rec = RunRecorder(cfg, __file__, info)
+        b = cfg.global_batch_size // info.world_size
+        log.info("CLIP on %d rank(s), %s/%s: B=%d pairs per step, b=%d per rank, %s gather, %s loss",
+                 info.world_size, info.device, info.backend, cfg.global_batch_size, b, cfg.gather,
+                 "local" if cfg.local_loss else "global")
+        check_parity(rec, cfg, info)
+        model = train_clip(cfg, info, rec)
+        check_zero_shot(rec, cfg, model, info)
+        return rec.finish()
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

@@ -1,0 +1,134 @@
+"""Chapter 26: CLIP's contrastive loss with negatives from every rank equals one process.
+
+The script checks itself (summary.json); this module also writes the global-batch loss out by
+hand (log-sum-exp, no `cross_entropy`) and compares every gather and loss with it on 2 and 4
+gloo ranks, runs the negative controls (a gather without gradients), counts the logits bytes
+against b·B and B², and checks the zero-shot claim and its control (an untrained model).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from chapters.ch26_multimodal import contrastive, data, train
+from chapters.ch26_multimodal.model import CLIP
+from common.launch import run_on_ranks, run_torchrun
+
+SCRIPT = Path(train.__file__)
+TOL = train.PARITY_TOLERANCE  # 1e-11 in float64; the lesson derives it
+
+
+def reference_loss(img: torch.Tensor, txt: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The global-batch CLIP loss written out: for each row of s·I·Tᵀ and each column, the
+    log-sum-exp minus the diagonal, averaged over the B rows and the B columns, halved."""
+    logits = scale * img @ txt.T
+    diag = logits.diagonal()
+    rows = torch.logsumexp(logits, dim=1) - diag
+    cols = torch.logsumexp(logits, dim=0) - diag
+    return (rows.mean() + cols.mean()) / 2
+
+
+def _parity(global_batch: int = 48) -> dict:
+    """On every rank: the test's own one-process reference on the whole batch, then each gather
+    and loss of the chapter on this rank's shard with gradients averaged over the ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = CLIP().double()
+    images, ids, _ = data.make_pairs(global_batch, 7, data.split_combinations()[0], dtype=torch.float64)
+    model.zero_grad()
+    ref = reference_loss(*model(images, ids))
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    out = {"ref_loss": ref.item()}
+    for how in contrastive.GATHERS:
+        for local in (False, True):
+            loss, grads, counter = train.distributed_gradients(model, images, ids, how, local, rank, world)
+            out[how, local] = {
+                "dloss": abs(loss - ref.item()),
+                "dgrad": max((grads[n] - ref_grads[n]).abs().max().item() for n in grads),
+                "logits_bytes": counter.logits_bytes, "shapes": counter.shapes,
+                "tower_ratio": (sum((grads[n] * ref_grads[n]).sum() for n in grads if n != "logit_scale")
+                                / sum((ref_grads[n] ** 2).sum() for n in grads if n != "logit_scale")).item(),
+                "scale_ratio": (grads["logit_scale"] / ref_grads["logit_scale"]).item(),
+            }
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def parity(request):
+    return request.param, run_on_ranks(_parity, request.param, timeout=90)
+
+
+@pytest.mark.timeout(120)
+def test_gathers_with_gradients_equal_one_process(parity):
+    world, results = parity
+    for rank, res in enumerate(results):
+        for how in ("hand", "torch"):
+            for local in (False, True):
+                r = res[how, local]
+                assert r["dloss"] <= TOL and r["dgrad"] <= TOL, (world, rank, how, local, r)
+
+
+@pytest.mark.timeout(120)
+def test_gather_without_gradients_is_rejected(parity):
+    world, results = parity
+    for res in results:
+        for local in (False, True):
+            assert res["nograd", local]["dgrad"] > 1e3 * TOL  # the same check fails, by far
+        # global loss: every rank computes the whole loss, but only its own embeddings are live,
+        # so after averaging the towers get exactly 1/W of their gradient; the temperature
+        # (live on every rank) all of it
+        assert abs(res["nograd", False]["tower_ratio"] - 1 / world) < 1e-9
+        assert abs(res["nograd", False]["scale_ratio"] - 1) < 1e-9
+        # the local loss without gradients through the gather is not even a rescaling
+        assert abs(res["nograd", True]["tower_ratio"] - 1 / world) > 1e-3
+
+
+@pytest.mark.timeout(120)
+def test_logits_bytes_are_b_by_B_against_B_squared(parity):
+    world, results = parity
+    B, b = 48, 48 // world
+    for res in results:
+        assert res["hand", False]["shapes"] == [(B, B)]
+        assert res["hand", False]["logits_bytes"] == B * B * 8
+        assert res["hand", True]["shapes"] == [(b, B), (b, B)]
+        assert res["hand", True]["logits_bytes"] == 2 * b * B * 8
+
+
+def test_caption_set_and_held_out_split():
+    bank, texts = data.caption_bank()
+    assert len(set(texts)) == 64 and bank.shape == (64, data.CAPTION_LEN)
+    train_combos, held = data.split_combinations()
+    assert len(train_combos) == 48 and len(held) == 16 and not set(train_combos) & set(held)
+    # every held-out pair combines a shape and a colour that training shows in other pairs
+    for shape, colour, _ in held:
+        assert any(s == shape for s, c, _ in train_combos) and any(c == colour for s, c, _ in train_combos)
+    a = data.make_pairs(8, 3, held)
+    b = data.make_pairs(8, 3, held)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))  # a pure function of the seed
+
+
+@pytest.mark.timeout(150)
+def test_training_run_checks_and_zero_shot(tmp_path):
+    res = run_torchrun(SCRIPT, 2, ["--steps", "200"], timeout=140, out_dir=tmp_path)
+    checks = res.summary["checks"]
+    assert checks and all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
+    zs = res.check("zero-shot accuracy, held-out pairs >= chance + 0.2")
+    assert zs["expected"] == round(1 / 64 + 0.2, 4) and zs["measured"] >= zs["expected"]
+    # the control: the same model before training does not pass the same bound
+    before = res.summary["figures"]["zero-shot accuracy before training (held-out)"]["measured"]
+    assert before < zs["expected"]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["loss"] < 0.5 * lines[0]["loss"]
+    assert res.check("largest logits matrix per rank, local = b·B x 8")["measured"] == 24 * 48 * 8
+
+
+def test_exercise_numbers():
+    """Exercise 1: logits bytes per rank at W = 8, B = 32768, bf16."""
+    assert contrastive.logits_bytes_formula(32768, 8, False, 2) == 2_147_483_648
+    assert contrastive.logits_bytes_formula(32768, 8, True, 2) == 536_870_912
