@@ -1,0 +1,116 @@
+"""FSDP2 against DDP on the same Llama, the same batches and the same optimizer, in float32.
+
+Both wrap the model built from the same seed; each step every rank takes its slice of the same
+global batch, clips the global gradient norm and takes an AdamW step. DDP all-reduces whole
+gradients and keeps a whole copy of every parameter and optimizer state on every rank; FSDP2
+reduce-scatters them and keeps a 1/N shard. The arithmetic differs only in the order of the
+sums (the gradient reduction, the norm for clipping), so the two runs agree to a few float32
+rounding errors per step (the lesson derives the tolerance). A negative control, DDP whose
+gradients are never all-reduced (every backward under `no_sync`), is rejected by the same check.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from chapters.ch25_llm.model import apply_fsdp, build_model, lr_at
+
+
+def global_batch(ids: torch.Tensor, step: int, global_size: int, seq_len: int, seed: int):
+    """The step's global batch of (input, target) windows: the same on every rank, a function
+    of the step alone (so a resumed run reads exactly the batches it would have read)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(ids) - seq_len - 1, (global_size,), generator=g).tolist()
+    x = torch.stack([ids[s:s + seq_len] for s in starts])
+    y = torch.stack([ids[s + 1:s + 1 + seq_len] for s in starts])
+    return x, y
+
+
+def rank_slice(batch, rank: int, world_size: int):
+    """This rank's contiguous share of a global batch."""
+    return tuple(t.chunk(world_size)[rank] for t in batch)
+
+
+def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats per token). `use_cache=False`: a training forward must
+    not grow a KV cache (with activation checkpointing the recomputed forward would append to it
+    a second time)."""
+    logits = model(input_ids=x, use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter whole, on the CPU (FSDP2's are DTensor shards: gathered)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name.replace("_checkpoint_wrapped_module.", "")] = t.detach().cpu().clone()
+    return out
+
+
+def train_wrapped(kind: str, config, ids, steps: int, micro_batch_size: int, seq_len: int,
+                  lr: float, seed: int, device: torch.device) -> dict:
+    """Train `steps` steps wrapped as `kind`: "fsdp2", "ddp", or "ddp-nosync" (the broken
+    control), in float32. Returns the losses (global means) and the final parameters."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(config, seed, device)
+    if kind == "fsdp2":
+        apply_fsdp(model, param_dtype=torch.float32)
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = rank_slice(global_batch(ids, step, micro_batch_size * world, seq_len, seed),
+                          rank, world)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, lr, max(1, steps // 2), steps)
+        with model.no_sync() if kind == "ddp-nosync" else nullcontext():
+            loss = lm_loss(model, x.to(device), y.to(device))
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # on the model's device: NCCL takes CUDA tensors only
+        losses.append(total.item() / world)
+    inner = model.module if kind != "fsdp2" else model
+    return {"losses": losses, "params": full_params(inner)}
+
+
+def compare(config, ids, steps: int, micro_batch_size: int, seq_len: int, lr: float,
+            seed: int, device: torch.device) -> dict:
+    """The three runs (FSDP2, DDP, DDP without gradient sync) from the same start."""
+    return {kind: train_wrapped(kind, config, ids, steps, micro_batch_size, seq_len, lr, seed,
+                                device)
+            for kind in ("fsdp2", "ddp", "ddp-nosync")}
+
+
+def max_param_diff(a: dict, b: dict) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def worker(steps: int = 4, vocab_size: int = 512) -> dict:
+    """For tests (run on gloo ranks by `common.launch.run_on_ranks`): the three runs on the cpu
+    preset's model with a `vocab_size` tokenizer; parameters returned by rank 0 only."""
+    from chapters.ch25_llm import tokenizer
+    from chapters.ch25_llm.model import PRESETS, llama_config
+
+    p = PRESETS["cpu"]
+    train_text, _ = tokenizer.corpus_split()
+    tok = tokenizer.train_tokenizer(train_text[:100_000], vocab_size)
+    ids = tokenizer.encode(tok, train_text[:100_000])
+    config = llama_config(vocab_size, p["hidden_size"], p["n_layers"], p["n_heads"],
+                          p["n_kv_heads"], p["ffn_size"], p["seq_len"])
+    runs = compare(config, ids, steps, p["micro_batch_size"], p["seq_len"], p["lr"], 0,
+                   torch.device("cpu"))
+    if dist.get_rank() != 0:
+        for run in runs.values():
+            run.pop("params")
+    return {"runs": runs, "ids": ids, "config": config.to_dict()}

@@ -1,0 +1,437 @@
+"""Train a small Llama end to end: a BPE tokenizer trained here, FSDP2 with bf16 mixed precision,
+activation checkpointing, warm-up + cosine, clipping, DCP checkpoints and resume, tokens/s and
+MFU, samples, and a Hugging Face export that reloads to the same logits.
+
+Everything is built on this machine: the tokenizer is trained on the course corpus (pydoc's help
+topics), the model comes from a local `LlamaConfig`; nothing is downloaded. The script also runs
+FSDP2 against DDP in float32, counts FLOPs with `FlopCounterMode` against the formula, and
+resumes from its checkpoint to prove the resumed run continues exactly.
+
+Run:
+    python chapters/ch25_llm/train.py                                        # one process
+    torchrun --standalone --nproc_per_node=2 chapters/ch25_llm/train.py      # CPU, seconds
+    torchrun --standalone --nproc_per_node=4 chapters/ch25_llm/train.py --steps 80
+    python chapters/ch25_llm/train.py --preset gpu                           # one H100/H200: MFU
+    torchrun --standalone --nproc_per_node=8 chapters/ch25_llm/train.py --preset gpu
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        chapters/ch25_llm/train.py --preset gpu
+    srun --ntasks=16 --ntasks-per-node=8 python chapters/ch25_llm/train.py --preset gpu
+"""
+
+import statistics
+import sys
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from chapters.ch25_llm import parity, tokenizer
+from chapters.ch25_llm.model import (
+    PRESETS,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    build_model,
+    count_flops,
+    llama_config,
+    lr_at,
+    n_params,
+    six_n_d,
+    train_step_flops,
+)
+from common.config import RunConfig, parse_config
+from common.distributed import (
+    reduce_number,
+    setup_distributed,
+    teardown_distributed,
+)
+from common.log import library_output, log, progress, setup_logging
+from common.results import RunRecorder
+from common.timing import Timer, peak_flops
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class Config(RunConfig):
+    preset: Literal["cpu", "gpu"] = "cpu"
+    """Size preset: cpu (seconds on two CPU processes) or gpu (a ~350M-parameter Llama,
+    sequence 2048, torch.compile: MFU on one H100/H200). Options set to 0 take the preset's value."""
+    steps: int = 0
+    """Optimizer steps to train (0: the preset's, 60 on cpu, 40 on gpu)."""
+    vocab_size: int = 0
+    """BPE vocabulary size, also the model's (0: the preset's, 1024 / 8192)."""
+    hidden_size: int = 0
+    """Model width h (0: the preset's, 64 / 1024)."""
+    n_layers: int = 0
+    """Decoder layers L (0: the preset's, 2 / 24)."""
+    n_heads: int = 0
+    """Attention heads (0: the preset's, 4 / 16)."""
+    n_kv_heads: int = 0
+    """Key/value heads of grouped-query attention (0: the preset's, 2 / 8)."""
+    ffn_size: int = 0
+    """SwiGLU hidden size (0: the preset's, 176 / 2816)."""
+    seq_len: int = 0
+    """Tokens per sequence T (0: the preset's, 64 / 2048)."""
+    micro_batch_size: int = 0
+    """Sequences per rank per step (0: the preset's, 8); global batch = this x world size."""
+    lr: float = 0.0
+    """Peak learning rate of AdamW (0: the preset's, 3e-3 / 3e-4)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps before the cosine decay (0: the preset's, 10)."""
+    timed_from: int = 0
+    """First step whose time counts for tokens/s and MFU (0: the preset's, 3 / 15): warm-up and
+    compilation excluded."""
+    compile: bool | None = None
+    """torch.compile each decoder layer (default: the preset's, off on cpu, on on gpu)."""
+    param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """What the layers compute in (FSDP2 MixedPrecisionPolicy); master weights stay float32."""
+    activation_checkpointing: bool = True
+    """Recompute each decoder layer's activations in backward instead of keeping them."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this."""
+    save_at: int = -4
+    """Save a DCP checkpoint after this many steps (negative: counted from the end) and resume
+    from it at the end to check that the resumed run continues exactly."""
+    parity_steps: int = 4
+    """Steps of the float32 FSDP2-vs-DDP comparison (on the cpu preset's model size; 0: skip)."""
+    sample_tokens: int = 40
+    """Tokens to generate at the end (greedy) from the exported model."""
+
+    def __post_init__(self) -> None:
+        preset = PRESETS[self.preset]
+        for f in fields(self):
+            if f.name in preset and getattr(self, f.name) in (0, None):
+                setattr(self, f.name, preset[f.name])
+        super().__post_init__()
+        for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
+                     "ffn_size", "seq_len", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.hidden_size % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError("--hidden-size must be divisible by --n-heads, and --n-heads by "
+                             "--n-kv-heads")
+        if self.vocab_size < 258:
+            raise ValueError("--vocab-size must be at least 258 (256 bytes, one special token, "
+                             "one merge)")
+        if not 1 <= self.save_step() < self.steps:
+            raise ValueError(f"--save-at {self.save_at} must leave at least one step before and "
+                             f"after the checkpoint of a {self.steps}-step run")
+
+    def save_step(self) -> int:
+        return self.save_at if self.save_at >= 0 else self.steps + self.save_at
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """The batch is per rank, so every world divides it; nothing else depends on the world."""
+    if cfg.timed_from >= cfg.steps:
+        raise ValueError(f"--timed-from {cfg.timed_from} leaves no timed step of {cfg.steps}")
+
+
+def model_config(cfg: Config):
+    return llama_config(cfg.vocab_size, cfg.hidden_size, cfg.n_layers, cfg.n_heads,
+                        cfg.n_kv_heads, cfg.ffn_size, cfg.seq_len)
+
+
+def prepare_tokenizer(cfg: Config, rec: RunRecorder, info):
+    """Rank 0 trains the tokenizer and saves it; the others wait, then load the same file."""
+    train_text, val_text = tokenizer.corpus_split()
+    path = rec.out / "tokenizer.json"
+    if info.is_main:
+        log.info("training a byte-level BPE tokenizer, %d entries, on %d characters",
+                 cfg.vocab_size, len(train_text))
+        rec.out.mkdir(parents=True, exist_ok=True)
+        tokenizer.train_tokenizer(train_text, cfg.vocab_size).save(str(path))
+    dist.barrier()  # every rank reaches it: the file exists after it
+    tok = tokenizer.load_tokenizer(path)
+    return tok, tokenizer.encode(tok, train_text), tokenizer.encode(tok, val_text), val_text
+
+
+def build_fsdp_model(cfg: Config, config, info, seed: int):
+    """The Llama with activation checkpointing, compiled layers (if asked) and FSDP2 units."""
+    model = build_model(config, seed, info.device)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if cfg.compile:
+        for layer in model.model.layers:
+            layer.compile()  # per layer, before sharding: what torchtitan does
+    apply_fsdp(model, param_dtype=DTYPES[cfg.param_dtype])
+    # foreach AdamW (the default) steps DTensor shards on every torch the course supports
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    return model, opt
+
+
+def train_steps(model, opt, cfg: Config, ids, info, first: int, last: int, rec=None,
+                on_step=None) -> dict:
+    """Steps first..last-1: the step's slice of the global batch, warm-up + cosine learning rate,
+    forward/backward, clipping, AdamW. Returns the losses, gradient norms and step times."""
+    losses, norms, times = [], [], []
+    steps = range(first, last)
+    for step in progress(steps, total=len(steps), desc="step", enabled=rec is not None and info.is_main):
+        x, y = parity.rank_slice(parity.global_batch(ids, step, cfg.micro_batch_size * info.world_size,
+                                                     cfg.seq_len, cfg.seed), info.rank, info.world_size)
+        lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        with Timer(info.device) as timer:
+            loss = parity.lm_loss(model, x.to(info.device), y.to(info.device))
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # on info.device (NCCL takes CUDA tensors only)
+        losses.append(total.item() / info.world_size)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        times.append(timer.elapsed)
+        if rec is not None:
+            rec.metrics(step, loss=losses[-1], lr=lr, grad_norm=norms[-1], step_s=times[-1])
+        if on_step is not None:
+            on_step(step + 1)
+    return {"losses": losses, "norms": norms, "times": times}
+
+
+def save_checkpoint(model, opt, path) -> None:
+    """DCP: every rank writes its own shards of the model and the optimizer, in parallel."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+
+
+def load_checkpoint(model, opt, path, with_optimizer: bool = True) -> None:
+    """DCP load into an already-sharded model (and optimizer): each rank reads its shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd} if with_optimizer else {"model": model_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"] if with_optimizer else optim_sd)
+
+
+def resume_and_compare(cfg, config, ids, info, path, reference: dict, with_optimizer: bool) -> dict:
+    """A fresh model (another seed: the load must overwrite everything) loads the checkpoint
+    and trains the remaining steps; its losses and final weights against the first run's."""
+    model, opt = build_fsdp_model(cfg, config, info, seed=cfg.seed + 1)
+    load_checkpoint(model, opt, path, with_optimizer)
+    run = train_steps(model, opt, cfg, ids, info, cfg.save_step(), cfg.steps)
+    ref_losses = reference["losses"][cfg.save_step():]
+    loss_diff = max(abs(a - b) for a, b in zip(run["losses"], ref_losses))
+    params = parity.full_params(model)
+    param_diff = parity.max_param_diff(params, reference["params"])
+    return {"loss_diff": loss_diff, "param_diff": param_diff}
+
+
+@torch.no_grad()
+def eval_loss(model, ids, cfg: Config, info, batches: int = 4) -> float:
+    """Mean loss on held-out windows (the last tenth of the corpus), the same on every rank."""
+    total = 0.0
+    for b in range(batches):
+        x, y = parity.global_batch(ids, 10_000 + b, cfg.micro_batch_size, cfg.seq_len, cfg.seed)
+        total += parity.lm_loss(model, x.to(info.device), y.to(info.device)).item()
+    return total / batches
+
+
+def other_rope_base(path):
+    """The saved config with its RoPE base doubled: the weights still load without a word."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "rope_parameters", None):  # transformers 5
+        config.rope_parameters = {**config.rope_parameters,
+                                  "rope_theta": config.rope_parameters["rope_theta"] * 2}
+    else:  # transformers 4
+        config.rope_theta *= 2
+    return config
+
+
+def export_and_reload(model, config, out, probe, prompt, cfg: Config, info) -> dict | None:
+    """Gather the full weights (a collective), then on rank 0: a plain `LlamaForCausalLM` gets
+    them, `save_pretrained` writes it, `AutoModelForCausalLM.from_pretrained` reads it back.
+    Returns both models' logits on `probe`, greedy samples from both, and a control model
+    loaded with a wrong RoPE base (same weights, silently different outputs)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not info.is_main:
+        return None
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    trained = LlamaForCausalLM(config).float()
+    trained.load_state_dict(full)
+    trained.eval()
+    path = out / "hf_model"
+    trained.save_pretrained(path)
+    reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    wrong = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 config=other_rope_base(path)).eval()
+    with torch.no_grad():
+        logits = {name: m(input_ids=probe, use_cache=False).logits
+                  for name, m in (("trained", trained), ("reloaded", reloaded), ("wrong rope", wrong))}
+        n = prompt.shape[1]
+        gen = {name: m.generate(prompt, max_new_tokens=cfg.sample_tokens, do_sample=False,
+                                pad_token_id=0)[0, n:]
+               for name, m in (("trained", trained), ("reloaded", reloaded))}
+        torch.manual_seed(cfg.seed)
+        sample = trained.generate(prompt, max_new_tokens=cfg.sample_tokens, do_sample=True,
+                                  top_k=40, temperature=0.8, pad_token_id=0)[0, n:]
+    return {"logits": logits, "gen": gen, "sample": sample, "path": path}
+
+
+def record_tokenizer(rec: RunRecorder, tok, cfg: Config, train_ids, val_text: str) -> None:
+    """The tokenizer's proofs: its size is the configured one, and text round-trips."""
+    rec.check("tokenizer vocabulary = --vocab-size", "count", tok.get_vocab_size(), cfg.vocab_size)
+    probe = val_text[:2000] + "\n中文 naïve café — ∑ 🙂\t\x00"
+    rec.check("decode(encode(text)) == text (held-out + non-ASCII)", "parity",
+              int(tokenizer.round_trips(tok, probe)), 1)
+    rec.figure("training tokens", len(train_ids), unit="tokens")
+    rec.figure("characters per token (held-out text)", round(tokenizer.chars_per_token(tok, val_text), 3))
+
+
+def record_flops(rec: RunRecorder, config, cfg: Config, info) -> None:
+    """FlopCounterMode on one forward + backward of an unsharded twin against the formula,
+    without and with activation checkpointing; 6·N·D beside them."""
+    b, t = 2, cfg.seq_len
+    probe = torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(1))
+    model = build_model(config, cfg.seed, info.device)
+    plain = sum(count_flops(model, probe.to(info.device)).values())
+    apply_activation_checkpointing(model)
+    recomputed = sum(count_flops(model, probe.to(info.device)).values())
+    rec.check("FlopCounterMode = 3 x forward matmul formula", "formula", plain,
+              train_step_flops(config, b, t))
+    rec.check("FlopCounterMode with checkpointing = formula + recompute", "formula", recomputed,
+              train_step_flops(config, b, t, recompute=True))
+    rec.figure("6·N·D ÷ exact matmul FLOPs (same batch)",
+               round(six_n_d(config, b, t) / train_step_flops(config, b, t), 4))
+    del model
+
+
+def record_parity(rec: RunRecorder, cfg: Config, ids, info) -> None:
+    """FSDP2 and DDP in float32 on the cpu preset's model size; DDP without sync as control.
+    Tolerance (the lesson derives it): 1e-4 relative on the losses, 1e-5 on the weights."""
+    if cfg.parity_steps == 0:
+        return
+    p = PRESETS["cpu"]
+    small = llama_config(cfg.vocab_size, p["hidden_size"], p["n_layers"], p["n_heads"],
+                         p["n_kv_heads"], p["ffn_size"], p["seq_len"])
+    runs = parity.compare(small, ids, cfg.parity_steps, p["micro_batch_size"], p["seq_len"],
+                          p["lr"], cfg.seed, info.device)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(runs["fsdp2"]["losses"], runs["ddp"]["losses"]))
+    rec.check(f"FSDP2 vs DDP float32 losses, {cfg.parity_steps} steps (max rel. diff)", "parity",
+              rel, 0.0, tolerance=LOSS_TOL)
+    rec.check("FSDP2 vs DDP float32 weights (max |diff|)", "parity",
+              parity.max_param_diff(runs["fsdp2"]["params"], runs["ddp"]["params"]), 0.0,
+              tolerance=PARAM_TOL)
+    if info.world_size > 1:
+        rec.check("control: DDP without gradient all-reduce vs FSDP2 weights", "parity",
+                  parity.max_param_diff(runs["ddp-nosync"]["params"], runs["fsdp2"]["params"]),
+                  PARAM_TOL, compare=">")
+
+
+SAMPLE_PROMPT = "The "
+LOSS_TOL = 1e-4  # relative; derived in the lesson ("How close FSDP2 and DDP must be")
+PARAM_TOL = 1e-5  # absolute, on weights of order 0.02-1 after a few AdamW steps of lr 3e-3
+
+
+def record_throughput(rec: RunRecorder, run: dict, config, cfg: Config, info) -> None:
+    """tokens/s and MFU over the timed steps (median); model FLOPs from the formula."""
+    timed = run["times"][cfg.timed_from:]
+    step_s = statistics.median(timed)
+    step_s = reduce_number(step_s, "max")  # the slowest rank sets the pace
+    tokens = cfg.micro_batch_size * cfg.seq_len * info.world_size
+    flops = train_step_flops(config, cfg.micro_batch_size, cfg.seq_len) * info.world_size
+    peak, source = peak_flops(info.device, DTYPES[cfg.param_dtype])
+    per_device = flops / info.world_size / step_s
+    rec.figure("step time (median of timed steps)", round(step_s * 1e3, 2), unit="ms",
+               spread=(min(timed) * 1e3, max(timed) * 1e3))
+    rec.figure("tokens/s (all ranks)", round(tokens / step_s), unit="tokens/s")
+    rec.figure("model TFLOP/s per device", round(per_device / 1e12, 4), unit="TFLOP/s")
+    rec.figure(f"MFU (peak: {source})", round(per_device / peak, 4))
+    rec.check("tokens/s measured (timing, not fatal)", "timing", tokens / step_s, 0.0, compare=">")
+
+
+def main(cfg: Config) -> int:
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        setup_logging(info.rank, info.world_size)
+        rec = RunRecorder(cfg, __file__, info)
+        tok, train_ids, val_ids, val_text = prepare_tokenizer(cfg, rec, info)
+        record_tokenizer(rec, tok, cfg, train_ids, val_text)
+        config = model_config(cfg)
+        log.info("Llama: %.2fM parameters, L=%d h=%d heads=%d/%d kv, T=%d, %d x %d sequences "
+                 "per step on %s/%s", n_params(config) / 1e6, cfg.n_layers, cfg.hidden_size,
+                 cfg.n_heads, cfg.n_kv_heads, cfg.seq_len, cfg.micro_batch_size, info.world_size,
+                 info.device, info.backend)
+        record_flops(rec, config, cfg, info)
+        record_parity(rec, cfg, train_ids, info)
+
+        if cfg.compile:
+            log.info("compiling the decoder layers: the first steps take a while")
+        with library_output() if cfg.compile else _nothing():
+            model, opt = build_fsdp_model(cfg, config, info, cfg.seed)
+        ckpt = rec.out / "checkpoint"
+
+        def maybe_save(done: int) -> None:
+            if done == cfg.save_step():
+                with library_output():
+                    save_checkpoint(model, opt, ckpt)
+
+        run = train_steps(model, opt, cfg, train_ids, info, 0, cfg.steps, rec, maybe_save)
+        run["params"] = parity.full_params(model)
+        val = eval_loss(model, val_ids, cfg, info)
+        entropy = tokenizer.unigram_entropy(train_ids)
+        final = statistics.mean(run["losses"][-5:])
+        rec.figure("loss at step 0 (ln V for a uniform guess)", round(run["losses"][0], 4),
+                   expected=round(float(torch.tensor(float(cfg.vocab_size)).log()), 4), unit="nats")
+        rec.check("training loss (mean of last 5 steps) < unigram entropy", "formula", final,
+                  round(entropy, 6), compare="<")
+        rec.check("held-out loss < unigram entropy", "formula", val, round(entropy, 6), compare="<")
+        record_throughput(rec, run, config, cfg, info)
+
+        good = resume_and_compare(cfg, config, train_ids, info, ckpt, run, with_optimizer=True)
+        rec.check(f"DCP resume at step {cfg.save_step()}: losses (same machine)", "parity",
+                  good["loss_diff"], 0.0)
+        rec.check("DCP resume: final weights", "parity", good["param_diff"], 0.0)
+        bad = resume_and_compare(cfg, config, train_ids, info, ckpt, run, with_optimizer=False)
+        rec.check("control: resume without the optimizer state differs", "parity",
+                  bad["param_diff"], 0.0, compare=">")
+
+        probe = parity.global_batch(val_ids, 20_000, 2, cfg.seq_len, cfg.seed)[0]
+        with library_output():  # the library's progress bars
+            hf = export_and_reload(model, config, rec.out, probe,
+                                   tokenizer.encode(tok, SAMPLE_PROMPT)[None], cfg, info)
+        if hf is not None:
+            lg = hf["logits"]
+            rec.check("AutoModelForCausalLM reload: logits (a copy)", "parity",
+                      (lg["reloaded"] - lg["trained"]).abs().max().item(), 0.0)
+            rec.check("reload: greedy tokens equal", "count",
+                      int((hf["gen"]["reloaded"] == hf["gen"]["trained"]).sum()), cfg.sample_tokens)
+            rec.check("control: reload with another RoPE base differs", "parity",
+                      (lg["wrong rope"] - lg["trained"]).abs().max().item(), 0.0, compare=">")
+            sample = tok.decode(hf["sample"].tolist())
+            log.info("\nsample (top-40, temperature 0.8, after %d steps):\n  %s", cfg.steps,
+                     repr(SAMPLE_PROMPT + sample)[:96])
+            rec.figure("sample: prompt + continuation", SAMPLE_PROMPT + sample, table=False)
+        for step, loss in enumerate(run["losses"]):
+            if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                log.info("step %3d  loss %.4f  grad norm %.3f", step, loss, run["norms"][step])
+        rec.figure("unigram entropy of the training tokens", round(entropy, 4), unit="nats")
+        rec.figure("held-out loss", round(val, 4), unit="nats")
+        return rec.finish()
+    finally:
+        teardown_distributed()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

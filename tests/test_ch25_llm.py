@@ -1,0 +1,164 @@
+"""Chapter 25: a byte-level BPE tokenizer, a Llama trained with FSDP2, FLOPs, resume, export.
+
+One real torchrun launch (the whole script: its own checks), one start of two gloo ranks for
+FSDP2 against DDP (compared here with a one-process run on the global batch), and in-process
+tests of the tokenizer and of the FLOP count against a formula computed here from the modules.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from chapters.ch25_llm import model as M
+from chapters.ch25_llm import parity, tokenizer
+from chapters.ch25_llm.train import LOSS_TOL, PARAM_TOL
+from common.launch import REPO_ROOT, run_on_ranks, run_torchrun
+
+SCRIPT = REPO_ROOT / "chapters" / "ch25_llm" / "train.py"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return run_torchrun(SCRIPT, nproc=2, timeout=240, out_dir=tmp_path_factory.mktemp("ch25"))
+
+
+@pytest.mark.timeout(60)
+def test_tokenizer_round_trips_and_has_its_size():
+    train_text, val_text = tokenizer.corpus_split()
+    tok = tokenizer.train_tokenizer(train_text[:150_000], 600)
+    assert tok.get_vocab_size() == 600
+    text = val_text[:3000] + " 中文 naïve — 🙂\x00"
+    assert tokenizer.round_trips(tok, text)
+    assert len(tok.encode(text).ids) < len(text.encode()), "merges compress below one per byte"
+    # control: a BPE whose alphabet is the training text's characters (no byte fallback) loses
+    # what it never saw
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    plain = Tokenizer(models.BPE(unk_token="?"))
+    plain.pre_tokenizer = pre_tokenizers.Metaspace()
+    plain.decoder = decoders.Metaspace()
+    plain.train_from_iterator([train_text[:150_000]],
+                              trainers.BpeTrainer(vocab_size=600, special_tokens=["?"],
+                                                  show_progress=False))
+    assert not tokenizer.round_trips(plain, text)
+
+
+def unigram_entropy_here(ids: list[int]) -> float:
+    n = len(ids)
+    return -sum(c / n * math.log(c / n) for c in Counter(ids).values())
+
+
+def matmul_flops_from_modules(model, batch: int, seq: int) -> int:
+    """One forward + backward, from the modules themselves (not from the config): every Linear is
+    2·in·out per token, forward, and twice that backward; attention per layer is q·kᵀ and p·v,
+    2·T²·d each per head, and twice that backward."""
+    tokens = batch * seq
+    linear = sum(2 * m.in_features * m.out_features * tokens
+                 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    c = model.config
+    d = c.hidden_size // c.num_attention_heads
+    attention = c.num_hidden_layers * 2 * 2 * batch * c.num_attention_heads * seq * seq * d
+    return 3 * (linear + attention)
+
+
+@pytest.mark.timeout(60)
+def test_flop_counter_equals_the_matmul_formula():
+    config = M.llama_config(512, 64, 2, 4, 2, 176, 32)
+    model = M.build_model(config, 0)
+    ids = torch.randint(0, 512, (3, 32))
+    counted = M.count_flops(model, ids)
+    assert sum(counted.values()) == matmul_flops_from_modules(model, 3, 32)
+    assert sum(counted.values()) == M.train_step_flops(config, 3, 32)
+    # the fused CPU attention kernel has no formula in the counter: it counts it as nothing
+    fused = M.count_flops(model, ids, attention="sdpa")
+    assert "bmm" not in fused and sum(fused.values()) < sum(counted.values())
+    # 6·N·D leaves out attention (and counts the head): below the exact count here
+    assert M.six_n_d(config, 3, 32) < M.train_step_flops(config, 3, 32)
+
+
+@pytest.mark.timeout(240)
+def test_training_script_checks(run):
+    s = run.summary
+    failed = [c["name"] for c in s["checks"] if not c["ok"] and c["kind"] != "timing"]
+    assert not failed, failed
+    names = {c["name"] for c in s["checks"]}
+    for part in ("FSDP2 vs DDP", "DCP resume", "FlopCounterMode", "AutoModelForCausalLM",
+                 "control: DDP without", "control: resume without", "control: reload"):
+        assert any(part in n for n in names), part
+    # the unigram entropy, recomputed here from the saved tokenizer and the corpus
+    tok = tokenizer.load_tokenizer(run.out_dir / "tokenizer.json")
+    train_text, _ = tokenizer.corpus_split()
+    entropy = unigram_entropy_here(tok.encode(train_text).ids)
+    losses = [json.loads(line)["loss"] for line in (run.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert losses[0] > entropy > sum(losses[-5:]) / 5
+    assert abs(losses[0] - math.log(tok.get_vocab_size())) < 0.1, "starts near a uniform guess"
+    assert tok.get_vocab_size() == s["config"]["vocab_size"]
+    # the exported model loads with the Auto class and predicts over the vocabulary
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(run.out_dir / "hf_model")
+    x = torch.tensor([tok.encode("The print statement").ids])
+    assert hf(input_ids=x).logits.shape == (1, x.shape[1], tok.get_vocab_size())
+    line = max(len(line) for line in run.output.splitlines())
+    assert line <= 100, "console lines within 100 columns"
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_and_ddp_equal_one_process_in_float32():
+    steps = 4
+    rank0 = run_on_ranks(parity.worker, 2, steps, timeout=110)[0]
+    runs, ids = rank0["runs"], rank0["ids"]
+    from transformers import LlamaConfig
+
+    config = LlamaConfig.from_dict(rank0["config"])
+    p = M.PRESETS["cpu"]
+    # one process, the whole global batch: the reference computed here
+    model = M.build_model(config, 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = parity.global_batch(ids, step, 2 * p["micro_batch_size"], p["seq_len"], 0)
+        for group in opt.param_groups:
+            group["lr"] = M.lr_at(step, p["lr"], max(1, steps // 2), steps)
+        loss = parity.lm_loss(model, x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    ref = parity.full_params(model)
+    for kind in ("fsdp2", "ddp"):
+        rel = max(abs(a - b) / b for a, b in zip(runs[kind]["losses"], losses))
+        assert rel <= LOSS_TOL, (kind, rel)
+        assert parity.max_param_diff(runs[kind]["params"], ref) <= PARAM_TOL, kind
+    assert parity.max_param_diff(runs["fsdp2"]["params"], runs["ddp"]["params"]) <= PARAM_TOL
+    assert parity.max_param_diff(runs["ddp-nosync"]["params"], ref) > 100 * PARAM_TOL
+
+
+@pytest.mark.timeout(30)
+def test_exercise_answers():
+    def preset_config(name):
+        p = M.PRESETS[name]
+        return M.llama_config(p["vocab_size"], p["hidden_size"], p["n_layers"], p["n_heads"],
+                              p["n_kv_heads"], p["ffn_size"], p["seq_len"]), p
+
+    gpu, p = preset_config("gpu")
+    f = M.forward_matmul_flops(gpu, p["micro_batch_size"], p["seq_len"])
+    total = sum(f.values())
+    assert round(f["head"] / total, 3) == 0.021 and round(f["attention"] / total, 3) == 0.257
+    assert round(M.six_n_d(gpu, 8, 2048) / M.train_step_flops(gpu, 8, 2048), 3) == 0.743
+    assert M.n_params(gpu) == 299_942_912
+    assert round(M.train_step_flops(gpu, 8, 2048) / 1e12, 2) == 38.55
+    cpu, p = preset_config("cpu")
+    f = M.forward_matmul_flops(cpu, 8, 64)
+    total = sum(f.values())
+    assert round(f["head"] / total, 3) == 0.376 and round(f["attention"] / total, 3) == 0.094
+    for config, t, ratio in ((cpu, 64, 1.165), (gpu, 2048, 1.267)):
+        r = M.train_step_flops(config, 8, t, recompute=True) / M.train_step_flops(config, 8, t)
+        assert round(r, 3) == ratio
+    assert M.n_params(cpu) == 223_552
