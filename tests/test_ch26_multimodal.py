@@ -8,12 +8,14 @@ against b·B and B², and checks the zero-shot claim and its control (an untrain
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from chapters.ch26_multimodal import contrastive, data, train
 from chapters.ch26_multimodal.model import CLIP
@@ -55,8 +57,30 @@ def _parity(global_batch: int = 48) -> dict:
                 "tower_ratio": (sum((grads[n] * ref_grads[n]).sum() for n in grads if n != "logit_scale")
                                 / sum((ref_grads[n] ** 2).sum() for n in grads if n != "logit_scale")).item(),
                 "scale_ratio": (grads["logit_scale"] / ref_grads["logit_scale"]).item(),
+                "grads": grads,
             }
+    out["training"] = {how: _train_steps(how, rank, world) for how in ("torch", "nograd")}
     return out
+
+
+def _train_steps(how: str, rank: int, world: int, steps: int = 2) -> float:
+    """DDP + the chapter's distributed local loss against one process on the global batches
+    with the test's own loss, SGD, float64: max |dparam| after `steps` steps."""
+    torch.manual_seed(1)
+    ref = CLIP().double()
+    ddp = DDP(copy.deepcopy(ref))
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    for step in range(steps):
+        images, ids, _ = data.make_pairs(48, 20 + step, data.split_combinations()[0], dtype=torch.float64)
+        opt_ref.zero_grad()
+        reference_loss(*ref(images, ids)).backward()
+        opt_ref.step()
+        opt.zero_grad()
+        img, txt, scale = ddp(train.shard(images, rank, world), train.shard(ids, rank, world))
+        contrastive.distributed_clip_loss(img, txt, scale, how, local=True).backward()
+        opt.step()
+    return max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ddp.module.parameters()))
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -72,6 +96,23 @@ def test_gathers_with_gradients_equal_one_process(parity):
             for local in (False, True):
                 r = res[how, local]
                 assert r["dloss"] <= TOL and r["dgrad"] <= TOL, (world, rank, how, local, r)
+
+
+@pytest.mark.timeout(120)
+def test_hand_gather_equals_torch_gather(parity):
+    world, results = parity
+    for res in results:
+        for local in (False, True):
+            hand, lib = res["hand", local]["grads"], res["torch", local]["grads"]
+            assert max((hand[n] - lib[n]).abs().max().item() for n in hand) <= TOL
+
+
+@pytest.mark.timeout(120)
+def test_ddp_training_with_the_distributed_loss_equals_one_process(parity):
+    world, results = parity
+    for res in results:
+        assert res["training"]["torch"] <= TOL  # 2 SGD steps, local loss, gather with gradients
+        assert res["training"]["nograd"] > 1e3 * TOL  # the control: the same check fails
 
 
 @pytest.mark.timeout(120)

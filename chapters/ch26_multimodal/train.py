@@ -222,7 +222,6 @@ def check_zero_shot(rec: RunRecorder, cfg: Config, model: CLIP, info) -> None:
     acc = zero_shot(model, *eval_set(cfg, held, cfg.seed + 2), info.device)
     seen = zero_shot(model, *eval_set(cfg, train_combos, cfg.seed + 3), info.device)
     rec.figure("zero-shot accuracy, seen colour/shape pairs", round(seen, 4), unit="top-1")
-    rec.figure("colour and position right, shape guessed (baseline)", 0.25, unit="top-1")
     rec.check(f"zero-shot accuracy, held-out pairs >= chance + {cfg.margin}", "count",
               round(acc, 4), round(chance + cfg.margin, 4), compare=">=")
 
