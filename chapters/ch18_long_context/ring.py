@@ -1,0 +1,254 @@
+"""Ring attention by hand: blockwise attention with the online-softmax merge, K/V blocks
+passed around a ring of ranks, and the backward written by hand (autograd cannot pass
+through send/recv).
+
+Every rank holds one shard of the sequence for q, k and v, shaped (B, H, T/N, D). The
+sequence is cut into 2N chunks of c = T/(2N) tokens; a *layout* says which two chunks a rank
+holds:
+
+- "contiguous": rank r holds chunks 2r and 2r+1 (the plain split: positions rT/N … (r+1)T/N−1);
+- "zigzag": rank r holds chunks r and 2N−1−r, so under a causal mask every rank has one early
+  and one late chunk and does the same number of chunk products (Brandon et al. 2023,
+  "Striped Attention"; the zigzag split of ring-flash-attention and of torch's context_parallel).
+
+In N steps each rank meets every K/V block: at step s it holds the block of rank (r − s) mod N,
+computes its queries against it while the next block is already travelling (`batch_isend_irecv`),
+and merges the partial result with the log-sum-exp rule (Milakov & Gimelshein 2018; Dao et al.
+2022, FlashAttention):  lse = log(e^lse₁ + e^lse₂),  out = out₁·e^(lse₁−lse) + out₂·e^(lse₂−lse).
+No rank ever holds a T × T score matrix, nor all of K and V.
+
+Backward recomputes each block's probabilities from the saved lse (FlashAttention's backward),
+sends K/V around the ring again, and sends each block's gradient accumulators dK, dV with it, one
+hop behind, so that after N hops they arrive, complete, at the rank that owns the block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = ("contiguous", "zigzag")
+BROKEN_RING = ("none", "no_rescale", "dkv_not_returned", "wrong_layout")
+
+
+@dataclass
+class RingCounter:
+    """Bytes each rank hands to send ops (forward and backward separately), messages, and
+    chunk products computed (one product = c query rows against c key rows)."""
+
+    bytes: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
+    sends: int = 0
+    products: int = 0
+
+    def reset(self) -> None:
+        self.bytes, self.sends, self.products = {"forward": 0, "backward": 0}, 0, 0
+
+
+COUNTER = RingCounter()
+
+
+def chunk_ids(rank: int, world: int, layout: str) -> list[int]:
+    """The two global chunk indices (of 2·world) that `rank` holds, in the order it holds them."""
+    if layout == "contiguous":
+        return [2 * rank, 2 * rank + 1]
+    if layout == "zigzag":
+        return [rank, 2 * world - 1 - rank]
+    raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+
+
+def shard_sequence(x: torch.Tensor, rank: int, world: int, layout: str, dim: int) -> torch.Tensor:
+    """This rank's part of the whole-sequence tensor `x` (its two chunks along `dim`)."""
+    chunks = x.chunk(2 * world, dim=dim)
+    return torch.cat([chunks[i] for i in chunk_ids(rank, world, layout)], dim=dim)
+
+
+def unshard_sequence(parts: list[torch.Tensor], layout: str, dim: int) -> torch.Tensor:
+    """The whole sequence from every rank's part (the inverse of `shard_sequence`)."""
+    world = len(parts)
+    chunks: list = [None] * (2 * world)
+    for rank, part in enumerate(parts):
+        for i, piece in zip(chunk_ids(rank, world, layout), part.chunk(2, dim=dim)):
+            chunks[i] = piece
+    return torch.cat(chunks, dim=dim)
+
+
+def positions(seq_len: int, rank: int, world: int, layout: str) -> torch.Tensor:
+    """The global positions of this rank's tokens (what the position embedding must see)."""
+    return shard_sequence(torch.arange(seq_len), rank, world, layout, dim=0)
+
+
+def _causal_mask(q_id: int, k_ids: list[int], c: int, device) -> torch.Tensor | None:
+    """Allowed (query, key) pairs of one query chunk against the selected key chunks: all of an
+    earlier chunk, the lower triangle of the same chunk. None when nothing is masked."""
+    if q_id not in k_ids:
+        return None
+    tri = torch.ones(c, c, dtype=torch.bool, device=device).tril()
+    full = torch.ones(c, c, dtype=torch.bool, device=device)
+    return torch.cat([tri if k == q_id else full for k in k_ids], dim=1)
+
+
+def _selected(q_id: int, k_ids: list[int], causal: bool) -> list[int]:
+    """Key chunks a query chunk attends to: all, or (causal) those not entirely in its future."""
+    return [b for b, k in enumerate(k_ids) if not causal or k <= q_id]
+
+
+def _scores(qq, kk, scale, mask):
+    s = qq @ kk.transpose(-2, -1) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def block_forward(q, k, v, q_ids, k_ids, scale: float, causal: bool):
+    """Attention of this rank's queries against one K/V block, chunk by chunk, skipping chunk
+    pairs the causal mask removes entirely. Returns (out, lse, chunk products computed)."""
+    c = q.shape[-2] // len(q_ids)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    products = 0
+    for a, q_id in enumerate(q_ids):
+        sel = _selected(q_id, k_ids, causal)
+        if not sel:
+            continue
+        kk = torch.cat([k[..., b * c:(b + 1) * c, :] for b in sel], dim=-2)
+        vv = torch.cat([v[..., b * c:(b + 1) * c, :] for b in sel], dim=-2)
+        mask = _causal_mask(q_id, [k_ids[b] for b in sel], c, q.device) if causal else None
+        s = _scores(q[..., a * c:(a + 1) * c, :], kk, scale, mask)
+        lse_a = torch.logsumexp(s, dim=-1)
+        out[..., a * c:(a + 1) * c, :] = torch.exp(s - lse_a[..., None]) @ vv
+        lse[..., a * c:(a + 1) * c] = lse_a
+        products += len(sel)
+    return out, lse, products
+
+
+def block_backward(dout, q, k, v, lse, delta, q_ids, k_ids, scale: float, causal: bool):
+    """Gradients of one block: dq (this rank's queries), dk and dv (the block's keys, to be sent
+    on to their owner). P is recomputed from the saved lse; dS = P ∘ (dP − rowsum(dO ∘ O))."""
+    c = q.shape[-2] // len(q_ids)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for a, q_id in enumerate(q_ids):
+        sel = _selected(q_id, k_ids, causal)
+        if not sel:
+            continue
+        rows = slice(a * c, (a + 1) * c)
+        kk = torch.cat([k[..., b * c:(b + 1) * c, :] for b in sel], dim=-2)
+        vv = torch.cat([v[..., b * c:(b + 1) * c, :] for b in sel], dim=-2)
+        mask = _causal_mask(q_id, [k_ids[b] for b in sel], c, q.device) if causal else None
+        qq, do = q[..., rows, :], dout[..., rows, :]
+        p = torch.exp(_scores(qq, kk, scale, mask) - lse[..., rows, None])
+        ds = p * (do @ vv.transpose(-2, -1) - delta[..., rows, None])
+        dq[..., rows, :] += ds @ kk * scale
+        dk_sel, dv_sel = ds.transpose(-2, -1) @ qq * scale, p.transpose(-2, -1) @ do
+        for i, b in enumerate(sel):
+            dk[..., b * c:(b + 1) * c, :] += dk_sel[..., i * c:(i + 1) * c, :]
+            dv[..., b * c:(b + 1) * c, :] += dv_sel[..., i * c:(i + 1) * c, :]
+    return dq, dk, dv
+
+
+def ring_exchange(t: torch.Tensor, group, phase: str):
+    """Start sending `t` to the next rank and receiving the previous rank's into a new buffer;
+    return (buffer, requests). The caller computes meanwhile, then waits."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    recv = torch.empty_like(t)
+    ops = [dist.P2POp(dist.isend, t, peer((rank + 1) % world), group),
+           dist.P2POp(dist.irecv, recv, peer((rank - 1) % world), group)]
+    COUNTER.bytes[phase] += t.numel() * t.element_size()  # what is handed to the send
+    COUNTER.sends += 1
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs) -> None:
+    for req in reqs:
+        req.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """`RingAttention.apply(q, k, v, layout, causal, group, broken)`: this rank's rows of
+    softmax(QKᵀ/√D)·V over the whole sequence. `broken` names a deliberate bug (a negative
+    control): "no_rescale" (partial results added without the log-sum-exp weights),
+    "dkv_not_returned" (the last hop of dK/dV skipped), "wrong_layout" (masks built for the
+    contiguous layout while the data is zigzag)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: str, causal: bool, group=None, broken: str = "none"):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        mask_layout = "contiguous" if broken == "wrong_layout" else layout
+        scale = q.shape[-1] ** -0.5
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        kv = torch.stack([k, v])  # one message per hop
+        q_ids = chunk_ids(rank, world, mask_layout)
+        for step in range(world):
+            if step < world - 1:
+                nxt, reqs = ring_exchange(kv, group, "forward")  # travels while we compute
+            src = (rank - step) % world
+            blk_out, blk_lse, n = block_forward(q, kv[0], kv[1], q_ids,
+                                                chunk_ids(src, world, mask_layout), scale, causal)
+            COUNTER.products += n
+            if broken == "no_rescale":
+                out, lse = out + blk_out, torch.logaddexp(lse, blk_lse)
+            else:
+                new = torch.logaddexp(lse, blk_lse)
+                out = out * torch.exp(lse - new)[..., None] + blk_out * torch.exp(blk_lse - new)[..., None]
+                lse = new
+            if step < world - 1:
+                _wait(reqs)
+                kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (layout, mask_layout, causal, group, broken)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, mask_layout, causal, group, broken = ctx.args
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        scale = q.shape[-1] ** -0.5
+        delta = (dout * out).sum(-1)
+        q_ids = chunk_ids(rank, world, mask_layout)
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros_like(kv)  # gradients of the block held now; they travel with it
+        for step in range(world):
+            if step < world - 1:
+                nxt, reqs = ring_exchange(kv, group, "backward")
+            src = (rank - step) % world
+            dq_b, dk_b, dv_b = block_backward(dout, q, kv[0], kv[1], lse, delta, q_ids,
+                                              chunk_ids(src, world, mask_layout), scale, causal)
+            dq += dq_b
+            dkv = dkv + torch.stack([dk_b, dv_b])
+            if step < world - 1:
+                _wait(reqs)
+                kv = nxt
+            last = step == world - 1
+            if world > 1 and not (last and broken == "dkv_not_returned"):
+                dkv_in, reqs = ring_exchange(dkv, group, "backward")  # one hop behind K/V
+                _wait(reqs)
+                dkv = dkv_in
+        return dq, dkv[0], dkv[1], None, None, None, None
+
+
+def ring_attention(q, k, v, layout: str = "zigzag", causal: bool = True, group=None,
+                   broken: str = "none") -> torch.Tensor:
+    """Ring attention on this rank's shard (B, H, T/N, D) of q, k, v; see `RingAttention`."""
+    return RingAttention.apply(q, k, v, layout, causal, group, broken)
+
+
+def ring_bytes_per_rank(batch: int, heads: int, local_len: int, head_dim: int, elem: int,
+                        world: int) -> dict:
+    """What each rank sends: forward N−1 hops of K and V; backward N−1 hops of K and V plus N
+    hops of dK and dV (none on one rank: they are already home). One block of K (or V) is
+    B·H·(T/N)·D elements."""
+    block = batch * heads * local_len * head_dim * elem
+    dkv_hops = world if world > 1 else 0
+    return {"forward": 2 * (world - 1) * block, "backward": (2 * (world - 1) + 2 * dkv_hops) * block}
+
+
+def causal_products_per_rank(world: int, layout: str) -> list[int]:
+    """Chunk products each rank computes under a causal mask, by the formula: contiguous rank r
+    holds chunks 2r, 2r+1 and computes (2r+1) + (2r+2) = 4r + 3; zigzag rank r holds chunks r
+    and 2N−1−r and computes (r+1) + (2N−r) = 2N + 1, the same on every rank."""
+    if layout == "contiguous":
+        return [4 * r + 3 for r in range(world)]
+    return [2 * world + 1] * world
