@@ -1,0 +1,115 @@
+"""Figures for the chapter 19 lesson: `python tools/figures.py ch19` draws them from figures/data.json;
+`python tools/figures.py --rerun ch19` re-measures (one process, about 15 s).
+
+- load_balance.png: max/mean tokens per expert and the dropped fraction over training, with and
+  without the balancing loss.
+- drops_vs_capacity.png: dropped fraction against the capacity factor for the routers those runs
+  learned, beside two formulas (perfect balance; independent uniform routing).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+MEASURE_S = 15
+SETUP = dict(experts=8, top_k=2, steps=80, micro_batch_size=8, lr=0.1, capacity_factor=1.0)
+FACTORS = [0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0]
+WEIGHTS = [0.0, 0.01]
+
+
+def uniform_drop_fraction(n_tokens: int, n_experts: int, k: int, factor: float) -> float:
+    """Expected dropped fraction if each of the k·n choices picked an expert uniformly and
+    independently: each expert's load is Binomial(k·n, 1/E), and E·E[max(0, load − C)]/(k·n)."""
+    m, p = k * n_tokens, 1 / n_experts
+    cap = math.ceil(factor * m / n_experts)
+    over = sum(math.comb(m, j) * p**j * (1 - p) ** (m - j) * (j - cap) for j in range(cap + 1, m + 1))
+    return n_experts * over / m
+
+
+def balanced_drop_fraction(factor: float) -> float:
+    """Perfect balance: every expert gets k·n/E choices, so max(0, 1 − factor) of them overflow."""
+    return max(0.0, 1.0 - factor)
+
+
+def measure() -> dict:
+    """Train the MoE TinyGPT on one process with and without the balancing loss; then route one
+    fresh batch at several capacity factors with each learned router."""
+    import torch
+
+    from chapters.ch19_moe import train
+    from chapters.ch19_moe.moe_gpt import MoEGPT
+
+    class Info:
+        rank, world_size, is_main, device = 0, 1, False, torch.device("cpu")
+
+    cfg = train.Config(steps=SETUP["steps"] + 1, experts_per_rank=SETUP["experts"], top_k=SETUP["top_k"],
+                       micro_batch_size=SETUP["micro_batch_size"], lr=SETUP["lr"],
+                       capacity_factor=SETUP["capacity_factor"])
+    batches = train.make_batches(cfg, 1)
+    held_out = tuple(t[-1:].clone() for t in batches[:2])
+    train_batches = (batches[0][:-1], batches[1][:-1], batches[2])
+    data = {"setup": SETUP, "tokens_per_batch": cfg.micro_batch_size * cfg.seq_len, "runs": {}}
+    for weight in WEIGHTS:
+        torch.manual_seed(0)
+        model = MoEGPT(train.gpt_config(cfg, batches[2]), cfg.d_ff, SETUP["experts"], cfg.top_k,
+                       cfg.capacity_factor, "local").double()
+        run = train.train(model, train_batches, train.Config(**{**vars(cfg), "aux_weight": weight,
+                                                               "steps": SETUP["steps"]}), Info, False)
+        drops = []
+        with torch.no_grad():
+            for factor in FACTORS:
+                for layer in model.moe_layers():
+                    layer.capacity_factor = factor
+                model(held_out[0][0], held_out[1][0])
+                routings = [r for layer in model.moe_layers() for r in layer.stats.routings]
+                routed, kept = sum(r.routed for r in routings), sum(r.kept for r in routings)
+                drops.append(1 - kept.sum().item() / routed.sum().item())
+        data["runs"][str(weight)] = {"imbalance": run["imbalance"], "dropped": run["dropped"],
+                                     "ce": run["ce"], "drops_vs_capacity": drops}
+    return data
+
+
+def make_figures(fig_dir: Path, data: dict) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        paths.append(fig_dir / name)
+        fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
+        plt.close(fig)
+
+    s = data["setup"]
+    labels = {"0.0": "no balancing loss (α = 0)", "0.01": "balancing loss α = 0.01"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for key, run in data["runs"].items():
+        left.plot(run["imbalance"], label=labels.get(key, key))
+        right.plot(run["dropped"], label=labels.get(key, key))
+    left.axhline(1.0, color="#999999", lw=0.8, ls=":")
+    left.set_ylabel("max / mean choices per expert")
+    right.set_ylabel(f"dropped fraction (capacity factor {s['capacity_factor']})")
+    for ax in (left, right):
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"MoE TinyGPT, {s['experts']} experts, top-{s['top_k']}, SGD lr {s['lr']}, one process "
+                 "(measured)", fontsize=9)
+    save(fig, "load_balance.png")
+
+    n, E, k = data["tokens_per_batch"], s["experts"], s["top_k"]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for key, run in data["runs"].items():
+        ax.plot(FACTORS, run["drops_vs_capacity"], "o-", label=f"measured, router trained with {labels.get(key, key)}")
+    fine = [0.5 + 0.05 * i for i in range(51)]
+    ax.plot(fine, [uniform_drop_fraction(n, E, k, f) for f in fine], "--", color="#555555",
+            label=f"formula: uniform independent routing (Binomial, {n} tokens)")
+    ax.plot(fine, [balanced_drop_fraction(f) for f in fine], ":", color="#999999",
+            label="formula: perfect balance, max(0, 1 − factor)")
+    ax.set_xlabel("capacity factor")
+    ax.set_ylabel("dropped fraction of choices")
+    ax.legend(fontsize=7)
+    ax.set_title(f"Token dropping against capacity, per layer, {E} experts, top-{k}", fontsize=10)
+    save(fig, "drops_vs_capacity.png")
+    return paths

@@ -1,0 +1,288 @@
+"""Mixture of experts by hand, then expert parallelism: all-to-all dispatch and combine, checked against one process.
+
+An MoE layer replaces the transformer's MLP by E experts and a router that sends each token to
+its top-k experts, at most `capacity` tokens per expert (the rest are dropped and ride the
+residual). Expert parallelism puts E/N experts on each of N ranks: each rank routes its own
+tokens, tells every rank how many rows to expect (an all-to-all of counts), sends the rows
+(`all_to_all_single`, uneven splits), lets its experts run on what arrived, and sends the results
+back. The router, attention and embeddings stay data-parallel. This script checks the expert-
+parallel layer (top-1 and top-2) and an expert-parallel MoE TinyGPT against one process holding
+every expert, and the counts, drops, balancing loss and bytes against their formulas.
+
+Run (experts = --experts-per-rank x world size; any world works):
+    python chapters/ch19_moe/train.py                                    # one process: 2 experts
+    torchrun --standalone --nproc_per_node=2 chapters/ch19_moe/train.py  # 4 experts, 2 per rank
+    torchrun --standalone --nproc_per_node=3 chapters/ch19_moe/train.py  # 6 experts on 3 ranks
+    torchrun --standalone --nproc_per_node=4 chapters/ch19_moe/train.py --top-k 1 --capacity-factor 2
+    torchrun --standalone --nproc_per_node=8 chapters/ch19_moe/train.py \\
+        --d-model 512 --d-ff 2048 --seq-len 256 --dtype float32          # 8 GPUs, NCCL
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
+        chapters/ch19_moe/train.py                                       # 16 ranks, 32 experts
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from chapters.ch19_moe.moe import COMM, ExpertParallelMoE, MoELayer, capacity, shard_moe_state
+from chapters.ch19_moe.moe_gpt import MoEGPT, is_expert_param
+from common.config import RunConfig, parse_config, require_at_least_one
+from common.data import CharTokenizer, text_corpus, token_windows
+from common.distributed import reduce_number, setup_distributed, teardown_distributed
+from common.log import log, progress, setup_logging
+from common.models import GPTConfig
+from common.results import RunRecorder
+from common.seed import seed_everything
+from common.timing import Timer
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+# float64 parity budget: sums of at most max(d_ff, tokens) ≈ 256 terms of size ≤ M = 8, a few
+# layers and steps: 256 · 2⁻⁵³ · 8 · 4 ≈ 9e-13 (the lesson derives it); float32: the same × 2²⁹.
+TOLERANCE = {"float64": 1e-11, "float32": 5e-4}
+
+
+@dataclass
+class Config(RunConfig):
+    steps: int = 8
+    """SGD steps of the MoE TinyGPT."""
+    experts_per_rank: int = 2
+    """Experts each rank holds; the layer has experts_per_rank x world size experts."""
+    top_k: int = 2
+    """Experts per token: 1 (Switch) or 2 (GShard)."""
+    capacity_factor: float = 1.25
+    """Slots per expert = ceil(capacity_factor * top_k * tokens / experts), per rank's tokens."""
+    aux_weight: float = 0.01
+    """Weight of the load-balancing loss (Switch: 0.01)."""
+    z_weight: float = 0.001
+    """Weight of the router z-loss (ST-MoE: 0.001)."""
+    d_model: int = 32
+    """Hidden size."""
+    d_ff: int = 64
+    """Hidden size of each expert."""
+    n_heads: int = 4
+    """Attention heads."""
+    n_layers: int = 2
+    """Transformer blocks, each with an MoE layer."""
+    seq_len: int = 32
+    """Tokens per sequence."""
+    micro_batch_size: int = 4
+    """Sequences per rank per step (the global batch is this x world size)."""
+    layer_tokens: int = 48
+    """Tokens per rank in the layer check."""
+    layer_capacity_factor: float = 1.0
+    """Capacity factor of the layer check (tighter than training's, so that choices are dropped
+    and the drop counts are tested)."""
+    lr: float = 0.1
+    """Learning rate of SGD."""
+    dtype: str = "float64"
+    """float64 for parity to ~1e-13 (see the lesson); float32 on GPUs."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_at_least_one(self, "experts_per_rank", "d_model", "d_ff", "n_heads", "n_layers",
+                             "seq_len", "micro_batch_size", "layer_tokens")
+        if self.top_k not in (1, 2):
+            raise ValueError(f"--top-k must be 1 or 2, got {self.top_k}")
+        if min(self.capacity_factor, self.layer_capacity_factor) <= 0:
+            raise ValueError("--capacity-factor and --layer-capacity-factor must be positive")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"--d-model {self.d_model} is not divisible by --n-heads {self.n_heads}")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Every world works: the expert count grows with it. Top-k needs k experts."""
+    if cfg.experts_per_rank * world_size < cfg.top_k:
+        raise ValueError(f"top-{cfg.top_k} routing needs at least {cfg.top_k} experts; "
+                         f"use --experts-per-rank {cfg.top_k}")
+
+
+def gpt_config(cfg: Config, vocab_size: int) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layers,
+                     n_head=cfg.n_heads, d_model=cfg.d_model)
+
+
+def make_batches(cfg: Config, world: int):
+    """(steps, world · micro_batch_size, seq_len) windows of the course's text corpus."""
+    text = text_corpus(max_chars=200_000)
+    tok = CharTokenizer.fit(text)
+    x, y = token_windows(tok.encode(text), cfg.seq_len, cfg.steps * world * cfg.micro_batch_size, cfg.seed)
+    shape = (cfg.steps, world * cfg.micro_batch_size, cfg.seq_len)
+    return x.view(shape), y.view(shape), tok.vocab_size
+
+
+def kept_per_group(experts: torch.Tensor, n_experts: int, cap: int) -> torch.Tensor:
+    """(E,) choices an expert keeps in one group, by the rule: first choices of all tokens, then
+    second choices, first come first served, at most `cap` each. Counted with a loop, apart
+    from `route`'s cumulative sums."""
+    taken = [0] * n_experts
+    for choice in range(experts.shape[1]):
+        for e in experts[:, choice].tolist():
+            taken[e] += 1
+    return torch.tensor([min(t, cap) for t in taken])
+
+
+def ep_grad_sync(model: torch.nn.Module, world: int, sync_shared: bool = True) -> None:
+    """Replicated parameters: all-reduce, then average. Expert parameters: no all-reduce (each
+    lives on one rank), but their gradients already hold every rank's loss (the all-to-all
+    brought them), so they are divided by the world too. `sync_shared=False` is a broken control."""
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if not is_expert_param(name) and sync_shared:
+            torch.distributed.all_reduce(p.grad)
+        p.grad /= world
+
+
+def layer_check(rec: RunRecorder, cfg: Config, info, k: int) -> None:
+    """The expert-parallel layer against the one-process layer (every expert, one routing group
+    per rank) on the same tokens: outputs, gradients, counts, drops, losses and bytes."""
+    rank, world, dev, dtype = info.rank, info.world_size, info.device, DTYPES[cfg.dtype]
+    E, n, tol, cf = cfg.experts_per_rank * world, cfg.layer_tokens, TOLERANCE[cfg.dtype], cfg.layer_capacity_factor
+    torch.manual_seed(cfg.seed + k)
+    ref = MoELayer(cfg.d_model, cfg.d_ff, E, k, cf, groups=world).to(dev, dtype)
+    ep = ExpertParallelMoE(cfg.d_model, cfg.d_ff, E, k, cf, rank, world).to(dev, dtype)
+    ep.load_state_dict(shard_moe_state(ref.state_dict(), rank, world, E))
+    g = torch.Generator().manual_seed(cfg.seed + 10 + k)
+    X = torch.randn(world * n, cfg.d_model, generator=g, dtype=torch.float64).to(dev, dtype)
+    G = torch.randn(world * n, cfg.d_model, generator=g, dtype=torch.float64).to(dev, dtype)
+    X_ref, x = X.clone().requires_grad_(), X[rank * n:(rank + 1) * n].clone().requires_grad_()
+    y_ref = ref(X_ref)
+    (y_ref * G).sum().add(world * (cfg.aux_weight * ref.aux_loss + cfg.z_weight * ref.z_loss)).backward()
+    COMM.reset()
+    y = ep(x)
+    (y * G[rank * n:(rank + 1) * n]).sum().add(cfg.aux_weight * ep.aux_loss + cfg.z_weight * ep.z_loss).backward()
+    torch.distributed.all_reduce(ep.router.weight.grad)  # the router is replicated
+    experts = [p.grad for name, p in ref.named_parameters() if name.startswith("experts.")]
+    per = len(experts) // E
+    mine = experts[rank * cfg.experts_per_rank * per:(rank + 1) * cfg.experts_per_rank * per]
+    diffs = {"output": (y - y_ref[rank * n:(rank + 1) * n]).abs().max(),
+             "input gradient": (x.grad - X_ref.grad[rank * n:(rank + 1) * n]).abs().max(),
+             "router gradient": (ep.router.weight.grad - ref.router.weight.grad).abs().max(),
+             "expert gradients": max((p.grad - q).abs().max() for p, q in zip(ep.experts.parameters(), mine))}
+    tag = f"top-{k} layer"
+    for what, d in diffs.items():
+        rec.check(f"{tag}: EP {what} == one process", "parity", reduce_number(d, "max"), 0.0, tolerance=tol)
+    # counts and drops by the capacity rule, from the one-process routing decisions
+    cap = capacity(n, E, k, cf)
+    kept = torch.stack([kept_per_group(r.experts, E, cap) for r in ref.stats.routings])  # (groups, E)
+    local = list(range(rank * cfg.experts_per_rank, (rank + 1) * cfg.experts_per_rank))
+    rec.check(f"{tag}: tokens each local expert processed = Σ_g min(routed, C)", "count",
+              ep.received.tolist(), kept[:, local].sum(0).tolist())
+    dropped = world * n * k - int(kept.sum())
+    rec.check(f"{tag}: choices dropped over all ranks = kN - Σ kept (C = {cap})", "count",
+              reduce_number(int((~ep.stats.routings[0].keep).sum())), dropped)
+    p = ref.stats.routings[rank].probs.detach()
+    f = torch.bincount(p.argmax(1), minlength=E).to(p.dtype) / n
+    rec.check(f"{tag}: balancing loss == E Σ_e f_e P_e", "formula", ep.aux_loss.item(),
+              (E * (f * p.mean(0)).sum()).item(), tolerance=tol)
+    b, d = x.element_size(), cfg.d_model
+    K_r, R_r = int(kept[rank].sum()), int(kept[:, local].sum())
+    rec.check(f"{tag}: bytes handed to all_to_all, fwd+bwd = 2(K_r + R_r)·d·b", "formula",
+              COMM.bytes["forward"] + COMM.bytes["backward"], 2 * (K_r + R_r) * d * b)
+    off = int(kept[rank].sum() - kept[rank, local].sum()) + int(kept[:, local].sum() - kept[rank, local].sum())
+    rec.check(f"{tag}: bytes leaving this rank, fwd+bwd = 2(rows to and from other ranks)·d·b",
+              "formula", COMM.bytes_off_rank, 2 * off * d * b)
+    rec.check(f"{tag}: bytes of the counts exchange = E·8", "formula", COMM.bytes["counts"], E * 8)
+    rec.figure(f"{tag}: capacity C per expert per rank", cap, expected=None, unit="tokens")
+    rec.figure(f"{tag}: dropped fraction (all ranks)", round(dropped / (world * n * k), 4))
+
+
+def train(model, batches, cfg: Config, info, expert_parallel: bool, sync_shared: bool = True) -> dict:
+    """SGD on CE + α·aux + β·z. Expert-parallel: this rank's micro-batch, then `ep_grad_sync`;
+    one process: the whole global batch, routed in one group per rank."""
+    X, Y, _ = batches
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    rank, world, m = info.rank, info.world_size, cfg.micro_batch_size
+    out = {"loss": [], "ce": [], "imbalance": [], "dropped": [], "ms": []}
+    for step in progress(range(cfg.steps), total=cfg.steps, desc="steps", enabled=info.is_main and expert_parallel):
+        x, y = X[step].to(info.device), Y[step].to(info.device)
+        if expert_parallel:
+            x, y = x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m]
+        with Timer(info.device) as timer:
+            loss, ce = model(x, y, cfg.aux_weight, cfg.z_weight)
+            loss.backward()
+            if expert_parallel:
+                ep_grad_sync(model, world, sync_shared)
+            opt.step()
+            opt.zero_grad()
+        out["ms"].append(timer.elapsed * 1e3)
+        routings = [r for layer in model.moe_layers() for r in layer.stats.routings]
+        routed = sum(r.routed for r in routings)
+        kept = sum(r.kept for r in routings)
+        if expert_parallel:  # the global view: every rank's routing, summed
+            loss, ce = reduce_number(loss.detach()) / world, reduce_number(ce.detach()) / world
+            routed = torch.tensor([reduce_number(int(c)) for c in routed])
+            kept = torch.tensor([reduce_number(int(c)) for c in kept])
+        else:
+            loss, ce = loss.item(), ce.item()
+        out["loss"].append(loss)
+        out["ce"].append(ce)
+        out["imbalance"].append(routed.max().item() / routed.float().mean().item())
+        out["dropped"].append(1 - kept.sum().item() / routed.sum().item())
+    return out
+
+
+def compare_params(ep_model, ref_model, rank: int, world: int, n_experts: int) -> float:
+    """Largest difference between this rank's parameters and the one-process model's."""
+    ref = shard_moe_state(ref_model.state_dict(), rank, world, n_experts)
+    mine = ep_model.state_dict()
+    return max((mine[k] - ref[k]).abs().max().item() for k in mine)
+
+
+def main(cfg: Config) -> int:
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        setup_logging(info.rank, info.world_size)
+        rec = RunRecorder(cfg, __file__, info)
+        world, dtype = info.world_size, DTYPES[cfg.dtype]
+        E = cfg.experts_per_rank * world
+        log.info("%d experts, %d per rank, top-%d, capacity factor %g, on %d rank(s) (%s/%s)",
+                 E, cfg.experts_per_rank, cfg.top_k, cfg.capacity_factor, world, info.device, info.backend)
+        for k in sorted({1, 2} & set(range(1, E + 1))):
+            layer_check(rec, cfg, info, k)
+
+        batches = make_batches(cfg, world)
+        seed_everything(cfg.seed)
+        gcfg = gpt_config(cfg, batches[2])
+        ref = MoEGPT(gcfg, cfg.d_ff, E, cfg.top_k, cfg.capacity_factor, "local", groups=world).to(info.device, dtype)
+        ep = MoEGPT(gcfg, cfg.d_ff, E, cfg.top_k, cfg.capacity_factor, "ep", rank=info.rank,
+                    world=world).to(info.device, dtype)
+        ep.load_state_dict(shard_moe_state(ref.state_dict(), info.rank, world, E))
+        ref_run = train(ref, batches, cfg, info, expert_parallel=False)
+        COMM.reset()
+        ep_run = train(ep, batches, cfg, info, expert_parallel=True)
+        for step in range(cfg.steps):
+            rec.metrics(step, loss=ep_run["loss"][step], ce=ep_run["ce"][step], lr=cfg.lr,
+                        imbalance=ep_run["imbalance"][step], dropped_fraction=ep_run["dropped"][step])
+            log.info("step %2d  loss %.5f  ce %.5f  max/mean tokens per expert %.2f  dropped %.3f", step,
+                     ep_run["loss"][step], ep_run["ce"][step], ep_run["imbalance"][step], ep_run["dropped"][step])
+        tol = TOLERANCE[cfg.dtype]
+        rec.check("MoE TinyGPT: EP losses == one process", "parity",
+                  max(abs(a - b) for a, b in zip(ep_run["loss"], ref_run["loss"])), 0.0, tolerance=tol)
+        rec.check("MoE TinyGPT: EP trained parameters == one process", "parity",
+                  reduce_number(compare_params(ep, ref, info.rank, world, E), "max"), 0.0, tolerance=tol)
+        rec.check("MoE TinyGPT: all_to_all calls = steps x layers x (1 counts + 2 fwd + 2 bwd)", "count",
+                  sum(COMM.calls.values()), cfg.steps * cfg.n_layers * 5)
+        n_expert = sum(p.numel() for name, p in ref.named_parameters() if is_expert_param(name))
+        held = sum(p.numel() for name, p in ep.named_parameters() if is_expert_param(name))
+        rec.check("expert parameters held per rank = all experts' / world", "formula", held, n_expert // world)
+        rec.figure("final cross-entropy", round(ep_run["ce"][-1], 5), unit="nats")
+        rec.figure("max/mean tokens per expert, first and last step",
+                   [round(ep_run["imbalance"][0], 3), round(ep_run["imbalance"][-1], 3)])
+        steady = ep_run["ms"][1:] or ep_run["ms"]
+        rec.figure(f"step time, expert-parallel: median of steps 1-{cfg.steps - 1}",
+                   round(statistics.median(steady), 2), unit="ms", spread=(min(steady), max(steady)))
+        rec.figure("threads per rank", torch.get_num_threads())
+        return rec.finish()
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))

@@ -1,0 +1,213 @@
+"""Chapter 19: mixture of experts by hand, expert parallelism == one process, DeepSpeed-MoE.
+
+The torchrun runs check themselves (summary.json). This module also computes the one-process MoE
+layer with its own code (a loop over tokens and choices for the capacity rule, its own softmax,
+gates, combine, balancing loss and z-loss), and checks the expert-parallel layer's outputs,
+gradients, per-expert counts, drops and all-to-all bytes against it on 2, 4 and 3 ranks (3 ranks
+hold 6 experts), then the expert-parallel training against one process. Negative controls: the
+combine in the wrong order, and shared parameters not all-reduced, are rejected by the same checks.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from chapters.ch19_moe import deepspeed_moe, train
+from chapters.ch19_moe.moe import (
+    COMM,
+    ExpertParallelMoE,
+    MoELayer,
+    route,
+    shard_moe_state,
+)
+from chapters.ch19_moe.moe_gpt import MoEGPT
+from common.launch import run_on_ranks, run_torchrun
+
+SCRIPT = Path(train.__file__)
+TOL = train.TOLERANCE["float64"]
+D, DFF, N_TOK, CF, ALPHA, BETA = 16, 32, 40, 1.0, 0.01, 0.001
+
+
+def reference_layer(X, W_router, experts, k, factor, groups):
+    """One process, every expert, written apart from the chapter: returns the output, the kept
+    choices per (group, expert), the dropped count, and the groups' mean balancing and z losses."""
+    E = W_router.shape[0]
+    ys, kept, dropped, aux, z = [], [], 0, [], []
+    for g in X.chunk(groups):
+        n = g.shape[0]
+        logits = g @ W_router.T
+        p = torch.exp(logits - logits.max(1, keepdim=True).values)
+        p = p / p.sum(1, keepdim=True)
+        cap = math.ceil(factor * k * n / E)
+        choice = [sorted(range(E), key=lambda e, i=i: -p[i, e].item())[:k] for i in range(n)]
+        taken, keep = [0] * E, set()
+        for j in range(k):  # every first choice before any second choice, tokens in order
+            for i in range(n):
+                e = choice[i][j]
+                if taken[e] < cap:
+                    keep.add((i, j))
+                taken[e] += 1
+        rows = []
+        for i in range(n):
+            norm = sum(p[i, e] for e in choice[i]) if k > 1 else 1.0
+            y = g.new_zeros(g.shape[1])
+            for j, e in enumerate(choice[i]):
+                if (i, j) in keep:
+                    w1, b1, w2, b2 = experts[e]
+                    y = y + p[i, e] / norm * (F.gelu(g[i] @ w1.T + b1) @ w2.T + b2)
+            rows.append(y)
+        ys.append(torch.stack(rows))
+        kept.append([min(t, cap) for t in taken])
+        dropped += sum(max(t - cap, 0) for t in taken)
+        top1 = torch.tensor([choice[i][0] for i in range(n)])
+        f = torch.stack([(top1 == e).double().mean() for e in range(E)])
+        aux.append(E * (f * p.mean(0)).sum())
+        z.append((logits.exp().sum(1).log() ** 2).mean())
+    return torch.cat(ys), kept, dropped, torch.stack(aux).mean(), torch.stack(z).mean()
+
+
+def _layer(k: int, epr: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    E = epr * world
+    torch.manual_seed(100 + k)
+    full = MoELayer(D, DFF, E, k, CF, groups=world).double()
+    ep = ExpertParallelMoE(D, DFF, E, k, CF, rank, world).double()
+    ep.load_state_dict(shard_moe_state(full.state_dict(), rank, world, E))
+    g = torch.Generator().manual_seed(7 + k)
+    X = torch.randn(world * N_TOK, D, generator=g, dtype=torch.float64)
+    G = torch.randn(world * N_TOK, D, generator=g, dtype=torch.float64)
+    mine = slice(rank * N_TOK, (rank + 1) * N_TOK)
+    Xr = X.clone().requires_grad_()
+    Wr = full.router.weight.detach().clone().requires_grad_()
+    experts = [[t.detach().clone().requires_grad_() for t in (x.fc1.weight, x.fc1.bias, x.fc2.weight, x.fc2.bias)]
+               for x in full.experts]
+    y_ref, kept, dropped, aux, z = reference_layer(Xr, Wr, experts, k, CF, world)
+    ((y_ref * G).sum() + world * (ALPHA * aux + BETA * z)).backward()
+    x = X[mine].clone().requires_grad_()
+    COMM.reset()
+    y = ep(x)
+    ((y * G[mine]).sum() + ALPHA * ep.aux_loss + BETA * ep.z_loss).backward()
+    dist.all_reduce(ep.router.weight.grad)
+    sent = dict(COMM.bytes)
+    local = range(rank * epr, (rank + 1) * epr)
+    expert_diff = max((p.grad - q.grad).abs().max().item() for j, e in enumerate(local)
+                      for p, q in zip(ep.experts[j].parameters(), experts[e]))
+    out = {"output": (y - y_ref[mine]).abs().max().item(),
+           "input grad": (x.grad - Xr.grad[mine]).abs().max().item(),
+           "router grad": (ep.router.weight.grad - Wr.grad).abs().max().item(),
+           "expert grads": expert_diff,
+           "received": ep.received.tolist(),
+           "expected received": [sum(kept[s][e] for s in range(world)) for e in local],
+           "dropped": int((~ep.stats.routings[0].keep).sum()), "expected dropped total": dropped,
+           "aux": ep.aux_loss.item(), "z": ep.z_loss.item(), "aux ref": aux.item(), "z ref": z.item(),
+           "bytes": sent, "kept": kept}
+    with torch.no_grad():
+        ep.wrong_combine_order = True
+        out["wrong order output"] = (ep(x) - y_ref[mine]).abs().max().item()
+    return out
+
+
+def _train(epr: int, steps: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    class Info:
+        device, is_main = torch.device("cpu"), False
+
+    Info.rank, Info.world_size = rank, world
+    cfg = train.Config(steps=steps, experts_per_rank=epr, n_layers=1, seq_len=16, micro_batch_size=2)
+    E = epr * world
+    batches = train.make_batches(cfg, world)
+    out = {}
+    for name, sync in (("ok", True), ("shared not all-reduced", False)):
+        torch.manual_seed(0)
+        gcfg = train.gpt_config(cfg, batches[2])
+        ref = MoEGPT(gcfg, cfg.d_ff, E, cfg.top_k, cfg.capacity_factor, "local", groups=world).double()
+        ep = MoEGPT(gcfg, cfg.d_ff, E, cfg.top_k, cfg.capacity_factor, "ep", rank=rank, world=world).double()
+        ep.load_state_dict(shard_moe_state(ref.state_dict(), rank, world, E))
+        r = train.train(ref, batches, cfg, Info, expert_parallel=False)
+        e = train.train(ep, batches, cfg, Info, expert_parallel=True, sync_shared=sync)
+        out[name] = {"params": train.compare_params(ep, ref, rank, world, E),
+                     "loss": max(abs(a - b) for a, b in zip(r["loss"], e["loss"]))}
+    return out
+
+
+def _ranks(epr: int, steps: int) -> dict:
+    return {"top-1": _layer(1, epr), "top-2": _layer(2, epr), "train": _train(epr, steps)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,epr", [(2, 2), (4, 1), (3, 2)], ids=["2 ranks", "4 ranks", "3 ranks 6 experts"])
+def test_expert_parallel_equals_one_process(world, epr):
+    results = run_on_ranks(_ranks, world, epr, 3, timeout=110)
+    for rank, res in enumerate(results):
+        for k in (1, 2):
+            r = res[f"top-{k}"]
+            for what in ("output", "input grad", "router grad", "expert grads"):
+                assert r[what] < TOL, (rank, k, what, r[what])
+            assert r["received"] == r["expected received"]
+            assert sum(x[f"top-{k}"]["dropped"] for x in results) == r["expected dropped total"]
+            # bytes handed to all_to_all: kept rows out and back, forward and backward, d float64s each
+            K = sum(r["kept"][rank])
+            R = sum(r["kept"][s][e] for s in range(world) for e in range(rank * epr, (rank + 1) * epr))
+            assert r["bytes"]["forward"] == r["bytes"]["backward"] == (K + R) * D * 8
+            assert r["bytes"]["counts"] == epr * world * 8
+            assert r["wrong order output"] > 1e-3  # the negative control is rejected
+        assert res["train"]["ok"]["params"] < TOL and res["train"]["ok"]["loss"] < TOL
+        bad = res["train"]["shared not all-reduced"]
+        assert bad["params"] > 1e3 * TOL  # the negative control is rejected
+    for k in (1, 2):  # each rank's balancing and z losses: their mean is the reference's
+        r0 = results[0][f"top-{k}"]
+        assert abs(sum(r[f"top-{k}"]["aux"] for r in results) / world - r0["aux ref"]) < TOL
+        assert abs(sum(r[f"top-{k}"]["z"] for r in results) / world - r0["z ref"]) < TOL
+        assert r0["expected dropped total"] > 0  # the capacity rule dropped choices: counts are tested
+
+
+def test_balancing_loss_and_z_loss_formulas():
+    """Uniform router: f_e sum to 1 and P_e = 1/E, so E·Σ f_e P_e = 1; logsumexp(0) = log E."""
+    E = 8
+    r = route(torch.zeros(64, E, dtype=torch.float64), 2, 1.0)
+    assert abs(r.aux_loss.item() - 1.0) < 1e-15
+    assert abs(r.z_loss.item() - math.log(E) ** 2) < 1e-14
+    logits = torch.randn(64, E, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    r = route(logits, 2, 0.5)
+    p = logits.softmax(1)
+    f = torch.bincount(p.argmax(1), minlength=E).double() / 64
+    assert abs(r.aux_loss.item() - E * (f * p.mean(0)).sum().item()) < 1e-14
+    assert r.kept.tolist() == [min(c, math.ceil(0.5 * 2 * 64 / E)) for c in r.routed.tolist()]
+    assert int((~r.keep).sum()) == int((r.routed - r.kept).sum()) > 0
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_under_torchrun(tmp_path):
+    res = run_torchrun(SCRIPT, nproc=2, out_dir=tmp_path, timeout=110)
+    failed = [c["name"] for c in res.summary["checks"] if not c["ok"]]
+    assert not failed, res.output[-3000:]
+    names = [c["name"] for c in res.summary["checks"]]
+    assert any("EP trained parameters == one process" in n for n in names)
+    assert any("bytes handed to all_to_all" in n for n in names)
+    assert res.summary["world_size"] == 2
+
+
+@pytest.mark.timeout(150)
+def test_deepspeed_moe_matches_the_hand_layer(tmp_path):
+    pytest.importorskip("deepspeed", reason="pip install deepspeed==0.19.8 (requirements.txt)")
+    res = run_torchrun(Path(deepspeed_moe.__file__), nproc=2, out_dir=tmp_path, timeout=140)
+    failed = [c["name"] for c in res.summary["checks"] if not c["ok"]]
+    assert not failed, res.output[-3000:]
+    assert len(res.summary["checks"]) >= 10
+
+
+def test_validate_and_bad_options():
+    train.validate(train.Config(), 1)
+    with pytest.raises(ValueError, match="needs at least 2 experts"):
+        train.validate(train.Config(experts_per_rank=1), 1)
+    with pytest.raises(ValueError, match="top-k must be 1 or 2"):
+        train.Config(top_k=3)
+    with pytest.raises(ValueError, match="ZeRO-3 refuses MoE"):
+        deepspeed_moe.Config(stages=[3])
