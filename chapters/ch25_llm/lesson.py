@@ -70,7 +70,7 @@ print("formula:", model.train_step_flops(config, 2, 64), " 6ND:", model.six_n_d(
 
 # %%
 plt.figure(figsize=(6, 2.5))
-plt.plot([model.lr_at(s, 3e-3, 10, 60) for s in range(60)])
+plt.plot([model.lr_at(s, 3e-3, 10, 80) for s in range(80)])
 plt.xlabel("step")
 plt.ylabel("learning rate")
 plt.show()
@@ -84,7 +84,7 @@ print(inspect.getsource(model.apply_fsdp))
 
 # %% [markdown]
 # ## The real run: two processes under torchrun
-# Tokenizer, FLOP check, FSDP2-vs-DDP parity, 60 training steps, DCP resume, Hugging Face export;
+# Tokenizer, FLOP check, FSDP2-vs-DDP parity, 80 training steps, DCP resume, Hugging Face export;
 # every check must say `ok`.
 
 # %%

@@ -11,7 +11,7 @@ import torch
 # (a ~350M-parameter Llama, sequence 2048, bf16, torch.compile) to measure MFU.
 PRESETS = {
     "cpu": dict(vocab_size=1024, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                ffn_size=176, seq_len=64, micro_batch_size=8, steps=60, warmup_steps=10,
+                ffn_size=176, seq_len=64, micro_batch_size=8, steps=80, warmup_steps=10,
                 lr=3e-3, compile=False, timed_from=3),
     "gpu": dict(vocab_size=8192, hidden_size=1024, n_layers=24, n_heads=16, n_kv_heads=8,
                 ffn_size=2816, seq_len=2048, micro_batch_size=8, steps=40, warmup_steps=10,

@@ -58,7 +58,7 @@ class Config(RunConfig):
     """Size preset: cpu (seconds on two CPU processes) or gpu (a ~350M-parameter Llama,
     sequence 2048, torch.compile: MFU on one H100/H200). Options set to 0 take the preset's value."""
     steps: int = 0
-    """Optimizer steps to train (0: the preset's, 60 on cpu, 40 on gpu)."""
+    """Optimizer steps to train (0: the preset's, 80 on cpu, 40 on gpu)."""
     vocab_size: int = 0
     """BPE vocabulary size, also the model's (0: the preset's, 1024 / 8192)."""
     hidden_size: int = 0
