@@ -207,6 +207,8 @@ def test_validate_and_bad_options():
     train.validate(train.Config(), 1)
     with pytest.raises(ValueError, match="needs at least 2 experts"):
         train.validate(train.Config(experts_per_rank=1), 1)
+    with pytest.raises(ValueError, match="gloo runs all-to-all on CPU tensors only"):
+        train.validate(train.Config(device="cuda", backend="gloo"), 2)
     with pytest.raises(ValueError, match="top-k must be 1 or 2"):
         train.Config(top_k=3)
     with pytest.raises(ValueError, match="ZeRO-3 refuses MoE"):

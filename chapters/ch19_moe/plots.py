@@ -5,6 +5,8 @@
   without the balancing loss.
 - drops_vs_capacity.png: dropped fraction against the capacity factor for the routers those runs
   learned, beside two formulas (perfect balance; independent uniform routing).
+- dispatch.png: expert parallelism on 2 ranks, 4 experts, top-1 (a diagram drawn from a fixed
+  example routing).
 """
 
 from __future__ import annotations
@@ -70,6 +72,55 @@ def measure() -> dict:
     return data
 
 
+COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]
+EXAMPLE = [[0, 2, 1, 2, 3, 0, 2, 1], [3, 1, 0, 2, 3, 3, 1, 0]]  # top-1 choice of each rank's tokens
+
+
+def _dispatch_panel(ax, capacity: int = 2) -> None:
+    """2 ranks, 4 experts (E0, E1 on rank 0; E2, E3 on rank 1), top-1, 8 tokens per rank,
+    capacity factor 1: C = 2."""
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    segments = []
+    for rank, choices in enumerate(EXAMPLE):
+        y0 = 5.2 - rank * 5.0
+        ax.text(-0.3, y0 + 1.9, f"rank {rank}", fontsize=9, weight="bold")
+        taken = [0] * 4
+        kept = []
+        for i, e in enumerate(choices):  # 1. route: tokens coloured by expert; dropped: hatched
+            keep = taken[e] < capacity
+            taken[e] += 1
+            ax.add_patch(Rectangle((0, y0 + 1.5 - i * 0.45), 0.8, 0.4, color=COLORS[e],
+                                   alpha=1.0 if keep else 0.35, hatch=None if keep else "xx"))
+            if keep:
+                kept.append((e, i))
+        ax.text(0.4, y0 - 2.3, "1. route\n(x = dropped)", ha="center", fontsize=7)
+        to_rank0 = sum(1 for e, _ in kept if e < 2)
+        segments.append([(0, to_rank0), (to_rank0, len(kept) - to_rank0)])
+        for j, (e, _token) in enumerate(sorted(kept)):  # 2. sorted by destination expert
+            ax.add_patch(Rectangle((2.0, y0 + 1.5 - j * 0.45), 0.8, 0.4, color=COLORS[e]))
+        ax.text(2.4, y0 - 2.3, "2. sort by expert;\ncounts all-to-all", ha="center", fontsize=7)
+        for k in range(2):  # the experts this rank holds
+            e = 2 * rank + k
+            ax.add_patch(Rectangle((6.0, y0 + 0.9 - k * 2.2), 1.4, 1.6, color=COLORS[e], alpha=0.8))
+            ax.text(6.7, y0 + 1.7 - k * 2.2, f"E{e}", ha="center", va="center", fontsize=10, color="white")
+    for src, y0 in ((0, 5.2), (1, 0.2)):  # 3. dispatch: one arrow per (source, destination) segment
+        for dst, (first, n_rows) in enumerate(segments[src]):
+            y_from = y0 + 1.7 - (first + n_rows / 2) * 0.45
+            y_to = 5.2 - dst * 5.0 + 0.6 + (0.5 if src == 0 else -0.5)
+            ax.add_patch(FancyArrowPatch((2.9, y_from), (5.9, y_to), arrowstyle="-|>",
+                                         mutation_scale=10, color="#555555", lw=0.8))
+            ax.text(3.3, y_from + 0.1, f"{n_rows} rows", fontsize=6.5, color="#555555")
+    ax.text(4.4, -2.3, "3. dispatch: all_to_all_single,\nuneven splits (counted first)", ha="center", fontsize=7.5)
+    ax.text(8.9, 2.6, "4. local experts\n5. combine: all_to_all_single\nback (splits swapped),\n"
+            "y = gate · expert(x)", ha="center", fontsize=7.5)
+    ax.set_xlim(-0.5, 10.5)
+    ax.set_ylim(-2.8, 7.6)
+    ax.axis("off")
+    ax.set_title(f"Expert parallelism on 2 ranks: 4 experts, top-1, 8 tokens per rank, C = {capacity}",
+                 fontsize=10)
+
+
 def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     import matplotlib.pyplot as plt
 
@@ -112,4 +163,8 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.legend(fontsize=7)
     ax.set_title(f"Token dropping against capacity, per layer, {E} experts, top-{k}", fontsize=10)
     save(fig, "drops_vs_capacity.png")
+
+    fig, ax = plt.subplots(figsize=(7.5, 5.2))
+    _dispatch_panel(ax)
+    save(fig, "dispatch.png")
     return paths

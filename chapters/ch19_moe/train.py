@@ -96,7 +96,12 @@ class Config(RunConfig):
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Every world works: the expert count grows with it. Top-k needs k experts."""
+    """Every world works: the expert count grows with it. Top-k needs k experts; all-to-all on
+    GPUs needs NCCL."""
+    on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if world_size > 1 and cfg.backend == "gloo" and on_gpus:
+        raise ValueError("gloo runs all-to-all on CPU tensors only: use NCCL (one GPU per rank) "
+                         "or --device cpu")
     if cfg.experts_per_rank * world_size < cfg.top_k:
         raise ValueError(f"top-{cfg.top_k} routing needs at least {cfg.top_k} experts; "
                          f"use --experts-per-rank {cfg.top_k}")
