@@ -262,12 +262,13 @@ def export_and_reload(model, config, out, probe, prompt, cfg: Config, info) -> d
 
     trained = LlamaForCausalLM(config).float()
     trained.load_state_dict(full)
-    trained.eval()
+    trained.to(info.device).eval()  # the gpu preset's 300M model: on the GPU, not the CPU
     path = out / "hf_model"
     trained.save_pretrained(path)
-    reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(info.device).eval()
     wrong = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 config=other_rope_base(path)).eval()
+                                                 config=other_rope_base(path)).to(info.device).eval()
+    probe, prompt = probe.to(info.device), prompt.to(info.device)
     with torch.no_grad():
         logits = {name: m(input_ids=probe, use_cache=False).logits
                   for name, m in (("trained", trained), ("reloaded", reloaded), ("wrong rope", wrong))}
@@ -278,7 +279,8 @@ def export_and_reload(model, config, out, probe, prompt, cfg: Config, info) -> d
         torch.manual_seed(cfg.seed)
         sample = trained.generate(prompt, max_new_tokens=cfg.sample_tokens, do_sample=True,
                                   top_k=40, temperature=0.8, pad_token_id=0)[0, n:]
-    return {"logits": logits, "gen": gen, "sample": sample, "path": path}
+    return {"logits": logits, "gen": {k: v.cpu() for k, v in gen.items()},
+            "sample": sample.cpu(), "path": path}
 
 
 def record_tokenizer(rec: RunRecorder, tok, cfg: Config, train_ids, val_text: str) -> None:
