@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -167,9 +168,23 @@ def test_training_run_checks_and_zero_shot(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["loss"] < 0.5 * lines[0]["loss"]
     assert res.check("largest logits matrix per rank, local = b·B x 8")["measured"] == 24 * 48 * 8
+    # the last batch's loss floor, counted here from the regenerated captions: no loss goes below
+    _, ids, _ = data.make_pairs(200 * 48, 1, data.split_combinations()[0])
+    last = [tuple(c) for c in ids[-48:].tolist()]
+    floor = sum(torch.tensor(float(last.count(c))).log().item() for c in last) / 48
+    final = res.summary["figures"]["final loss (global batch); expected: its floor"]
+    assert abs(final["expected"] - floor) < 1e-4 and final["measured"] >= floor
 
 
 def test_exercise_numbers():
     """Exercise 1: logits bytes per rank at W = 8, B = 32768, bf16."""
     assert contrastive.logits_bytes_formula(32768, 8, False, 2) == 2_147_483_648
     assert contrastive.logits_bytes_formula(32768, 8, True, 2) == 536_870_912
+
+
+def test_loss_floor_of_duplicate_captions():
+    ids = torch.tensor([[1, 2], [1, 2], [3, 4]])
+    assert abs(data.loss_floor(ids) - 2 * math.log(2) / 3) < 1e-12
+    # the lesson's numbers: B = 48 and B = 1024 drawn from the 48 training captions
+    assert round(data.expected_loss_floor(48, 48), 3) == 0.565
+    assert round(data.expected_loss_floor(1024, 48), 3) == 3.083

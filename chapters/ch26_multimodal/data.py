@@ -96,3 +96,21 @@ def caption_bank() -> tuple[torch.Tensor, list[str]]:
     zero-shot retrieval."""
     texts = [caption(*c) for c in all_combinations()]
     return torch.stack([tokenize(t) for t in texts]), texts
+
+
+def loss_floor(captions: torch.Tensor) -> float:
+    """The lowest contrastive loss a batch allows: a caption that occurs n times in it matches
+    n images equally well (and its image n equal captions), so the best a model can do for that
+    pair is probability 1/n, a loss of ln n. The mean of ln n over the batch's pairs."""
+    _, inverse, counts = torch.unique(captions, dim=0, return_inverse=True, return_counts=True)
+    return counts[inverse].double().log().mean().item()
+
+
+def expected_loss_floor(batch: int, distinct: int) -> float:
+    """`loss_floor` expected for `batch` pairs drawn uniformly from `distinct` captions: the
+    count of a pair's caption is 1 + Binomial(batch − 1, 1/distinct)."""
+    import math
+
+    p = 1 / distinct
+    return sum(math.comb(batch - 1, k) * p ** k * (1 - p) ** (batch - 1 - k) * math.log(1 + k)
+               for k in range(batch))

@@ -116,8 +116,8 @@ plt.show()
 # The lesson's exercises, with hints and worked answers
 # ([README.md](../chapters/ch26_multimodal/README.md#exercises)):
 # 1. How many bytes of logits does a rank build at W = 8, B = 32768 in bf16, global and local?
-# 2. Train with `--gather torch --no-local-loss` and then replace the gather by `nograd`:
-#    what happens to the towers' gradients, and why not to the temperature's?
+# 2. Train on 2 ranks with `--gather nograd --no-local-loss`, then `--gather nograd` (local
+#    loss), and compare with the default. Why does the first come out so close?
 # 3. Why does the local loss need the gradient through the gather while the global loss
 #    (almost) does not?
 # 4. Hold out a whole colour instead of one pair per colour: what should zero-shot do?
