@@ -93,6 +93,29 @@ def attention_parity(rec, cfg, info, dtype, broken: dict | None = None) -> dict:
     return counted
 
 
+def deepspeed_parity(rec, cfg, info, dtype, broken: str = "none") -> dict:
+    """DeepSpeed's `DistributedAttention` (the production Ulysses) against full SDPA, causal and
+    not; returns this rank's results (for the tests)."""
+    from chapters.ch18_long_context.deepspeed_ulysses import deepspeed_ulysses_attention
+
+    rank, world = info.rank, info.world_size
+    qkvw = make_qkv(cfg, info.device, dtype)
+    tol = parity_tolerance(cfg.seq_len, cfg.head_dim, dtype)
+    results = {}
+    for causal in (False, True):
+        ref = full_reference(*qkvw, causal)
+        q, k, v, w = (ring.shard_sequence(t, rank, world, "contiguous", dim=2) for t in qkvw)
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = deepspeed_ulysses_attention(q, k, v, causal, broken=broken)
+        (out * w.reshape(out.shape) if out.numel() == w.numel() else out).sum().backward()
+        mine = results[causal] = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        err = max(relative_error(mine[key], ring.shard_sequence(t, rank, world, "contiguous", dim=2))
+                  for key, t in ref.items())
+        rec.check(f"DeepSpeed Ulysses{', causal' if causal else ''}: output, grads = SDPA", "parity",
+                  reduce_number(err, "max"), tol, compare="<=")
+    return results
+
+
 def record_bytes(rec, counted: dict, cfg, world: int, elem: int) -> None:
     """Bytes this rank handed to send ops / sent in all-to-alls, against the formulas."""
     args = (cfg.batch_size, cfg.heads, cfg.seq_len // world, cfg.head_dim, elem, world)

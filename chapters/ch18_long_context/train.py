@@ -11,6 +11,7 @@ Run (N ranks need --seq-len divisible by 2N, and --heads divisible by N for Ulys
     python chapters/ch18_long_context/train.py                                  # N = 1
     torchrun --standalone --nproc_per_node=2 chapters/ch18_long_context/train.py
     torchrun --standalone --nproc_per_node=4 chapters/ch18_long_context/train.py --train-attention ulysses
+    torchrun --standalone --nproc_per_node=2 chapters/ch18_long_context/train.py --deepspeed   # + DeepSpeed
     torchrun --standalone --nproc_per_node=2 chapters/ch18_long_context/train.py \\
         --sweep-lengths 256 512 1024                                            # time vs length
     torchrun --standalone --nproc_per_node=8 chapters/ch18_long_context/train.py \\
@@ -20,6 +21,8 @@ Run (N ranks need --seq-len divisible by 2N, and --heads divisible by N for Ulys
     srun --ntasks=8 --ntasks-per-node=8 python chapters/ch18_long_context/train.py   # Slurm
 """
 
+import dataclasses
+import functools
 import sys
 from dataclasses import dataclass, field
 
@@ -67,6 +70,8 @@ class Config(RunConfig):
     """float64 makes parity hold to ~1e-14; float32 to ~1e-5 (tolerance: see the lesson)."""
     memory_budget_mib: float = 64.0
     """Per-rank activation budget for the 'longest sequence that fits' figure."""
+    deepspeed: bool = False
+    """Also check DeepSpeed's DistributedAttention (the production Ulysses; needs deepspeed)."""
     sweep_lengths: list[int] = field(default_factory=list)
     """Also time ring and Ulysses (causal, forward + backward) at these sequence lengths."""
 
@@ -213,13 +218,12 @@ def time_methods(cfg: Config, info, dtype, lengths: list[int]) -> dict:
     """Median forward + backward time and bytes per rank of causal ring (zigzag) and Ulysses."""
     rows = {}
     for length in lengths:
-        shape = dict(batch_size=cfg.batch_size, heads=cfg.heads, seq_len=length, head_dim=cfg.head_dim, seed=cfg.seed)
-        qkvw = parity.make_qkv(type("Shape", (), shape), info.device, dtype)
+        qkvw = parity.make_qkv(dataclasses.replace(cfg, seq_len=length), info.device, dtype)
         for method, layout in (("ring", "zigzag"), ("ulysses", "contiguous")):
             ring.COUNTER.reset()
             ulysses.COUNTER.reset()
-            stats = benchmark(lambda: parity.run_method(method, layout, True, qkvw, info.rank, info.world_size),
-                              warmup=1, repeats=3, device=info.device)
+            step = functools.partial(parity.run_method, method, layout, True, qkvw, info.rank, info.world_size)
+            stats = benchmark(step, warmup=1, repeats=3, device=info.device)
             counter = ring.COUNTER if method == "ring" else ulysses.COUNTER
             sent = sum(counter.bytes.values()) // 4  # 4 calls: 1 warm-up + 3 repeats
             ms = reduce_number(stats.median * 1e3, "max")
@@ -238,6 +242,9 @@ def main(cfg: Config) -> int:
                  cfg.batch_size, cfg.heads, cfg.head_dim)
 
         parity.attention_parity(rec, cfg, info, dtype)
+        if cfg.deepspeed:
+            log.info("DeepSpeed's DistributedAttention (its first use builds a communication op, ~1 min)")
+            parity.deepspeed_parity(rec, cfg, info, dtype)
 
         X, Y, vocab = make_data(cfg, info.device)
         ref, sp = build_models(cfg, vocab, info, dtype)
