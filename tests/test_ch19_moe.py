@@ -26,8 +26,8 @@ from chapters.ch19_moe.moe import (
     route,
     shard_moe_state,
 )
-from chapters.ch19_moe.moe_gpt import MoEGPT
 from common.launch import run_on_ranks, run_torchrun
+from common.results import check_ok
 
 SCRIPT = Path(train.__file__)
 TOL = train.TOLERANCE["float64"]
@@ -113,7 +113,24 @@ def _layer(k: int, epr: int) -> dict:
     return out
 
 
-def _train(epr: int, steps: int) -> dict:
+class Verdicts:
+    """A recorder for the script's own checks: each check's verdict and measured value by name."""
+
+    def __init__(self):
+        self.ok, self.measured = {}, {}
+
+    def check(self, name, kind, measured, expected, tolerance=0.0, relative=False, compare="=="):
+        self.ok[name], self.measured[name] = check_ok(measured, expected, tolerance, relative, compare), measured
+
+    def figure(self, *args, **kwargs):
+        pass
+
+    def failed(self) -> list[str]:
+        return sorted(n for n, ok in self.ok.items() if not ok)
+
+
+def _script_checks(epr: int, steps: int) -> dict:
+    """The script's own layer and training checks, on the right code and on broken variants."""
     rank, world = dist.get_rank(), dist.get_world_size()
 
     class Info:
@@ -121,24 +138,18 @@ def _train(epr: int, steps: int) -> dict:
 
     Info.rank, Info.world_size = rank, world
     cfg = train.Config(steps=steps, experts_per_rank=epr, n_layers=1, seq_len=16, micro_batch_size=2)
-    E = epr * world
-    batches = train.make_batches(cfg, world)
     out = {}
-    for name, sync in (("ok", True), ("shared not all-reduced", False)):
-        torch.manual_seed(0)
-        gcfg = train.gpt_config(cfg, batches[2])
-        ref = MoEGPT(gcfg, cfg.d_ff, E, cfg.top_k, cfg.capacity_factor, "local", groups=world).double()
-        ep = MoEGPT(gcfg, cfg.d_ff, E, cfg.top_k, cfg.capacity_factor, "ep", rank=rank, world=world).double()
-        ep.load_state_dict(shard_moe_state(ref.state_dict(), rank, world, E))
-        r = train.train(ref, batches, cfg, Info, expert_parallel=False)
-        e = train.train(ep, batches, cfg, Info, expert_parallel=True, sync_shared=sync)
-        out[name] = {"params": train.compare_params(ep, ref, rank, world, E),
-                     "loss": max(abs(a - b) for a, b in zip(r["loss"], e["loss"]))}
+    for name, fn in (("layer", lambda rec, broken: train.layer_check(rec, cfg, Info, 2, wrong_combine_order=broken)),
+                     ("train", lambda rec, broken: train.training_check(rec, cfg, Info, sync_shared=not broken))):
+        for broken in (False, True):
+            rec = Verdicts()
+            fn(rec, broken)
+            out[(name, broken)] = {"failed": rec.failed(), "measured": rec.measured}
     return out
 
 
 def _ranks(epr: int, steps: int) -> dict:
-    return {"top-1": _layer(1, epr), "top-2": _layer(2, epr), "train": _train(epr, steps)}
+    return {"top-1": _layer(1, epr), "top-2": _layer(2, epr), "script": _script_checks(epr, steps)}
 
 
 @pytest.mark.timeout(120)
@@ -158,9 +169,14 @@ def test_expert_parallel_equals_one_process(world, epr):
             assert r["bytes"]["forward"] == r["bytes"]["backward"] == (K + R) * D * 8
             assert r["bytes"]["counts"] == epr * world * 8
             assert r["wrong order output"] > 1e-3  # the negative control is rejected
-        assert res["train"]["ok"]["params"] < TOL and res["train"]["ok"]["loss"] < TOL
-        bad = res["train"]["shared not all-reduced"]
-        assert bad["params"] > 1e3 * TOL  # the negative control is rejected
+    script = results[0]["script"]  # verdicts are agreed over the ranks (reduce_number)
+    assert script[("layer", False)]["failed"] == [] and script[("train", False)]["failed"] == []
+    # negative controls: the same checks reject them, and only the checks they should fail
+    assert script[("layer", True)]["failed"] == [f"top-2 layer: EP {w} == one process" for w in
+                                                 ("expert gradients", "input gradient", "output", "router gradient")]
+    bad = script[("train", True)]
+    assert bad["failed"] == ["MoE TinyGPT: EP losses == one process", "MoE TinyGPT: EP trained parameters == one process"]
+    assert bad["measured"]["MoE TinyGPT: EP trained parameters == one process"] > 1e3 * TOL
     for k in (1, 2):  # each rank's balancing and z losses: their mean is the reference's
         r0 = results[0][f"top-{k}"]
         assert abs(sum(r[f"top-{k}"]["aux"] for r in results) / world - r0["aux ref"]) < TOL

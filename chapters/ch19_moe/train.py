@@ -144,15 +144,17 @@ def ep_grad_sync(model: torch.nn.Module, world: int, sync_shared: bool = True) -
         p.grad /= world
 
 
-def layer_check(rec: RunRecorder, cfg: Config, info, k: int) -> None:
+def layer_check(rec: RunRecorder, cfg: Config, info, k: int, wrong_combine_order: bool = False) -> None:
     """The expert-parallel layer against the one-process layer (every expert, one routing group
-    per rank) on the same tokens: outputs, gradients, counts, drops, losses and bytes."""
+    per rank) on the same tokens: outputs, gradients, counts, drops, losses and bytes.
+    `wrong_combine_order` is a broken variant (the tests check that these checks reject it)."""
     rank, world, dev, dtype = info.rank, info.world_size, info.device, DTYPES[cfg.dtype]
     E, n, tol, cf = cfg.experts_per_rank * world, cfg.layer_tokens, TOLERANCE[cfg.dtype], cfg.layer_capacity_factor
     torch.manual_seed(cfg.seed + k)
     ref = MoELayer(cfg.d_model, cfg.d_ff, E, k, cf, groups=world).to(dev, dtype)
     ep = ExpertParallelMoE(cfg.d_model, cfg.d_ff, E, k, cf, rank, world).to(dev, dtype)
     ep.load_state_dict(shard_moe_state(ref.state_dict(), rank, world, E))
+    ep.wrong_combine_order = wrong_combine_order
     g = torch.Generator().manual_seed(cfg.seed + 10 + k)
     X = torch.randn(world * n, cfg.d_model, generator=g, dtype=torch.float64).to(dev, dtype)
     G = torch.randn(world * n, cfg.d_model, generator=g, dtype=torch.float64).to(dev, dtype)
@@ -240,40 +242,48 @@ def compare_params(ep_model, ref_model, rank: int, world: int, n_experts: int) -
     return max((mine[k] - ref[k]).abs().max().item() for k in mine)
 
 
+def training_check(rec: RunRecorder, cfg: Config, info, sync_shared: bool = True):
+    """The MoE TinyGPT trained expert-parallel and on one process from the same weights; checks
+    losses, trained parameters and all-to-all calls. `sync_shared=False` is a broken variant."""
+    world, dtype, E = info.world_size, DTYPES[cfg.dtype], cfg.experts_per_rank * info.world_size
+    batches = make_batches(cfg, world)
+    seed_everything(cfg.seed)
+    gcfg = gpt_config(cfg, batches[2])
+    ref = MoEGPT(gcfg, cfg.d_ff, E, cfg.top_k, cfg.capacity_factor, "local", groups=world).to(info.device, dtype)
+    ep = MoEGPT(gcfg, cfg.d_ff, E, cfg.top_k, cfg.capacity_factor, "ep", rank=info.rank,
+                world=world).to(info.device, dtype)
+    ep.load_state_dict(shard_moe_state(ref.state_dict(), info.rank, world, E))
+    ref_run = train(ref, batches, cfg, info, expert_parallel=False)
+    COMM.reset()
+    ep_run = train(ep, batches, cfg, info, expert_parallel=True, sync_shared=sync_shared)
+    tol = TOLERANCE[cfg.dtype]
+    rec.check("MoE TinyGPT: EP losses == one process", "parity",
+              max(abs(a - b) for a, b in zip(ep_run["loss"], ref_run["loss"])), 0.0, tolerance=tol)
+    rec.check("MoE TinyGPT: EP trained parameters == one process", "parity",
+              reduce_number(compare_params(ep, ref, info.rank, world, E), "max"), 0.0, tolerance=tol)
+    rec.check("MoE TinyGPT: all_to_all calls = steps x layers x (1 counts + 2 fwd + 2 bwd)", "count",
+              sum(COMM.calls.values()), cfg.steps * cfg.n_layers * 5)
+    return ep_run, ep, ref
+
+
 def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)
-        world, dtype = info.world_size, DTYPES[cfg.dtype]
+        world = info.world_size
         E = cfg.experts_per_rank * world
         log.info("%d experts, %d per rank, top-%d, capacity factor %g, on %d rank(s) (%s/%s)",
                  E, cfg.experts_per_rank, cfg.top_k, cfg.capacity_factor, world, info.device, info.backend)
         for k in sorted({1, 2} & set(range(1, E + 1))):
             layer_check(rec, cfg, info, k)
 
-        batches = make_batches(cfg, world)
-        seed_everything(cfg.seed)
-        gcfg = gpt_config(cfg, batches[2])
-        ref = MoEGPT(gcfg, cfg.d_ff, E, cfg.top_k, cfg.capacity_factor, "local", groups=world).to(info.device, dtype)
-        ep = MoEGPT(gcfg, cfg.d_ff, E, cfg.top_k, cfg.capacity_factor, "ep", rank=info.rank,
-                    world=world).to(info.device, dtype)
-        ep.load_state_dict(shard_moe_state(ref.state_dict(), info.rank, world, E))
-        ref_run = train(ref, batches, cfg, info, expert_parallel=False)
-        COMM.reset()
-        ep_run = train(ep, batches, cfg, info, expert_parallel=True)
+        ep_run, ep, ref = training_check(rec, cfg, info)
         for step in range(cfg.steps):
             rec.metrics(step, loss=ep_run["loss"][step], ce=ep_run["ce"][step], lr=cfg.lr,
                         imbalance=ep_run["imbalance"][step], dropped_fraction=ep_run["dropped"][step])
             log.info("step %2d  loss %.5f  ce %.5f  max/mean tokens per expert %.2f  dropped %.3f", step,
                      ep_run["loss"][step], ep_run["ce"][step], ep_run["imbalance"][step], ep_run["dropped"][step])
-        tol = TOLERANCE[cfg.dtype]
-        rec.check("MoE TinyGPT: EP losses == one process", "parity",
-                  max(abs(a - b) for a, b in zip(ep_run["loss"], ref_run["loss"])), 0.0, tolerance=tol)
-        rec.check("MoE TinyGPT: EP trained parameters == one process", "parity",
-                  reduce_number(compare_params(ep, ref, info.rank, world, E), "max"), 0.0, tolerance=tol)
-        rec.check("MoE TinyGPT: all_to_all calls = steps x layers x (1 counts + 2 fwd + 2 bwd)", "count",
-                  sum(COMM.calls.values()), cfg.steps * cfg.n_layers * 5)
         n_expert = sum(p.numel() for name, p in ref.named_parameters() if is_expert_param(name))
         held = sum(p.numel() for name, p in ep.named_parameters() if is_expert_param(name))
         rec.check("expert parameters held per rank = all experts' / world", "formula", held, n_expert // world)
