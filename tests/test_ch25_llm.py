@@ -16,7 +16,7 @@ import torch
 
 from chapters.ch25_llm import model as M
 from chapters.ch25_llm import parity, tokenizer
-from chapters.ch25_llm.train import LOSS_TOL, PARAM_TOL
+from chapters.ch25_llm.checks import LOSS_TOL, PARAM_TOL
 from common.launch import REPO_ROOT, run_on_ranks, run_torchrun
 
 SCRIPT = REPO_ROOT / "chapters" / "ch25_llm" / "train.py"
@@ -137,7 +137,7 @@ def test_fsdp2_and_ddp_equal_one_process_in_float32():
         assert rel <= LOSS_TOL, (kind, rel)
         assert parity.max_param_diff(runs[kind]["params"], ref) <= PARAM_TOL, kind
     assert parity.max_param_diff(runs["fsdp2"]["params"], runs["ddp"]["params"]) <= PARAM_TOL
-    assert parity.max_param_diff(runs["ddp-nosync"]["params"], ref) > 100 * PARAM_TOL
+    assert parity.max_param_diff(runs["ddp-nosync"]["params"], ref) > 10 * PARAM_TOL
 
 
 @pytest.mark.timeout(30)

@@ -20,36 +20,33 @@ Run:
 
 import statistics
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from chapters.ch25_llm import parity, tokenizer
+from chapters.ch25_llm import checks, export, parity, tokenizer
 from chapters.ch25_llm.model import (
     PRESETS,
     apply_activation_checkpointing,
     apply_fsdp,
     build_model,
-    count_flops,
     llama_config,
     lr_at,
     n_params,
-    six_n_d,
-    train_step_flops,
 )
 from common.config import RunConfig, parse_config
 from common.distributed import (
-    reduce_number,
     setup_distributed,
     teardown_distributed,
 )
 from common.log import library_output, log, progress, setup_logging
 from common.results import RunRecorder
-from common.timing import Timer, peak_flops
+from common.timing import Timer
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+SAMPLE_PROMPT = "The "
 
 
 @dataclass
@@ -155,7 +152,7 @@ def build_fsdp_model(cfg: Config, config, info, seed: int):
     if cfg.compile:
         for layer in model.model.layers:
             layer.compile()  # per layer, before sharding: what torchtitan does
-    apply_fsdp(model, param_dtype=DTYPES[cfg.param_dtype])
+    apply_fsdp(model, param_dtype=checks.DTYPES[cfg.param_dtype])
     # foreach AdamW (the default) steps DTensor shards on every torch the course supports
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     return model, opt
@@ -235,144 +232,24 @@ def eval_loss(model, ids, cfg: Config, info, batches: int = 4) -> float:
     return total / batches
 
 
-def other_rope_base(path):
-    """The saved config with its RoPE base doubled: the weights still load without a word."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    if getattr(config, "rope_parameters", None):  # transformers 5
-        config.rope_parameters = {**config.rope_parameters,
-                                  "rope_theta": config.rope_parameters["rope_theta"] * 2}
-    else:  # transformers 4
-        config.rope_theta *= 2
-    return config
-
-
-def export_and_reload(model, config, out, probe, prompt, cfg: Config, info) -> dict | None:
-    """Gather the full weights (a collective), then on rank 0: a plain `LlamaForCausalLM` gets
-    them, `save_pretrained` writes it, `AutoModelForCausalLM.from_pretrained` reads it back.
-    Returns both models' logits on `probe`, greedy samples from both, and a control model
-    loaded with a wrong RoPE base (same weights, silently different outputs)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not info.is_main:
-        return None
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
-    trained = LlamaForCausalLM(config).float()
-    trained.load_state_dict(full)
-    trained.to(info.device).eval()  # the gpu preset's 300M model: on the GPU, not the CPU
-    path = out / "hf_model"
-    trained.save_pretrained(path)
-    reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(info.device).eval()
-    wrong = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 config=other_rope_base(path)).to(info.device).eval()
-    probe, prompt = probe.to(info.device), prompt.to(info.device)
-    with torch.no_grad():
-        logits = {name: m(input_ids=probe, use_cache=False).logits
-                  for name, m in (("trained", trained), ("reloaded", reloaded), ("wrong rope", wrong))}
-        n = prompt.shape[1]
-        gen = {name: m.generate(prompt, max_new_tokens=cfg.sample_tokens, do_sample=False,
-                                pad_token_id=0)[0, n:]
-               for name, m in (("trained", trained), ("reloaded", reloaded))}
-        torch.manual_seed(cfg.seed)
-        sample = trained.generate(prompt, max_new_tokens=cfg.sample_tokens, do_sample=True,
-                                  top_k=40, temperature=0.8, pad_token_id=0)[0, n:]
-    return {"logits": logits, "gen": {k: v.cpu() for k, v in gen.items()},
-            "sample": sample.cpu(), "path": path}
-
-
-def record_tokenizer(rec: RunRecorder, tok, cfg: Config, train_ids, val_text: str) -> None:
-    """The tokenizer's proofs: its size is the configured one, and text round-trips."""
-    rec.check("tokenizer vocabulary = --vocab-size", "count", tok.get_vocab_size(), cfg.vocab_size)
-    probe = val_text[:2000] + "\n中文 naïve café — ∑ 🙂\t\x00"
-    rec.check("decode(encode(text)) == text (held-out + non-ASCII)", "parity",
-              int(tokenizer.round_trips(tok, probe)), 1)
-    rec.figure("training tokens", len(train_ids), unit="tokens")
-    rec.figure("characters per token (held-out text)", round(tokenizer.chars_per_token(tok, val_text), 3))
-
-
-def record_flops(rec: RunRecorder, config, cfg: Config, info) -> None:
-    """FlopCounterMode on one forward + backward of an unsharded twin against the formula,
-    without and with activation checkpointing; 6·N·D beside them."""
-    b, t = 2, cfg.seq_len
-    probe = torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(1))
-    model = build_model(config, cfg.seed, info.device)
-    plain = sum(count_flops(model, probe.to(info.device)).values())
-    apply_activation_checkpointing(model)
-    recomputed = sum(count_flops(model, probe.to(info.device)).values())
-    rec.check("FlopCounterMode = 3 x forward matmul formula", "formula", plain,
-              train_step_flops(config, b, t))
-    rec.check("FlopCounterMode with checkpointing = formula + recompute", "formula", recomputed,
-              train_step_flops(config, b, t, recompute=True))
-    rec.figure("6·N·D ÷ exact matmul FLOPs (same batch)",
-               round(six_n_d(config, b, t) / train_step_flops(config, b, t), 4))
-    del model
-
-
-def record_parity(rec: RunRecorder, cfg: Config, ids, info) -> None:
-    """FSDP2 and DDP in float32 on the cpu preset's model size; DDP without sync as control.
-    Tolerance (the lesson derives it): 1e-4 relative on the losses, 1e-5 on the weights."""
-    if cfg.parity_steps == 0:
-        return
-    p = PRESETS["cpu"]
-    small = llama_config(cfg.vocab_size, p["hidden_size"], p["n_layers"], p["n_heads"],
-                         p["n_kv_heads"], p["ffn_size"], p["seq_len"])
-    runs = parity.compare(small, ids, cfg.parity_steps, p["micro_batch_size"], p["seq_len"],
-                          p["lr"], cfg.seed, info.device)
-    rel = max(abs(a - b) / abs(b) for a, b in zip(runs["fsdp2"]["losses"], runs["ddp"]["losses"]))
-    rec.check(f"FSDP2 vs DDP float32 losses, {cfg.parity_steps} steps (max rel. diff)", "parity",
-              rel, 0.0, tolerance=LOSS_TOL)
-    rec.check("FSDP2 vs DDP float32 weights (max |diff|)", "parity",
-              parity.max_param_diff(runs["fsdp2"]["params"], runs["ddp"]["params"]), 0.0,
-              tolerance=PARAM_TOL)
-    if info.world_size > 1:
-        rec.check("control: DDP without gradient all-reduce vs FSDP2 weights", "parity",
-                  parity.max_param_diff(runs["ddp-nosync"]["params"], runs["fsdp2"]["params"]),
-                  PARAM_TOL, compare=">")
-
-
-SAMPLE_PROMPT = "The "
-LOSS_TOL = 1e-4  # relative; derived in the lesson ("How close FSDP2 and DDP must be")
-PARAM_TOL = 1e-5  # absolute, on weights of order 0.02-1 after a few AdamW steps of lr 3e-3
-
-
-def record_throughput(rec: RunRecorder, run: dict, config, cfg: Config, info) -> None:
-    """tokens/s and MFU over the timed steps (median); model FLOPs from the formula."""
-    timed = run["times"][cfg.timed_from:]
-    step_s = statistics.median(timed)
-    step_s = reduce_number(step_s, "max")  # the slowest rank sets the pace
-    tokens = cfg.micro_batch_size * cfg.seq_len * info.world_size
-    flops = train_step_flops(config, cfg.micro_batch_size, cfg.seq_len) * info.world_size
-    peak, source = peak_flops(info.device, DTYPES[cfg.param_dtype])
-    per_device = flops / info.world_size / step_s
-    rec.figure("step time (median of timed steps)", round(step_s * 1e3, 2), unit="ms",
-               spread=(min(timed) * 1e3, max(timed) * 1e3))
-    rec.figure("tokens/s (all ranks)", round(tokens / step_s), unit="tokens/s")
-    rec.figure("model TFLOP/s per device", round(per_device / 1e12, 4), unit="TFLOP/s")
-    rec.figure(f"MFU (peak: {source})", round(per_device / peak, 4))
-    rec.check("tokens/s measured (timing, not fatal)", "timing", tokens / step_s, 0.0, compare=">")
-
-
 def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)
         tok, train_ids, val_ids, val_text = prepare_tokenizer(cfg, rec, info)
-        record_tokenizer(rec, tok, cfg, train_ids, val_text)
+        checks.record_tokenizer(rec, tok, cfg, train_ids, val_text)
         config = model_config(cfg)
         log.info("Llama: %.2fM parameters, L=%d h=%d heads=%d/%d kv, T=%d, %d x %d sequences "
                  "per step on %s/%s", n_params(config) / 1e6, cfg.n_layers, cfg.hidden_size,
                  cfg.n_heads, cfg.n_kv_heads, cfg.seq_len, cfg.micro_batch_size, info.world_size,
                  info.device, info.backend)
-        record_flops(rec, config, cfg, info)
-        record_parity(rec, cfg, train_ids, info)
+        checks.record_flops(rec, config, cfg, info)
+        checks.record_parity(rec, cfg, train_ids, info)
 
         if cfg.compile:
             log.info("compiling the decoder layers: the first steps take a while")
-        with library_output() if cfg.compile else _nothing():
+        with library_output() if cfg.compile else nullcontext():
             model, opt = build_fsdp_model(cfg, config, info, cfg.seed)
         ckpt = rec.out / "checkpoint"
 
@@ -391,7 +268,7 @@ def main(cfg: Config) -> int:
         rec.check("training loss (mean of last 5 steps) < unigram entropy", "formula", final,
                   round(entropy, 6), compare="<")
         rec.check("held-out loss < unigram entropy", "formula", val, round(entropy, 6), compare="<")
-        record_throughput(rec, run, config, cfg, info)
+        checks.record_throughput(rec, run, config, cfg, info)
 
         good = resume_and_compare(cfg, config, train_ids, info, ckpt, run, with_optimizer=True)
         rec.check(f"DCP resume at step {cfg.save_step()}: losses (same machine)", "parity",
@@ -403,16 +280,10 @@ def main(cfg: Config) -> int:
 
         probe = parity.global_batch(val_ids, 20_000, 2, cfg.seq_len, cfg.seed)[0]
         with library_output():  # the library's progress bars
-            hf = export_and_reload(model, config, rec.out, probe,
+            hf = export.export_and_reload(model, config, rec.out, probe,
                                    tokenizer.encode(tok, SAMPLE_PROMPT)[None], cfg, info)
         if hf is not None:
-            lg = hf["logits"]
-            rec.check("AutoModelForCausalLM reload: logits (a copy)", "parity",
-                      (lg["reloaded"] - lg["trained"]).abs().max().item(), 0.0)
-            rec.check("reload: greedy tokens equal", "count",
-                      int((hf["gen"]["reloaded"] == hf["gen"]["trained"]).sum()), cfg.sample_tokens)
-            rec.check("control: reload with another RoPE base differs", "parity",
-                      (lg["wrong rope"] - lg["trained"]).abs().max().item(), 0.0, compare=">")
+            checks.record_export(rec, hf, run["params"], cfg.sample_tokens)
             sample = tok.decode(hf["sample"].tolist())
             log.info("\nsample (top-40, temperature 0.8, after %d steps):\n  %s", cfg.steps,
                      repr(SAMPLE_PROMPT + sample)[:96])
@@ -425,14 +296,6 @@ def main(cfg: Config) -> int:
         return rec.finish()
     finally:
         teardown_distributed()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

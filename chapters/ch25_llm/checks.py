@@ -1,0 +1,110 @@
+"""What chapter 25's run proves and measures, recorded beside theory: the tokenizer's size and
+round trip, FLOPs counted against the formula, FSDP2 against DDP, the export, tokens/s and MFU."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from chapters.ch25_llm import parity, tokenizer
+from chapters.ch25_llm.model import (
+    PRESETS,
+    apply_activation_checkpointing,
+    build_model,
+    count_flops,
+    llama_config,
+    six_n_d,
+    train_step_flops,
+)
+from common.distributed import reduce_number
+from common.results import RunRecorder
+from common.timing import peak_flops
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+LOSS_TOL = 1e-4  # relative; derived in the lesson ("How close FSDP2 and DDP must be")
+PARAM_TOL = 3e-4  # absolute: a tenth of one AdamW step of the parity runs (lr 3e-3); see the lesson
+
+
+def record_tokenizer(rec: RunRecorder, tok, cfg, train_ids, val_text: str) -> None:
+    """The tokenizer's proofs: its size is the configured one, and text round-trips."""
+    rec.check("tokenizer vocabulary = --vocab-size", "count", tok.get_vocab_size(), cfg.vocab_size)
+    probe = val_text[:2000] + "\n中文 naïve café — ∑ 🙂\t\x00"
+    rec.check("decode(encode(text)) == text (held-out + non-ASCII)", "parity",
+              int(tokenizer.round_trips(tok, probe)), 1)
+    rec.figure("training tokens", len(train_ids), unit="tokens")
+    rec.figure("characters per token (held-out text)", round(tokenizer.chars_per_token(tok, val_text), 3))
+
+
+def record_flops(rec: RunRecorder, config, cfg, info) -> None:
+    """FlopCounterMode on one forward + backward of an unsharded twin against the formula,
+    without and with activation checkpointing; 6·N·D beside them."""
+    b, t = 2, cfg.seq_len
+    probe = torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(1))
+    model = build_model(config, cfg.seed, info.device)
+    plain = sum(count_flops(model, probe.to(info.device)).values())
+    apply_activation_checkpointing(model)
+    recomputed = sum(count_flops(model, probe.to(info.device)).values())
+    rec.check("FlopCounterMode = 3 x forward matmul formula", "formula", plain,
+              train_step_flops(config, b, t))
+    rec.check("FlopCounterMode with checkpointing = formula + recompute", "formula", recomputed,
+              train_step_flops(config, b, t, recompute=True))
+    rec.figure("6·N·D ÷ exact matmul FLOPs (same batch)",
+               round(six_n_d(config, b, t) / train_step_flops(config, b, t), 4))
+    del model
+
+
+def record_parity(rec: RunRecorder, cfg, ids, info) -> None:
+    """FSDP2 and DDP in float32 on the cpu preset's model size; DDP without sync as control.
+    Tolerance (the lesson derives it): 1e-4 relative on the losses, 3e-4 on the weights."""
+    if cfg.parity_steps == 0:
+        return
+    p = PRESETS["cpu"]
+    small = llama_config(cfg.vocab_size, p["hidden_size"], p["n_layers"], p["n_heads"],
+                         p["n_kv_heads"], p["ffn_size"], p["seq_len"])
+    runs = parity.compare(small, ids, cfg.parity_steps, p["micro_batch_size"], p["seq_len"],
+                          p["lr"], cfg.seed, info.device)
+    rel = max(abs(a - b) / abs(b) for a, b in zip(runs["fsdp2"]["losses"], runs["ddp"]["losses"]))
+    rec.check(f"FSDP2 vs DDP float32 losses, {cfg.parity_steps} steps (max rel. diff)", "parity",
+              rel, 0.0, tolerance=LOSS_TOL)
+    rec.check("FSDP2 vs DDP float32 weights (max |diff|)", "parity",
+              parity.max_param_diff(runs["fsdp2"]["params"], runs["ddp"]["params"]), 0.0,
+              tolerance=PARAM_TOL)
+    if info.world_size > 1:
+        rec.check("control: DDP without gradient all-reduce vs FSDP2 weights", "parity",
+                  parity.max_param_diff(runs["ddp-nosync"]["params"], runs["fsdp2"]["params"]),
+                  PARAM_TOL, compare=">")
+
+
+
+
+def record_throughput(rec: RunRecorder, run: dict, config, cfg, info) -> None:
+    """tokens/s and MFU over the timed steps (median); model FLOPs from the formula."""
+    timed = run["times"][cfg.timed_from:]
+    step_s = statistics.median(timed)
+    step_s = reduce_number(step_s, "max")  # the slowest rank sets the pace
+    tokens = cfg.micro_batch_size * cfg.seq_len * info.world_size
+    flops = train_step_flops(config, cfg.micro_batch_size, cfg.seq_len) * info.world_size
+    peak, source = peak_flops(info.device, DTYPES[cfg.param_dtype])
+    per_device = flops / info.world_size / step_s
+    rec.figure("step time (median of timed steps)", round(step_s * 1e3, 2), unit="ms",
+               spread=(min(timed) * 1e3, max(timed) * 1e3))
+    rec.figure("tokens/s (all ranks)", round(tokens / step_s), unit="tokens/s")
+    rec.figure("model TFLOP/s per device", round(per_device / 1e12, 4), unit="TFLOP/s")
+    rec.figure(f"MFU (peak: {source})", round(per_device / peak, 4))
+    rec.check("tokens/s measured (timing, not fatal)", "timing", tokens / step_s, 0.0, compare=">")
+
+
+def record_export(rec: RunRecorder, hf: dict, trained_params: dict, sample_tokens: int) -> None:
+    """The exported model is the trained one: its weights equal the FSDP2 model's gathered
+    parameters, its logits and greedy tokens equal those of the weights it was saved from; a
+    config with another RoPE base (same weights) is rejected by the same logits check."""
+    lg = hf["logits"]
+    rec.check("AutoModelForCausalLM reload: weights = FSDP2 full params", "parity",
+              parity.max_param_diff(trained_params, hf["reloaded_params"]), 0.0)
+    rec.check("AutoModelForCausalLM reload: logits (a copy)", "parity",
+              (lg["reloaded"] - lg["trained"]).abs().max().item(), 0.0)
+    rec.check("reload: greedy tokens equal", "count",
+              int((hf["gen"]["reloaded"] == hf["gen"]["trained"]).sum()), sample_tokens)
+    rec.check("control: reload with another RoPE base differs", "parity",
+              (lg["wrong rope"] - lg["trained"]).abs().max().item(), 0.0, compare=">")
