@@ -82,6 +82,7 @@ class Verdicts:
 
 BROKEN = {"ring": "no_rescale", "ring contiguous, causal": "dkv_not_returned",
           "ring zigzag, causal": "wrong_layout", "Ulysses, causal": "wrong_order"}
+SERIAL = {"ring zigzag, causal": "serial"}  # right numbers, no overlap
 
 
 def _ranks(train_too: bool) -> dict:
@@ -99,10 +100,11 @@ def _ranks(train_too: bool) -> dict:
         counter = ring.COUNTER if method == "ring" else ulysses.COUNTER
         out["cases"][(method, layout, causal)] = {
             "res": res, "bytes": dict(counter.bytes), "products": ring.COUNTER.products}
-    clean, broken = Verdicts(), Verdicts()
+    clean, broken, serial = Verdicts(), Verdicts(), Verdicts()
     parity.attention_parity(clean, cfg, info, dtype)
     parity.attention_parity(broken, cfg, info, dtype, broken=BROKEN)
-    out["clean"], out["broken"] = clean.ok, broken.ok
+    parity.attention_parity(serial, cfg, info, dtype, broken=SERIAL)
+    out["clean"], out["broken"], out["serial"] = clean.ok, broken.ok, serial.ok
     if not train_too:
         try:
             import deepspeed  # noqa: F401
@@ -187,6 +189,7 @@ def _assert_world(results: list[dict], world: int) -> None:
                           "causal chunk products per rank, zigzag",
                           "ring zigzag, causal: output = SDPA", "ring zigzag, causal: dq, dk, dv = SDPA",
                           "Ulysses, causal: output = SDPA", "Ulysses, causal: dq, dk, dv = SDPA"}, failed
+        assert {n for n, ok in r["serial"].items() if not ok} == {"ring forward: hops in flight during a block product"}
     if "trained" not in results[0]:
         return
     assert all(r["activations"]["activation bytes per rank x N = one rank's"] for r in results)

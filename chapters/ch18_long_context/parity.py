@@ -87,9 +87,12 @@ def attention_parity(rec, cfg, info, dtype, broken: dict | None = None) -> dict:
         rec.check(f"{name}: output = SDPA", "parity", out_err, tol, compare="<=")
         rec.check(f"{name}: dq, dk, dv = SDPA", "parity", grad_err, tol, compare="<=")
         counter = ring.COUNTER if method == "ring" else ulysses.COUNTER
-        counted[name] = {"bytes": dict(counter.bytes), "products": ring.COUNTER.products}
+        counted[name] = {"bytes": dict(counter.bytes), "products": ring.COUNTER.products,
+                         "overlapped": ring.COUNTER.overlapped_steps()}
     record_bytes(rec, counted, cfg, world, qkvw[0].element_size())
     record_products(rec, counted, world)
+    overlapped = reduce_number(counted["ring zigzag, causal"]["overlapped"], "min")
+    rec.check("ring forward: hops in flight during a block product", "count", overlapped, world - 1)
     return counted
 
 

@@ -30,20 +30,28 @@ import torch
 import torch.distributed as dist
 
 LAYOUTS = ("contiguous", "zigzag")
-BROKEN_RING = ("none", "no_rescale", "dkv_not_returned", "wrong_layout")
+BROKEN_RING = ("none", "no_rescale", "dkv_not_returned", "wrong_layout", "serial")
 
 
 @dataclass
 class RingCounter:
-    """Bytes each rank hands to send ops (forward and backward separately), messages, and
-    chunk products computed (one product = c query rows against c key rows)."""
+    """Bytes each rank hands to send ops (forward and backward separately), messages, chunk
+    products computed (one product = c query rows against c key rows), and the order of the
+    forward's events ("send", "compute", "wait"), from which `overlapped_steps` reads whether
+    each transfer was in flight while a block computed."""
 
     bytes: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
     sends: int = 0
     products: int = 0
+    events: list = field(default_factory=list)
 
     def reset(self) -> None:
-        self.bytes, self.sends, self.products = {"forward": 0, "backward": 0}, 0, 0
+        self.bytes, self.sends, self.products, self.events = {"forward": 0, "backward": 0}, 0, 0, []
+
+    def overlapped_steps(self) -> int:
+        """Forward steps whose send was started before the block product and waited for after it."""
+        text = " ".join(self.events)
+        return text.count("send compute wait")
 
 
 COUNTER = RingCounter()
@@ -168,7 +176,8 @@ class RingAttention(torch.autograd.Function):
     softmax(QKᵀ/√D)·V over the whole sequence. `broken` names a deliberate bug (a negative
     control): "no_rescale" (partial results added without the log-sum-exp weights),
     "dkv_not_returned" (the last hop of dK/dV skipped), "wrong_layout" (masks built for the
-    contiguous layout while the data is zigzag)."""
+    contiguous layout while the data is zigzag), "serial" (each transfer waited for before the
+    block computes: right numbers, no overlap)."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout: str, causal: bool, group=None, broken: str = "none"):
@@ -182,9 +191,14 @@ class RingAttention(torch.autograd.Function):
         for step in range(world):
             if step < world - 1:
                 nxt, reqs = ring_exchange(kv, group, "forward")  # travels while we compute
+                COUNTER.events.append("send")
+                if broken == "serial":
+                    _wait(reqs)
+                    COUNTER.events.append("wait")
             src = (rank - step) % world
             blk_out, blk_lse, n = block_forward(q, kv[0], kv[1], q_ids,
                                                 chunk_ids(src, world, mask_layout), scale, causal)
+            COUNTER.events.append("compute")
             COUNTER.products += n
             if broken == "no_rescale":
                 out, lse = out + blk_out, torch.logaddexp(lse, blk_lse)
@@ -193,7 +207,9 @@ class RingAttention(torch.autograd.Function):
                 out = out * torch.exp(lse - new)[..., None] + blk_out * torch.exp(blk_lse - new)[..., None]
                 lse = new
             if step < world - 1:
-                _wait(reqs)
+                if broken != "serial":
+                    _wait(reqs)
+                    COUNTER.events.append("wait")
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (layout, mask_layout, causal, group, broken)

@@ -226,8 +226,9 @@ def time_methods(cfg: Config, info, dtype, lengths: list[int]) -> dict:
             stats = benchmark(step, warmup=1, repeats=3, device=info.device)
             counter = ring.COUNTER if method == "ring" else ulysses.COUNTER
             sent = sum(counter.bytes.values()) // 4  # 4 calls: 1 warm-up + 3 repeats
-            ms = reduce_number(stats.median * 1e3, "max")
-            rows[f"{method} T={length}"] = {"ms": ms, "bytes": reduce_number(sent, "max")}
+            ms = reduce_number(stats.median * 1e3, "max")  # the slowest rank sets the pace
+            spread = (reduce_number(stats.min * 1e3, "min"), reduce_number(stats.max * 1e3, "max"))
+            rows[f"{method} T={length}"] = {"ms": ms, "spread": spread, "bytes": reduce_number(sent, "max")}
     return rows
 
 
@@ -261,7 +262,8 @@ def main(cfg: Config) -> int:
                   reduce_number(max_param_diff(sp, ref), "max"), tol, compare="<=")
 
         for name, row in time_methods(cfg, info, dtype, [cfg.seq_len, *cfg.sweep_lengths]).items():
-            rec.figure(f"{name}: fwd+bwd time (median)", round(row["ms"], 2), unit="ms")
+            rec.figure(f"{name}: fwd+bwd time (median)", round(row["ms"], 2), unit="ms",
+                       spread=[round(t, 2) for t in row["spread"]])
             rec.figure(f"{name}: bytes sent per rank", row["bytes"], unit="B")
         rec.figure("threads per rank (the times' conditions)", torch.get_num_threads())
         return rec.finish()
