@@ -208,6 +208,13 @@ def test_two_ranks_under_torchrun(tmp_path):
     assert any("EP trained parameters == one process" in n for n in names)
     assert any("bytes handed to all_to_all" in n for n in names)
     assert res.summary["world_size"] == 2
+    cfg = train.Config()  # what the defaults imply, computed here: 2 experts per rank of 2 linears
+    per_expert = 2 * cfg.d_model * cfg.d_ff + cfg.d_ff + cfg.d_model
+    assert res.check("expert parameters held per rank = all experts' / world")["measured"] == \
+        cfg.n_layers * cfg.experts_per_rank * per_expert
+    assert res.check("top-2 layer: bytes of the counts exchange = E·8")["measured"] == 2 * cfg.experts_per_rank * 8
+    calls = res.check("MoE TinyGPT: all_to_all calls = steps x layers x (1 counts + 2 fwd + 2 bwd)")
+    assert calls["measured"] == cfg.steps * cfg.n_layers * 5
 
 
 @pytest.mark.timeout(150)
