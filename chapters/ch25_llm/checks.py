@@ -78,21 +78,27 @@ def record_parity(rec: RunRecorder, cfg, ids, info) -> None:
 
 
 
-def record_throughput(rec: RunRecorder, run: dict, config, cfg, info) -> None:
-    """tokens/s and MFU over the timed steps (median); model FLOPs from the formula."""
-    timed = run["times"][cfg.timed_from:]
-    step_s = statistics.median(timed)
-    step_s = reduce_number(step_s, "max")  # the slowest rank sets the pace
-    tokens = cfg.micro_batch_size * cfg.seq_len * info.world_size
-    flops = train_step_flops(config, cfg.micro_batch_size, cfg.seq_len) * info.world_size
+def throughput_meter(config, cfg, info) -> dict:
+    """What turns a step time into tokens/s and MFU: tokens per step (all ranks), model FLOPs
+    per device per step (the formula: 3 x forward, recomputation not counted) and the peak
+    (datasheet on a known GPU, else a measured matmul, see `common.timing.peak_flops`)."""
     peak, source = peak_flops(info.device, DTYPES[cfg.param_dtype])
-    per_device = flops / info.world_size / step_s
+    return {"tokens": cfg.micro_batch_size * cfg.seq_len * info.world_size,
+            "flops": train_step_flops(config, cfg.micro_batch_size, cfg.seq_len),
+            "peak": peak, "source": source}
+
+
+def record_throughput(rec: RunRecorder, run: dict, meter: dict, cfg) -> None:
+    """tokens/s and MFU over the timed steps (median; warm-up and compilation excluded)."""
+    timed = run["times"][cfg.timed_from:]
+    step_s = reduce_number(statistics.median(timed), "max")  # the slowest rank sets the pace
     rec.figure("step time (median of timed steps)", round(step_s * 1e3, 2), unit="ms",
                spread=(min(timed) * 1e3, max(timed) * 1e3))
-    rec.figure("tokens/s (all ranks)", round(tokens / step_s), unit="tokens/s")
-    rec.figure("model TFLOP/s per device", round(per_device / 1e12, 4), unit="TFLOP/s")
-    rec.figure(f"MFU (peak: {source})", round(per_device / peak, 4))
-    rec.check("tokens/s measured (timing, not fatal)", "timing", tokens / step_s, 0.0, compare=">")
+    rec.figure("tokens/s (all ranks)", round(meter["tokens"] / step_s), unit="tokens/s")
+    rec.figure("model TFLOP/s per device", round(meter["flops"] / step_s / 1e12, 4), unit="TFLOP/s")
+    rec.figure(f"MFU (peak: {meter['source']})", round(meter["flops"] / step_s / meter["peak"], 4))
+    rec.check("tokens/s measured (timing, not fatal)", "timing", meter["tokens"] / step_s, 0.0,
+              compare=">")
 
 
 def record_export(rec: RunRecorder, hf: dict, trained_params: dict, sample_tokens: int) -> None:

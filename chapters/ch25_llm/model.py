@@ -8,14 +8,14 @@ import math
 import torch
 
 # Two sizes. "cpu" trains on two CPU processes in seconds; "gpu" is sized for one H100/H200
-# (a ~350M-parameter Llama, sequence 2048, bf16, torch.compile) to measure MFU.
+# (a 300M-parameter Llama, sequence 2048, bf16, torch.compile) to measure MFU.
 PRESETS = {
     "cpu": dict(vocab_size=1024, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
                 ffn_size=176, seq_len=64, micro_batch_size=8, steps=80, warmup_steps=10,
                 lr=3e-3, compile=False, timed_from=3),
     "gpu": dict(vocab_size=8192, hidden_size=1024, n_layers=24, n_heads=16, n_kv_heads=8,
-                ffn_size=2816, seq_len=2048, micro_batch_size=8, steps=40, warmup_steps=10,
-                lr=3e-4, compile=True, timed_from=15),
+                ffn_size=2816, seq_len=2048, micro_batch_size=8, steps=60, warmup_steps=10,
+                lr=6e-4, compile=True, timed_from=20),
 }
 
 
