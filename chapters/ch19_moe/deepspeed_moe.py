@@ -37,7 +37,7 @@ from common.seed import seed_everything
 class Config(train.Config):
     steps: int = 4
     """SGD steps of the MoE TinyGPT per ZeRO stage."""
-    stages: list[int] = field(default_factory=lambda: [0, 2])
+    stages: list[int] = field(default_factory=lambda: [0, 1, 2])
     """DeepSpeed ZeRO stages to train, one after another (0, 1 or 2: ZeRO-3 refuses MoE)."""
     dtype: str = "float32"
     """DeepSpeed's gate computes in float32: the comparison is float32 (tolerance: see the lesson)."""
