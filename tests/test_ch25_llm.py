@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import assert_quiet_console
 
 from chapters.ch25_llm import model as M
 from chapters.ch25_llm import parity, tokenizer
@@ -104,8 +105,8 @@ def test_training_script_checks(run):
     hf = AutoModelForCausalLM.from_pretrained(run.out_dir / "hf_model")
     x = torch.tensor([tok.encode("The print statement").ids])
     assert hf(input_ids=x).logits.shape == (1, x.shape[1], tok.get_vocab_size())
-    line = max(len(line) for line in run.output.splitlines())
-    assert line <= 100, "console lines within 100 columns"
+    # the console holds the course's lines only; the progress bars of transformers went to the log
+    assert_quiet_console(run, routed=("Loading weights",))
 
 
 @pytest.mark.timeout(120)
