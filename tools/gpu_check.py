@@ -60,6 +60,7 @@ GLOO_ON_CUDA = {
 NEEDS = {
     "ch06_hybrid_zero/deepspeed_zero": ["deepspeed"],
     "ch12_checkpointing/deepspeed_ckpt": ["deepspeed"],
+    "ch19_moe/deepspeed_moe": ["deepspeed"],
 }
 
 
