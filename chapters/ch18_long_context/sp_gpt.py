@@ -3,7 +3,8 @@
 Same parameters as `common.models.TinyGPT` (it subclasses it, so a state dict moves between the
 two); only the forward differs: each rank embeds its own tokens at their *global* positions,
 runs the blocks on its shard (LayerNorm, the MLP and the projections are per token and need no
-communication), and attention alone talks to the other ranks — by ring attention or Ulysses.
+communication), and attention alone talks to the other ranks — by ring attention or Ulysses
+(or, as a negative control, by gathering all of K and V).
 The loss is this rank's share: its tokens' summed cross-entropy divided by the global token
 count, so the ranks' losses add up to the one-process mean.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chapters.ch18_long_context.ring import ring_attention
+from chapters.ch18_long_context.ring import allgather_attention, ring_attention
 from chapters.ch18_long_context.ulysses import ulysses_attention
 from common.models import TinyGPT
 
@@ -29,6 +30,8 @@ class SequenceParallelGPT(TinyGPT):
         q, k, v = (z.view(B, t, attn.n_head, C // attn.n_head).transpose(1, 2) for z in (q, k, v))
         if self.attention == "ring":
             y = ring_attention(q, k, v, self.layout, causal=True, group=self.group)
+        elif self.attention == "allgather":  # a negative control: whole K/V on every rank
+            y = allgather_attention(q, k, v, self.layout, causal=True, group=self.group)
         else:
             y = ulysses_attention(q, k, v, causal=True, group=self.group)
         return attn.proj(y.transpose(1, 2).reshape(B, t, C))
