@@ -120,7 +120,12 @@ class Config(RunConfig):
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """The batch is per rank, so every world divides it; nothing else depends on the world."""
+    """The batch is per rank, so every world divides it. FSDP2 reduce-scatters, which gloo does
+    on CPU tensors only: ranks sharing a GPU through gloo cannot run it."""
+    on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if world_size > 1 and cfg.backend == "gloo" and on_gpus:
+        raise ValueError("gloo reduce-scatters CPU tensors only, and FSDP2 reduce-scatters: "
+                         "use NCCL (one GPU per rank) or --device cpu")
     if cfg.timed_from >= cfg.steps:
         raise ValueError(f"--timed-from {cfg.timed_from} leaves no timed step of {cfg.steps}")
 
