@@ -59,6 +59,45 @@ def _work_grid(ax, world: int, layout: str) -> None:
     ax.set_title(f"{layout}: chunk products per rank {per_rank}", fontsize=9)
 
 
+def _ring_panel(ax, world: int) -> None:
+    """Which K/V block each rank holds at each step of the ring (colour: the block's owner)."""
+    from matplotlib.patches import Rectangle
+
+    for r in range(world):
+        for step in range(world):
+            src = (r - step) % world
+            ax.add_patch(Rectangle((step, world - 1 - r), 1, 1, color=COLORS[src], ec="white"))
+            ax.text(step + 0.5, world - 0.5 - r, f"K/V {src}", ha="center", va="center", fontsize=8,
+                    color="white")
+    ax.set_xlim(0, world)
+    ax.set_ylim(0, world)
+    ax.set_xticks([s + 0.5 for s in range(world)], [str(s) for s in range(world)])
+    ax.set_yticks([world - 0.5 - r for r in range(world)], [f"rank {r}" for r in range(world)])
+    ax.set_xlabel("step (a block arrives from the rank above while this one computes)")
+    ax.set_title(f"Ring attention on {world} ranks: Q stays, K/V move one rank per step", fontsize=9)
+
+
+def _ulysses_panel(ax, world: int, heads: int = 8) -> None:
+    """Before and after the all-to-all: sequence shards (rows) become head groups (columns)."""
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    for x0, by_seq in ((0, True), (heads + 3, False)):
+        for t in range(world):
+            for h in range(heads):
+                owner = t if by_seq else h // (heads // world)
+                ax.add_patch(Rectangle((x0 + h, world - 1 - t), 1, 1, color=COLORS[owner], ec="white"))
+    ax.add_patch(FancyArrowPatch((heads + 0.3, world / 2), (heads + 2.7, world / 2), arrowstyle="-|>",
+                                 mutation_scale=14))
+    ax.text(heads + 1.5, world / 2 + 0.3, "all-to-all", ha="center", fontsize=8)
+    ax.text(heads / 2, -0.6, "T/N tokens, all heads", ha="center", fontsize=8)
+    ax.text(heads + 3 + heads / 2, -0.6, "all tokens, H/N heads", ha="center", fontsize=8)
+    ax.set_xlim(-0.2, 2 * heads + 3.2)
+    ax.set_ylim(-1, world + 0.2)
+    ax.axis("off")
+    ax.set_title(f"Ulysses on {world} ranks (rows: sequence chunks, columns: heads; colour: rank)",
+                 fontsize=9)
+
+
 def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     import matplotlib.pyplot as plt
 
@@ -70,6 +109,11 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
         paths.append(fig_dir / name)
         fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
         plt.close(fig)
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.4), gridspec_kw={"width_ratios": [1, 1.6]})
+    _ring_panel(left, 4)
+    _ulysses_panel(right, 4)
+    save(fig, "ring_and_ulysses.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(8, 4))
     for ax, layout in zip(axes, ("contiguous", "zigzag")):
