@@ -217,7 +217,8 @@ def record_activations(rec, sp: SequenceParallelGPT, X, Y, cfg: Config, info) ->
 def time_methods(cfg: Config, info, dtype, lengths: list[int]) -> dict:
     """Median forward + backward time and bytes per rank of causal ring (zigzag) and Ulysses."""
     rows = {}
-    for length in lengths:
+    for length in progress(lengths, total=len(lengths), desc="timed lengths",
+                           enabled=info.is_main and len(lengths) > 1, every=1):
         qkvw = parity.make_qkv(dataclasses.replace(cfg, seq_len=length), info.device, dtype)
         for method, layout in (("ring", "zigzag"), ("ulysses", "contiguous")):
             ring.COUNTER.reset()
