@@ -84,7 +84,7 @@ a.set_xlabel("step")
 a.set_ylabel("cross-entropy")
 b.plot([s["step"] for s in steps], [s["imbalance"] for s in steps], marker="o")
 b.set_xlabel("step")
-b.set_ylabel("max / mean tokens per expert")
+b.set_ylabel("max / mean choices per expert\n(per layer, mean over layers)")
 plt.show()
 
 # %% [markdown]

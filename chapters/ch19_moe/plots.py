@@ -1,8 +1,8 @@
 """Figures for the chapter 19 lesson: `python tools/figures.py ch19` draws them from figures/data.json;
 `python tools/figures.py --rerun ch19` re-measures (one process, about 15 s).
 
-- load_balance.png: max/mean tokens per expert and the dropped fraction over training, with and
-  without the balancing loss.
+- load_balance.png: max/mean choices per expert (per layer, averaged over the layers) and the
+  dropped fraction over training, with and without the balancing loss.
 - drops_vs_capacity.png: dropped fraction against the capacity factor for the routers those runs
   learned, beside two formulas (perfect balance; independent uniform routing).
 - dispatch.png: expert parallelism on 2 ranks, 4 experts, top-1 (a diagram drawn from a fixed
@@ -21,12 +21,14 @@ WEIGHTS = [0.0, 0.01]
 
 
 def uniform_drop_fraction(n_tokens: int, n_experts: int, k: int, factor: float) -> float:
-    """Expected dropped fraction if each of the k·n choices picked an expert uniformly and
-    independently: each expert's load is Binomial(k·n, 1/E), and E·E[max(0, load − C)]/(k·n)."""
-    m, p = k * n_tokens, 1 / n_experts
-    cap = math.ceil(factor * m / n_experts)
-    over = sum(math.comb(m, j) * p**j * (1 - p) ** (m - j) * (j - cap) for j in range(cap + 1, m + 1))
-    return n_experts * over / m
+    """Expected dropped fraction if each token picked its k distinct experts uniformly at random,
+    independently of the other tokens: expert e is among a token's k with probability k/E, so
+    its load is Binomial(n, k/E), and the fraction is E·E[max(0, load − C)]/(k·n). (Not
+    Binomial(k·n, 1/E): a token's k choices are distinct, not independent.)"""
+    n, p = n_tokens, k / n_experts
+    cap = math.ceil(factor * k * n / n_experts)
+    over = sum(math.comb(n, j) * p**j * (1 - p) ** (n - j) * (j - cap) for j in range(cap + 1, n + 1))
+    return n_experts * over / (k * n)
 
 
 def balanced_drop_fraction(factor: float) -> float:
@@ -140,7 +142,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
         left.plot(run["imbalance"], label=labels.get(key, key))
         right.plot(run["dropped"], label=labels.get(key, key))
     left.axhline(1.0, color="#999999", lw=0.8, ls=":")
-    left.set_ylabel("max / mean choices per expert")
+    left.set_ylabel("max / mean choices per expert\n(per layer, mean over layers)")
     right.set_ylabel(f"dropped fraction (capacity factor {s['capacity_factor']})")
     for ax in (left, right):
         ax.set_xlabel("step")
@@ -155,7 +157,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
         ax.plot(FACTORS, run["drops_vs_capacity"], "o-", label=f"measured, router trained with {labels.get(key, key)}")
     fine = [0.5 + 0.05 * i for i in range(51)]
     ax.plot(fine, [uniform_drop_fraction(n, E, k, f) for f in fine], "--", color="#555555",
-            label=f"formula: uniform independent routing (Binomial, {n} tokens)")
+            label=f"formula: uniform random routing, Binomial(n, k/E), n = {n}")
     ax.plot(fine, [balanced_drop_fraction(f) for f in fine], ":", color="#999999",
             label="formula: perfect balance, max(0, 1 − factor)")
     ax.set_xlabel("capacity factor")

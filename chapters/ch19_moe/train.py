@@ -96,12 +96,14 @@ class Config(RunConfig):
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Every world works: the expert count grows with it. Top-k needs k experts; all-to-all on
-    GPUs needs NCCL."""
+    """Every world works: the expert count grows with it. Top-k needs k experts. On GPUs the
+    chapter's all-to-all is run and checked over NCCL only: torch's gloo backend accepts CUDA
+    tensors for all_to_all_single (it stages them through host memory, ProcessGroupGloo.cpp's
+    AsyncAlltoallCUDAWork), but that path has not been run here, so it is refused."""
     on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if world_size > 1 and cfg.backend == "gloo" and on_gpus:
-        raise ValueError("gloo runs all-to-all on CPU tensors only: use NCCL (one GPU per rank) "
-                         "or --device cpu")
+        raise ValueError("on GPUs this chapter's all-to-all is checked over NCCL only (gloo would "
+                         "stage it through host memory, untested): use NCCL or --device cpu")
     if cfg.experts_per_rank * world_size < cfg.top_k:
         raise ValueError(f"top-{cfg.top_k} routing needs at least {cfg.top_k} experts; "
                          f"use --experts-per-rank {cfg.top_k}")
@@ -200,6 +202,15 @@ def layer_check(rec: RunRecorder, cfg: Config, info, k: int, wrong_combine_order
     rec.figure(f"{tag}: dropped fraction (all ranks)", round(dropped / (world * n * k), 4))
 
 
+def layer_counts(model) -> torch.Tensor:
+    """(2, layers, E): choices routed to and kept by each expert of each MoE layer, summed over
+    the layer's routing groups. Per layer: expert e of one layer is not expert e of another, so
+    the imbalance max/mean is taken per layer, then averaged over the layers."""
+    return torch.stack([torch.stack([sum(r.routed for r in layer.stats.routings),
+                                     sum(r.kept for r in layer.stats.routings)])
+                        for layer in model.moe_layers()], dim=1)
+
+
 def train(model, batches, cfg: Config, info, expert_parallel: bool, sync_shared: bool = True) -> dict:
     """SGD on CE + α·aux + β·z. Expert-parallel: this rank's micro-batch, then `ep_grad_sync`;
     one process: the whole global batch, routed in one group per rank."""
@@ -219,18 +230,16 @@ def train(model, batches, cfg: Config, info, expert_parallel: bool, sync_shared:
             opt.step()
             opt.zero_grad()
         out["ms"].append(timer.elapsed * 1e3)
-        routings = [r for layer in model.moe_layers() for r in layer.stats.routings]
-        routed = sum(r.routed for r in routings)
-        kept = sum(r.kept for r in routings)
-        if expert_parallel:  # the global view: every rank's routing, summed
+        counts = layer_counts(model)  # (2, layers, E): routed and kept choices per expert
+        if expert_parallel:  # the global view: every rank's routing, summed (one all-reduce)
             loss, ce = reduce_number(loss.detach()) / world, reduce_number(ce.detach()) / world
-            routed = torch.tensor([reduce_number(int(c)) for c in routed])
-            kept = torch.tensor([reduce_number(int(c)) for c in kept])
+            torch.distributed.all_reduce(counts)
         else:
             loss, ce = loss.item(), ce.item()
+        routed, kept = counts.double()
         out["loss"].append(loss)
         out["ce"].append(ce)
-        out["imbalance"].append(routed.max().item() / routed.float().mean().item())
+        out["imbalance"].append((routed.amax(1) / routed.mean(1)).mean().item())
         out["dropped"].append(1 - kept.sum().item() / routed.sum().item())
     return out
 
@@ -282,13 +291,13 @@ def main(cfg: Config) -> int:
         for step in range(cfg.steps):
             rec.metrics(step, loss=ep_run["loss"][step], ce=ep_run["ce"][step], lr=cfg.lr,
                         imbalance=ep_run["imbalance"][step], dropped_fraction=ep_run["dropped"][step])
-            log.info("step %2d  loss %.5f  ce %.5f  max/mean tokens per expert %.2f  dropped %.3f", step,
+            log.info("step %2d  loss %.5f  ce %.5f  max/mean choices per expert %.2f  dropped %.3f", step,
                      ep_run["loss"][step], ep_run["ce"][step], ep_run["imbalance"][step], ep_run["dropped"][step])
         n_expert = sum(p.numel() for name, p in ref.named_parameters() if is_expert_param(name))
         held = sum(p.numel() for name, p in ep.named_parameters() if is_expert_param(name))
         rec.check("expert parameters held per rank = all experts' / world", "formula", held, n_expert // world)
         rec.figure("final cross-entropy", round(ep_run["ce"][-1], 5), unit="nats")
-        rec.figure("max/mean tokens per expert, first and last step",
+        rec.figure("max/mean choices per expert (mean over layers), first and last step",
                    [round(ep_run["imbalance"][0], 3), round(ep_run["imbalance"][-1], 3)])
         steady = ep_run["ms"][1:] or ep_run["ms"]
         rec.figure(f"step time, expert-parallel: median of steps 1-{cfg.steps - 1}",
