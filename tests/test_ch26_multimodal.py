@@ -188,3 +188,30 @@ def test_loss_floor_of_duplicate_captions():
     # the lesson's numbers: B = 48 and B = 1024 drawn from the 48 training captions
     assert round(data.expected_loss_floor(48, 48), 3) == 0.565
     assert round(data.expected_loss_floor(1024, 48), 3) == 3.083
+
+
+def test_saved_log_softmax_bytes():
+    """What autograd keeps beside the logits (the lesson's 3·B² against 4·b·B): one log-softmax
+    per direction, a new matrix of each direction's logits shape, counted by storage."""
+    B, world, d = 48, 4, 20  # d differs from b and B, so embeddings are not mistaken for logits
+    b = B // world
+    img, txt = torch.randn(B, d, dtype=torch.float64), torch.randn(B, d, dtype=torch.float64)
+    img.requires_grad_(True)
+    txt.requires_grad_(True)
+    scale = torch.tensor(14.3, dtype=torch.float64, requires_grad=True)
+
+    def saved_logits_bytes(loss_fn) -> int:
+        storages = {}
+
+        def pack(t):
+            if t.dim() == 2 and t.shape[1] == B and t.shape[0] in (b, B):
+                storages[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss_fn()
+        return sum(storages.values())
+
+    assert saved_logits_bytes(lambda: contrastive.clip_loss(img, txt, scale)) == 2 * B * B * 8
+    local = saved_logits_bytes(lambda: contrastive.local_clip_loss(img[:b], txt[:b], img, txt, scale, 0))
+    assert local == 2 * b * B * 8
