@@ -109,21 +109,14 @@ def test_training_script_checks(run):
     assert_quiet_console(run, routed=("Loading weights",))
 
 
-@pytest.mark.timeout(120)
-def test_fsdp2_and_ddp_equal_one_process_in_float32():
-    steps = 4
-    rank0 = run_on_ranks(parity.worker, 2, steps, timeout=110)[0]
-    runs, ids = rank0["runs"], rank0["ids"]
-    from transformers import LlamaConfig
-
-    config = LlamaConfig.from_dict(rank0["config"])
+def one_process(config, ids, steps: int, world: int, dtype: torch.dtype) -> tuple[list, dict]:
+    """The reference computed here: one process trains on the whole global batch."""
     p = M.PRESETS["cpu"]
-    # one process, the whole global batch: the reference computed here
-    model = M.build_model(config, 0)
+    model = M.build_model(config, 0).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], betas=(0.9, 0.95), weight_decay=0.1)
     losses = []
     for step in range(steps):
-        x, y = parity.global_batch(ids, step, 2 * p["micro_batch_size"], p["seq_len"], 0)
+        x, y = parity.global_batch(ids, step, world * p["micro_batch_size"], p["seq_len"], 0)
         for group in opt.param_groups:
             group["lr"] = M.lr_at(step, p["lr"], max(1, steps // 2), steps)
         loss = parity.lm_loss(model, x, y)
@@ -132,13 +125,50 @@ def test_fsdp2_and_ddp_equal_one_process_in_float32():
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    ref = parity.full_params(model)
+    return losses, parity.full_params(model)
+
+
+def adam_bound(steps: int, terms: int, unit_roundoff: float) -> float:
+    """The lesson's bound on the weights of two runs whose gradient sums differ in order only:
+    each step, a sum of `terms` terms (|terms| summing to at most ~1, the clipped norm) moves by
+    at most terms·u, and AdamW's step g/(sqrt(v)+eps) moves by at most that / eps, times lr."""
+    p = M.PRESETS["cpu"]
+    return steps * p["lr"] * terms * unit_roundoff / 1e-8
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_and_ddp_equal_one_process_in_float32_and_float64():
+    steps, world = 4, 2
+    rank0 = run_on_ranks(parity.worker, world, steps, timeout=110)[0]
+    ids = rank0["ids"]
+    from transformers import LlamaConfig
+
+    config = LlamaConfig.from_dict(rank0["config"])
+    # float32, the tolerance the script's check uses
+    runs = rank0["runs"]
+    losses, ref = one_process(config, ids, steps, world, torch.float32)
     for kind in ("fsdp2", "ddp"):
         rel = max(abs(a - b) / b for a, b in zip(runs[kind]["losses"], losses))
         assert rel <= LOSS_TOL, (kind, rel)
         assert parity.max_param_diff(runs[kind]["params"], ref) <= PARAM_TOL, kind
     assert parity.max_param_diff(runs["fsdp2"]["params"], runs["ddp"]["params"]) <= PARAM_TOL
     assert parity.max_param_diff(runs["ddp-nosync"]["params"], ref) > 10 * PARAM_TOL
+    # float64: the same bound with u = 2^-53. FSDP2 against DDP reorders a sum over the ranks
+    # only (world - 1 roundings); against one process, over the tokens of the global batch.
+    runs64 = rank0["runs64"]
+    u64 = 2.0 ** -53
+    tight = adam_bound(steps, world - 1, u64)  # 1.3e-10 at two ranks
+    loose = adam_bound(steps, world * M.PRESETS["cpu"]["micro_batch_size"]
+                       * M.PRESETS["cpu"]["seq_len"], u64)  # 1.4e-7: 1024 tokens
+    _, ref64 = one_process(config, ids, steps, world, torch.float64)
+    fsdp_ddp = parity.max_param_diff(runs64["fsdp2"]["params"], runs64["ddp"]["params"])
+    assert fsdp_ddp <= tight, fsdp_ddp
+    for kind in ("fsdp2", "ddp"):
+        assert parity.max_param_diff(runs64[kind]["params"], ref64) <= loose, kind
+    # control: FSDP2 reducing gradients in float32 inside a float64 run (a wrong policy) passes
+    # the float32 tolerance and fails this one by orders of magnitude (one run: 3.9e-7)
+    wrong = parity.max_param_diff(runs64["fsdp2-fp32-reduce"]["params"], runs64["ddp"]["params"])
+    assert 100 * tight < wrong <= PARAM_TOL, (wrong, tight)
 
 
 @pytest.mark.timeout(30)

@@ -53,13 +53,16 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 
 def train_wrapped(kind: str, config, ids, steps: int, micro_batch_size: int, seq_len: int,
-                  lr: float, seed: int, device: torch.device) -> dict:
-    """Train `steps` steps wrapped as `kind`: "fsdp2", "ddp", or "ddp-nosync" (the broken
-    control), in float32. Returns the losses (global means) and the final parameters."""
+                  lr: float, seed: int, device: torch.device,
+                  dtype: torch.dtype = torch.float32) -> dict:
+    """Train `steps` steps wrapped as `kind`: "fsdp2", "ddp", "ddp-nosync" (the broken control)
+    or "fsdp2-fp32-reduce" (a subtly wrong mixed-precision policy: gradients summed in float32
+    in a `dtype` run), in `dtype`. Returns the losses (global means) and the final parameters."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(config, seed, device)
-    if kind == "fsdp2":
-        apply_fsdp(model, param_dtype=torch.float32)
+    model = build_model(config, seed, device).to(dtype)
+    if kind.startswith("fsdp2"):
+        reduce = torch.float32 if kind == "fsdp2-fp32-reduce" else dtype
+        apply_fsdp(model, param_dtype=dtype, reduce_dtype=reduce)
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -80,16 +83,17 @@ def train_wrapped(kind: str, config, ids, steps: int, micro_batch_size: int, seq
         total = loss.detach().clone()
         dist.all_reduce(total)  # on the model's device: NCCL takes CUDA tensors only
         losses.append(total.item() / world)
-    inner = model.module if kind != "fsdp2" else model
+    inner = model if kind.startswith("fsdp2") else model.module
     return {"losses": losses, "params": full_params(inner)}
 
 
 def compare(config, ids, steps: int, micro_batch_size: int, seq_len: int, lr: float,
-            seed: int, device: torch.device) -> dict:
-    """The three runs (FSDP2, DDP, DDP without gradient sync) from the same start."""
+            seed: int, device: torch.device, dtype: torch.dtype = torch.float32,
+            kinds=("fsdp2", "ddp", "ddp-nosync")) -> dict:
+    """The runs (by default FSDP2, DDP, DDP without gradient sync) from the same start."""
     return {kind: train_wrapped(kind, config, ids, steps, micro_batch_size, seq_len, lr, seed,
-                                device)
-            for kind in ("fsdp2", "ddp", "ddp-nosync")}
+                                device, dtype)
+            for kind in kinds}
 
 
 def max_param_diff(a: dict, b: dict) -> float:
@@ -110,7 +114,11 @@ def worker(steps: int = 4, vocab_size: int = 512) -> dict:
                           p["n_kv_heads"], p["ffn_size"], p["seq_len"])
     runs = compare(config, ids, steps, p["micro_batch_size"], p["seq_len"], p["lr"], 0,
                    torch.device("cpu"))
+    # the same in float64, where rounding is 2^-29 times smaller: a tight check, and a control
+    # that only such a check sees (gradients reduced in float32: a wrong mixed-precision policy)
+    runs64 = compare(config, ids, steps, p["micro_batch_size"], p["seq_len"], p["lr"], 0,
+                     torch.device("cpu"), torch.float64, ("fsdp2", "ddp", "fsdp2-fp32-reduce"))
     if dist.get_rank() != 0:
-        for run in runs.values():
+        for run in (*runs.values(), *runs64.values()):
             run.pop("params")
-    return {"runs": runs, "ids": ids, "config": config.to_dict()}
+    return {"runs": runs, "runs64": runs64, "ids": ids, "config": config.to_dict()}
