@@ -61,7 +61,20 @@ def _parity(global_batch: int = 48) -> dict:
                 "grads": grads,
             }
     out["training"] = {how: _train_steps(how, rank, world) for how in ("torch", "nograd")}
+    out["first_step"] = {(how, local): _first_step(how, local, rank, world)
+                         for how in ("torch", "nograd") for local in (False, True)}
     return out
+
+
+def _first_step(how: str, local: bool, rank: int, world: int) -> float:
+    """The script's first-training-step check (`train.first_step_gap`) on a float32 DDP model."""
+    torch.manual_seed(2)
+    model = CLIP()
+    ddp = DDP(model)
+    images, ids, _ = data.make_pairs(48, 30, data.split_combinations()[0])
+    img, txt, scale = ddp(train.shard(images, rank, world), train.shard(ids, rank, world))
+    contrastive.distributed_clip_loss(img, txt, scale, how, local).backward()
+    return train.first_step_gap(model, images, ids)
 
 
 def _train_steps(how: str, rank: int, world: int, steps: int = 2) -> float:
@@ -117,6 +130,17 @@ def test_ddp_training_with_the_distributed_loss_equals_one_process(parity):
 
 
 @pytest.mark.timeout(120)
+def test_first_training_step_check_rejects_a_gather_without_gradients(parity):
+    world, results = parity
+    for res in results:
+        for local in (False, True):
+            assert res["first_step"]["torch", local] <= train.FIRST_STEP_TOLERANCE
+            assert res["first_step"]["nograd", local] > 10 * train.FIRST_STEP_TOLERANCE
+        # global loss: the towers get 1/W of their gradient, a relative gap of 1 - 1/W
+        assert abs(res["first_step"]["nograd", False] - (1 - 1 / world)) < 1e-3
+
+
+@pytest.mark.timeout(120)
 def test_gather_without_gradients_is_rejected(parity):
     world, results = parity
     for res in results:
@@ -168,6 +192,8 @@ def test_training_run_checks_and_zero_shot(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["loss"] < 0.5 * lines[0]["loss"]
     assert res.check("largest logits matrix per rank, local = b·B x 8")["measured"] == 24 * 48 * 8
+    first = res.check("first training step, torch gather: gradient == one process (float32, relative)")
+    assert first["tolerance"] == train.FIRST_STEP_TOLERANCE and first["ok"]
     # the last batch's loss floor, counted here from the regenerated captions: no loss goes below
     _, ids, _ = data.make_pairs(200 * 48, 1, data.split_combinations()[0])
     last = [tuple(c) for c in ids[-48:].tolist()]

@@ -22,6 +22,7 @@ Run:
 
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass
 
@@ -43,6 +44,9 @@ from common.seed import seed_everything
 # case n·u·sum|terms| ~ 2e-11, usual estimate sqrt(n)·u·sum|terms| ~ 2e-13 (u = 1.1e-16);
 # measured ~1e-15. See the lesson.
 PARITY_TOLERANCE = 1e-11
+# The first training step in float32, relative to the largest gradient: 3e-7 measured on CPU;
+# room for TF32 convolutions on GPUs; a gather without gradients misses by 0.5 or more (lesson).
+FIRST_STEP_TOLERANCE = 1e-2
 VARIANTS = (("hand", False), ("torch", False), ("hand", True), ("torch", True))
 
 
@@ -186,6 +190,16 @@ def eval_set(cfg: Config, combos: list, seed: int):
     return images, torch.tensor([everything.index(combos[int(k)]) for k in which])
 
 
+def first_step_gap(model: CLIP, images, ids) -> float:
+    """The training loop's own gradients (after DDP's averaging) against one process's on the
+    same weights and global batch: max |difference| over max |gradient|, the worst rank's."""
+    ref_model = copy.deepcopy(model)
+    _, ref = global_batch_gradients(ref_model, images, ids)
+    scale = max(g.abs().max().item() for g in ref.values())
+    gap = max((p.grad - ref[n]).abs().max().item() for n, p in model.named_parameters())
+    return reduce_number(gap / scale, "max")
+
+
 def train_clip(cfg: Config, info, rec: RunRecorder) -> CLIP:
     """DDP training on the training combinations: each step, this rank's shard of the global
     batch, the distributed contrastive loss, Adam."""
@@ -208,6 +222,10 @@ def train_clip(cfg: Config, info, rec: RunRecorder) -> CLIP:
         loss = distributed_clip_loss(*ddp(x, t), cfg.gather, cfg.local_loss)
         opt.zero_grad()
         loss.backward()
+        if step == 0:  # the gather and loss the loop really uses, checked where they run
+            gap = first_step_gap(model, images[rows].to(info.device), ids[rows].to(info.device))
+            rec.check(f"first training step, {cfg.gather} gather: gradient == one process "
+                      "(float32, relative)", "parity", gap, 0.0, tolerance=FIRST_STEP_TOLERANCE)
         opt.step()
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             mean = reduce_number(loss.detach()) / world  # the global-batch loss
