@@ -200,10 +200,11 @@ def test_balancing_loss_and_z_loss_formulas():
 
 
 @pytest.mark.timeout(120)
-def test_two_ranks_under_torchrun(tmp_path):
+def test_two_ranks_under_torchrun(tmp_path, quiet_console):
     res = run_torchrun(SCRIPT, nproc=2, out_dir=tmp_path, timeout=110)
     failed = [c["name"] for c in res.summary["checks"] if not c["ok"]]
     assert not failed, res.output[-3000:]
+    quiet_console(res)
     names = [c["name"] for c in res.summary["checks"]]
     assert any("EP trained parameters == one process" in n for n in names)
     assert any("bytes handed to all_to_all" in n for n in names)
@@ -218,11 +219,12 @@ def test_two_ranks_under_torchrun(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_deepspeed_moe_matches_the_hand_layer(tmp_path):
+def test_deepspeed_moe_matches_the_hand_layer(tmp_path, quiet_console):
     pytest.importorskip("deepspeed", reason="pip install deepspeed==0.19.8 (requirements.txt)")
     res = run_torchrun(Path(deepspeed_moe.__file__), nproc=2, out_dir=tmp_path, timeout=140)
     failed = [c["name"] for c in res.summary["checks"] if not c["ok"]]
     assert not failed, res.output[-3000:]
+    quiet_console(res)
     assert len(res.summary["checks"]) >= 10
 
 
