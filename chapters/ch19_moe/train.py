@@ -102,8 +102,8 @@ def validate(cfg: Config, world_size: int) -> None:
     AsyncAlltoallCUDAWork), but that path has not been run here, so it is refused."""
     on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if world_size > 1 and cfg.backend == "gloo" and on_gpus:
-        raise ValueError("on GPUs this chapter's all-to-all is checked over NCCL only (gloo would "
-                         "stage it through host memory, untested): use NCCL or --device cpu")
+        raise ValueError("gloo on GPUs is untested for this chapter's all-to-all: use NCCL or "
+                         "--device cpu")
     if cfg.experts_per_rank * world_size < cfg.top_k:
         raise ValueError(f"top-{cfg.top_k} routing needs at least {cfg.top_k} experts; "
                          f"use --experts-per-rank {cfg.top_k}")
