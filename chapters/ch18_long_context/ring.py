@@ -8,8 +8,9 @@ holds:
 
 - "contiguous": rank r holds chunks 2r and 2r+1 (the plain split: positions rT/N … (r+1)T/N−1);
 - "zigzag": rank r holds chunks r and 2N−1−r, so under a causal mask every rank has one early
-  and one late chunk and does the same number of chunk products (Brandon et al. 2023,
-  "Striped Attention"; the zigzag split of ring-flash-attention and of torch's context_parallel).
+  and one late chunk and does the same number of chunk products (the zigzag split of
+  ring-flash-attention and torch's context_parallel "head-tail" balancer; Brandon et al. 2023,
+  "Striped Attention", balance the same work with a token-by-token stripe instead).
 
 In N steps each rank meets every K/V block: at step s it holds the block of rank (r − s) mod N,
 computes its queries against it while the next block is already travelling (`batch_isend_irecv`),

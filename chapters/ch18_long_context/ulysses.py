@@ -45,8 +45,8 @@ def _all_to_all(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     """Equal-split all-to-all along dim 0 (x[j] goes to rank j), counting what leaves."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    world = dist.get_world_size(group)
-    COUNTER.bytes[phase] += x.numel() * x.element_size() * (world - 1) // world
+    stays = x[dist.get_rank(group)]  # the piece addressed to this rank never leaves it
+    COUNTER.bytes[phase] += (x.numel() - stays.numel()) * x.element_size()
     COUNTER.calls += 1
     dist.all_to_all_single(out, x, group=group)
     return out
