@@ -17,7 +17,8 @@ from conftest import assert_quiet_console
 
 from chapters.ch25_llm import model as M
 from chapters.ch25_llm import parity, tokenizer
-from chapters.ch25_llm.checks import LOSS_TOL, PARAM_TOL
+from chapters.ch25_llm import train as T
+from chapters.ch25_llm.checks import LOSS_TOL, PARAM_TOL, first_order_bound, param_tolerance
 from common.launch import REPO_ROOT, run_on_ranks, run_torchrun
 
 SCRIPT = REPO_ROOT / "chapters" / "ch25_llm" / "train.py"
@@ -193,3 +194,44 @@ def test_exercise_answers():
         r = M.train_step_flops(config, 8, t, recompute=True) / M.train_step_flops(config, 8, t)
         assert round(r, 3) == ratio
     assert M.n_params(cpu) == 223_552
+
+
+@pytest.mark.timeout(30)
+def test_weight_tolerance_at_2_4_8_16_ranks():
+    lr = M.PRESETS["cpu"]["lr"]
+    for world, bound32, bound64 in ((2, 0.0715, 1.33e-10), (4, 0.215, 4.00e-10),
+                                    (8, 0.501, 9.33e-10), (16, 1.07, 2.00e-9)):
+        # k·η·(W−1)·u/ε, computed here from its parts
+        assert math.isclose(first_order_bound(4, lr, world), 4 * lr * (world - 1) * 2.0**-24 / 1e-8)
+        assert math.isclose(first_order_bound(4, lr, world), bound32, rel_tol=3e-3)
+        # float32: the bound exceeds how far 4 steps move the weights, the cap η/10 holds
+        assert param_tolerance(4, lr, world) == lr / 10 == PARAM_TOL
+        # float64: the bound itself
+        assert math.isclose(param_tolerance(4, lr, world, torch.float64), bound64, rel_tol=3e-3)
+        assert param_tolerance(4, lr, world, torch.float64) == first_order_bound(
+            4, lr, world, torch.float64)
+
+
+@pytest.mark.timeout(30)
+def test_cuda_only_settings_decided_without_a_gpu():
+    # on CPUs nothing changes: no variables, no deterministic mode, timed to the end
+    plan = T.cuda_determinism(False, {})
+    assert plan == {"env": {}, "deterministic_from_save": False}
+    cpu = T.Config()
+    assert T.timed_steps(cpu, False) == (3, 80)
+    # on CUDA: cuBLAS's workspace and no NVLS before CUDA starts; the user's values are kept
+    plan = T.cuda_determinism(True, {"NCCL_NVLS_ENABLE": "1"})
+    assert plan == {"env": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, "deterministic_from_save": True}
+    gpu = T.Config(preset="gpu")
+    assert gpu.save_step() == 56 and T.timed_steps(gpu, True) == (20, 56)
+    # the gpu preset reads its ~93 000 training tokens about 10.6 times on one GPU: its held-out
+    # loss is a figure; the default cpu run reads 0.57 of its 143 520 tokens: a check
+    assert round(T.training_passes(gpu, 1, 93_000), 1) == 10.6
+    assert round(T.training_passes(cpu, 2, 143_520), 2) == 0.57
+    # a timed window that would start after the checkpoint is refused on GPUs only
+    late = T.Config(preset="gpu", timed_from=57)
+    late.device = "cpu"
+    T.validate(late, 1)
+    late.device = "cuda"
+    with pytest.raises(ValueError, match="no timed step before the checkpoint"):
+        T.validate(late, 1)

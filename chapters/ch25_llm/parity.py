@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 from chapters.ch25_llm.model import apply_fsdp, build_model, lr_at
 
+ADAM_EPS = 1e-8  # AdamW's epsilon (torch's default), part of the tolerance's derivation
+
 
 def global_batch(ids: torch.Tensor, step: int, global_size: int, seq_len: int, seed: int):
     """The step's global batch of (input, target) windows: the same on every rank, a function
@@ -67,7 +69,8 @@ def train_wrapped(kind: str, config, ids, steps: int, micro_batch_size: int, seq
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=ADAM_EPS,
+                            weight_decay=0.1)
     losses = []
     for step in range(steps):
         x, y = rank_slice(global_batch(ids, step, micro_batch_size * world, seq_len, seed),

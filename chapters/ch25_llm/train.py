@@ -18,6 +18,7 @@ Run:
     srun --ntasks=16 --ntasks-per-node=8 python chapters/ch25_llm/train.py --preset gpu
 """
 
+import os
 import statistics
 import sys
 from contextlib import nullcontext
@@ -128,6 +129,40 @@ def validate(cfg: Config, world_size: int) -> None:
                          "use NCCL (one GPU per rank) or --device cpu")
     if cfg.timed_from >= cfg.steps:
         raise ValueError(f"--timed-from {cfg.timed_from} leaves no timed step of {cfg.steps}")
+    if on_gpus and cfg.timed_from >= cfg.save_step():
+        raise ValueError(f"--timed-from {cfg.timed_from} leaves no timed step before the "
+                         f"checkpoint at step {cfg.save_step()} (later steps are deterministic)")
+
+
+def cuda_determinism(on_gpus: bool, environ=os.environ) -> dict:
+    """What makes the resume check bitwise on CUDA: the environment to set before CUDA and NCCL
+    start (cuBLAS's fixed workspace, which `torch.use_deterministic_algorithms` requires; no
+    NVLS, whose in-switch reductions may add in any order), and whether to switch on
+    deterministic algorithms (flash/memory-efficient attention backward without atomics) from
+    the checkpoint on. Variables the user set are kept. On CPUs: nothing (already bitwise)."""
+    if not on_gpus:
+        return {"env": {}, "deterministic_from_save": False}
+    wanted = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_NVLS_ENABLE": "0"}
+    return {"env": {k: v for k, v in wanted.items() if k not in environ},
+            "deterministic_from_save": True}
+
+
+def timed_steps(cfg: Config, deterministic_from_save: bool) -> tuple[int, int]:
+    """The steps whose times give tokens/s and MFU: from --timed-from to the end, or to the
+    checkpoint when the steps after it run under deterministic algorithms (slower kernels)."""
+    return cfg.timed_from, cfg.save_step() if deterministic_from_save else cfg.steps
+
+
+def training_passes(cfg: Config, world_size: int, n_train_tokens: int) -> float:
+    """How many times the run reads its training tokens (steps × global batch ÷ corpus)."""
+    return cfg.steps * cfg.micro_batch_size * world_size * cfg.seq_len / n_train_tokens
+
+
+def enter_deterministic_mode() -> None:
+    """Deterministic algorithms from here on; compiled code is dropped so that the layers are
+    recompiled under them, as the resumed runs' will be (inductor fuses differently then)."""
+    torch.use_deterministic_algorithms(True)
+    torch._dynamo.reset()
 
 
 def model_config(cfg: Config):
@@ -242,6 +277,9 @@ def eval_loss(model, ids, cfg: Config, info, batches: int = 4) -> float:
 
 
 def main(cfg: Config) -> int:
+    on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    determinism = cuda_determinism(on_gpus)
+    os.environ.update(determinism["env"])  # before CUDA's first matmul and NCCL's first comm
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
@@ -266,6 +304,8 @@ def main(cfg: Config) -> int:
             if done == cfg.save_step():
                 with library_output():
                     save_checkpoint(model, opt, ckpt)
+                if determinism["deterministic_from_save"]:
+                    enter_deterministic_mode()  # the run's tail and the resumed runs alike
 
         meter = checks.throughput_meter(config, cfg, info)
         run = train_steps(model, opt, cfg, train_ids, info, 0, cfg.steps, rec, maybe_save, meter)
@@ -277,8 +317,15 @@ def main(cfg: Config) -> int:
                    expected=round(float(torch.tensor(float(cfg.vocab_size)).log()), 4), unit="nats")
         rec.check("training loss (mean of last 5 steps) < unigram entropy", "formula", final,
                   round(entropy, 6), compare="<")
-        rec.check("held-out loss < unigram entropy", "formula", val, round(entropy, 6), compare="<")
-        checks.record_throughput(rec, run, meter, cfg)
+        passes = training_passes(cfg, info.world_size, len(train_ids))
+        if passes <= 1:  # each window scored before the model stepped on it: no overfitting yet
+            rec.check("held-out loss < unigram entropy", "formula", val, round(entropy, 6),
+                      compare="<")
+        else:  # it may have memorised the training text: reported, not checked
+            rec.figure(f"held-out loss after {passes:.1f} passes (not checked)", round(val, 4),
+                       expected=f"< {entropy:.4f}", unit="nats")
+        checks.record_throughput(rec, run, meter,
+                                 timed_steps(cfg, determinism["deterministic_from_save"]))
 
         good = resume_and_compare(cfg, config, train_ids, info, ckpt, run, with_optimizer=True)
         rec.check(f"DCP resume at step {cfg.save_step()}: losses (same machine)", "parity",
@@ -304,7 +351,8 @@ def main(cfg: Config) -> int:
                          loss, run["norms"][step], meter["tokens"] / run["times"][step],
                          meter["flops"] / run["times"][step] / meter["peak"])
         rec.figure("unigram entropy of the training tokens", round(entropy, 4), unit="nats")
-        rec.figure("held-out loss", round(val, 4), unit="nats")
+        if passes <= 1:
+            rec.figure("held-out loss", round(val, 4), unit="nats")
         return rec.finish()
     finally:
         teardown_distributed()
