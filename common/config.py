@@ -36,6 +36,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import os
 import sys
 import textwrap
 import types
@@ -192,8 +193,27 @@ def parse_config(cls: type, argv: list[str] | None = None, description: str | No
                 print(f"{parser.prog}: error: {e} (world size {world_size})", file=sys.stderr)
             sys.exit(2)
     if argv is None:  # a script's own command line, not a test or a precheck: a real run
+        _check_device(cfg, parser.prog)
         _start_library_log(cfg)
     return cfg
+
+
+def _check_device(cfg, prog: str) -> None:
+    """A device or backend this machine cannot give the launch's processes (`--device cuda`
+    without a GPU, `--backend nccl` on a CPU) ends the run in one line, as an option error does,
+    before any process group exists (`./course run` asks the same question before launching)."""
+    if not hasattr(cfg, "device"):
+        return
+    from common.distributed import DistributedSetupError, choose_device_and_backend, read_launch_env
+
+    try:
+        launch = read_launch_env()
+        choose_device_and_backend(launch["local_rank"], launch["local_world_size"], cfg.device,
+                                  getattr(cfg, "backend", "auto"))
+    except DistributedSetupError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _start_library_log(cfg) -> None:

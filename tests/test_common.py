@@ -558,3 +558,20 @@ def test_require_at_least_one_names_the_flag():
     cfg.log_every = 0
     with pytest.raises(ValueError, match="^--log-every must be at least 1$"):
         config.require_at_least_one(cfg, "steps", "log_every")
+
+
+@pytest.mark.timeout(120)
+def test_a_script_started_directly_refuses_a_missing_device_in_one_line():
+    """Without ./course's precheck: `python train.py --device cuda` on a machine without a GPU
+    (or `--backend nccl` on a CPU) ends in one sentence and exit 2, not a setup traceback."""
+    import subprocess
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is valid here")
+    script = results.REPO_ROOT / "chapters" / "ch03_data_parallel" / "train.py"
+    for option, said in ((["--device", "cuda"], "--device cuda, but torch sees no CUDA GPU"),
+                         (["--backend", "nccl"], "the nccl backend needs CUDA devices")):
+        done = subprocess.run([sys.executable, str(script), *option], capture_output=True,
+                              text=True, timeout=100)
+        assert done.returncode == 2 and said in done.stderr
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
