@@ -200,6 +200,8 @@ def _assert_world(results: list[dict], world: int) -> None:
     if "trained" not in results[0]:
         return
     assert all(r["activations"]["activation bytes per rank x N = one rank's"] for r in results)
+    assert all(r["activations"]["one rank's activation bytes >= q, k, v, O"]
+               for r in results)  # the counter counts: 0 = 0 would pass the check above
     assert not any(r["activations allgather"]["activation bytes per rank x N = one rank's"] for r in results)
     X, Y, vocab = train.make_data(cfg, torch.device("cpu"))  # the all-gather control is right,
     torch.manual_seed(cfg.seed)                               # only its memory is not

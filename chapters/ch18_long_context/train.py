@@ -207,10 +207,15 @@ def record_activations(rec, sp: SequenceParallelGPT, X, Y, cfg: Config, info) ->
     mine = saved_bytes(sp, X, Y, cfg, info.rank, world, None)
     worst = reduce_number(mine, "max")
     rec.check("activation bytes per rank x N = one rank's", "count", worst * world, whole)
+    elem = next(sp.parameters()).element_size()  # the sibling: the counter counts (0 = 0 passes above)
+    floor = cfg.n_layer * 4 * cfg.batch_size * cfg.seq_len * cfg.d_model * elem
+    if not rec.check("one rank's activation bytes >= q, k, v, O", "count", whole, floor,
+                     compare=">="):
+        return  # nothing (or too little) counted: no budget figure can be drawn from it
     per_token = whole / (cfg.batch_size * cfg.seq_len)
     budget = cfg.memory_budget_mib * 2**20
     for n in (1, 2, 4):  # bytes per rank are linear in T (nothing T x T is saved): scale the count
-        counted = int(budget * cfg.seq_len / worst) if n == world else "not run"
+        counted = int(budget * cfg.seq_len / worst) if n == world and worst else "not run"
         rec.figure(f"longest sequence in {cfg.memory_budget_mib:g} MiB per rank, N = {n}",
                    counted, int(budget * n / (cfg.batch_size * per_token)), unit="tokens")
     rec.figure("activation bytes per token (one rank, whole sequence)", round(per_token, 1), unit="B")
