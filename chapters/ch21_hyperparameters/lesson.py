@@ -1,0 +1,75 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 21 · Hyperparameters at scale · 分布式训练中的超参数调优
+#
+# Schedules as pure functions, the gradient noise scale measured from the two gradients data
+# parallelism already has (the micro-batch's and the all-reduced one), and steps to a target
+# loss against the batch size. The lesson is
+# [chapters/ch21_hyperparameters/README.md](../chapters/ch21_hyperparameters/README.md).
+
+# %%
+import inspect
+
+import matplotlib.pyplot as plt
+import torch
+
+from chapters.ch21_hyperparameters import schedules, train
+from common.launch import run_torchrun
+from common.results import REPO_ROOT
+
+# %% [markdown]
+# ## Schedules are functions of the step
+# No optimizer, no state: the value at any step can be compared with its formula.
+
+# %%
+steps = range(101)
+plt.figure(figsize=(6, 3))
+plt.plot(steps, [schedules.cosine(s, 1.0, 100, 10, 0.1) for s in steps], label="warm-up + cosine")
+plt.plot(steps, [schedules.wsd(s, 1.0, 100, 10, 20, 0.1) for s in steps], "--", label="WSD")
+plt.xlabel("step")
+plt.ylabel("lr / peak")
+plt.legend()
+plt.show()
+print("cosine at the middle of its decay:", schedules.cosine(55, 1.0, 100, 10, 0.1))
+
+# %% [markdown]
+# ## The noise scale from two norms
+# |G_b|^2 at the micro-batch size b and |G_B|^2 at the global batch B give |G|^2 and tr(Sigma):
+
+# %%
+print(inspect.getsource(train.noise_scale))
+cfg = train.Config()
+x, y = train.sample(cfg, cfg.global_batch_size, torch.Generator().manual_seed(3))
+w = 0.3 * train.teacher(cfg)
+grads = train.per_example_grads(w, x, y)
+small = (grads**2).sum(1).mean().item()
+big = (grads.mean(0) ** 2).sum().item()
+print("from the two norms:", train.noise_scale(small, big, 1, len(y))["b_simple"])
+print("per-example exact: ", train.exact_noise_scale(grads)["b_simple"])
+
+# %% [markdown]
+# ## The real run: two processes under torchrun
+
+# %%
+out_dir = REPO_ROOT / "runs" / "notebooks" / "ch21"
+result = run_torchrun(REPO_ROOT / "chapters/ch21_hyperparameters/train.py", nproc=2, out_dir=out_dir)
+print(result.output[result.output.index("figure"):])
+
+# %% [markdown]
+# ## Exercises
+# The lesson's exercises, with hints and worked answers
+# ([README.md](../chapters/ch21_hyperparameters/README.md#exercises)):
+# 1. Run with `--micro-batch-size 4`: why does the noise-scale parity check disappear?
+# 2. Raise `--target-loss` to 1.0: where does the knee move, and why?
+# 3. Why does the linear-scaled learning rate stop reaching the target at batch 32?
