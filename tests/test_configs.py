@@ -35,6 +35,8 @@ SCRIPTS = chapter_scripts()
 # (script, world) -> words of the one sentence that refuses it. Only what the technique itself
 # forbids belongs here, and the lesson says why.
 REFUSED: dict[tuple[str, int], str] = {
+    # ch28: the world is the tensor-parallel group; it must divide the 16 heads
+    ("ch28_inference/train", 3): "must divide --n-heads 16",
     # ch02: single.py is the one-process reference (train.py and spawn.py are the multi-rank ones)
     **{("ch02_single_node/single", w): "one process by design" for w in (2, 3, 4, 8, 16)},
     # ch04, ch17: a pipeline needs two stages, one per rank

@@ -1,0 +1,113 @@
+"""Chapter 28: KV cache, tensor-parallel generation, paged KV blocks, continuous batching.
+
+One real torchrun launch on two ranks (the script's own checks), one start of four gloo ranks
+for tensor-parallel generation compared here with a one-process generation without a cache, and
+in-process tests of the block manager and of the schedules.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from chapters.ch28_inference import model as M
+from chapters.ch28_inference import paged as P
+from chapters.ch28_inference import train as T
+from common.launch import REPO_ROOT, run_on_ranks, run_torchrun
+
+SCRIPT = REPO_ROOT / "chapters" / "ch28_inference" / "train.py"
+
+
+def _reference(n_new=10):
+    torch.set_default_dtype(torch.float64)
+    cfg = T.Config()
+    config, hf = T.build(cfg)
+    prompt = T.prompt_of(cfg, config.vocab_size, 5)
+    return cfg, config, hf, prompt, M.generate(M.HandLlama(hf.state_dict(), config), prompt, n_new, use_cache=False)
+
+
+def _tp_worker(reduce: bool):
+    import torch.distributed as dist
+
+    cfg, config, hf, prompt, _ = _reference()
+    shard = M.HandLlama(hf.state_dict(), config, dist.get_rank(), dist.get_world_size(), reduce=reduce)
+    return M.generate(shard, prompt, 10, use_cache=True)
+
+
+@pytest.mark.timeout(200)
+def test_script_checks_pass_on_two_ranks(tmp_path):
+    res = run_torchrun(SCRIPT, nproc=2, timeout=180, out_dir=tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    checks = {c["name"]: c for c in summary["checks"]}
+    assert all(c["ok"] for c in checks.values() if c["kind"] != "timing"), res.output[-3000:]
+    assert checks["TP on 2 ranks = one device: max |logit diff|"]["measured"] <= T.PARITY_TOL
+    assert checks["control: TP without the all-reduce differs"]["ok"]
+    assert checks["benchmark: requests served over all ranks"]["measured"] == T.Config().requests
+
+
+@pytest.mark.timeout(200)
+def test_tensor_parallel_on_four_ranks_equals_one_device_without_cache():
+    _, _, _, _, (ref_t, ref_l) = _reference()
+    for tok, lg in run_on_ranks(_tp_worker, 4, True, timeout=180):
+        assert torch.equal(tok, ref_t)
+        assert (lg - ref_l).abs().max() <= T.PARITY_TOL
+    # negative control: without g's all-reduce the same check fails
+    _, bad = run_on_ranks(_tp_worker, 2, False, timeout=180)[0]
+    assert (bad - ref_l).abs().max() > T.PARITY_TOL
+
+
+@pytest.mark.timeout(120)
+def test_cache_and_transformers_generate_match_no_cache():
+    cfg, config, hf, prompt, (ref_t, ref_l) = _reference(12)
+    dense = M.HandLlama(hf.state_dict(), config)
+    tok, lg = M.generate(dense, prompt, 12, use_cache=True)
+    assert torch.equal(tok, ref_t) and (lg - ref_l).abs().max() <= T.PARITY_TOL
+    hf_t, hf_l = M.hf_generate(hf, prompt, 12)
+    assert M.top2_margin(ref_l) > 2 * T.HF_TOL  # no near-tie can flip a token
+    assert torch.equal(hf_t, ref_t) and (hf_l - ref_l).abs().max() <= T.HF_TOL
+    _, bad = T.wrong_position_generate(dense, prompt, 12)
+    assert (bad - ref_l).abs().max() > T.PARITY_TOL
+
+
+@pytest.mark.timeout(60)
+def test_block_manager_invariants_hold_and_the_leaky_one_is_caught():
+    for seed in range(3):
+        good = P.random_stream(P.BlockManager(48, 4), 4000, seed)
+        assert good["violations"] == 0 and good["free_at_end"] == 48
+        assert good["shared_hits"] > 0 and good["copies"] > 0  # sharing and CoW were exercised
+        assert P.random_stream(P.LeakyManager(48, 4), 4000, seed)["violations"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_copy_on_write_and_last_user_frees_prefix():
+    m = P.BlockManager(8, 4)
+    m.allocate(0, [1, 2, 3, 4, 5, 6])
+    m.fork(0, 1)
+    last = m.tables[0][-1]
+    m.append(1, 9)  # child writes into the shared, partly filled block: a copy
+    assert m.copies == 1 and m.tables[1][-1] != last and m.tables[0][-1] == last
+    assert m.tokens[0] == [1, 2, 3, 4, 5, 6] and not m.check()
+    m.allocate(2, [1, 2, 3, 4, 7])  # shares the first full block through the prefix cache
+    first = m.tables[0][0]
+    assert m.tables[2][0] == first and m.refs[first] == 3
+    for seq in (0, 1):
+        m.finish(seq)
+        assert first not in m.free and not m.check()
+    m.finish(2)
+    assert first in m.free and len(m.free) == 8
+
+
+@pytest.mark.timeout(60)
+def test_continuous_batching_beats_static_by_the_length_distribution():
+    cfg = T.Config()
+    outs = [o for _, o in P.workload(cfg.requests, cfg.max_out, cfg.seed)]
+    s, c = P.static_schedule(outs, cfg.batch), P.continuous_schedule(outs, cfg.batch)
+    # the test's own count of static steps: each batch costs its longest request
+    assert s["steps"] == sum(max(outs[i:i + cfg.batch]) for i in range(0, len(outs), cfg.batch))
+    assert s["steps"] / c["steps"] >= 1.5
+    assert c["steps"] >= -(-sum(outs) // cfg.batch)
+    # equal lengths: nothing to gain, the ratio is exactly 1
+    same = [10] * 64
+    assert P.static_schedule(same, 8)["steps"] == P.continuous_schedule(same, 8)["steps"] == 80
