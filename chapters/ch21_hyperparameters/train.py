@@ -209,7 +209,7 @@ def scaling_experiment(cfg: Config, rank: int, world: int) -> dict:
 
 
 def fit_critical_batch(steps: dict[int, int]) -> tuple[float, float]:
-    """Least squares of S = S_min (1 + B_crit/B) in 1/B (McCandlish et al., eq. 2.11)."""
+    """Least squares of S = S_min (1 + B_crit/B) in 1/B (McCandlish et al., 2018)."""
     xs = torch.tensor([1 / b for b in steps], dtype=torch.float64)
     ys = torch.tensor([float(s) for s in steps.values()], dtype=torch.float64)
     A = torch.stack([torch.ones_like(xs), xs], 1)
