@@ -28,12 +28,14 @@ def _reference(n_new=10):
     return cfg, config, hf, prompt, M.generate(M.HandLlama(hf.state_dict(), config), prompt, n_new, use_cache=False)
 
 
-def _tp_worker(reduce: bool):
+def _tp_worker():
+    """Each rank: its shard's generation, and the same without g's all-reduce (the control)."""
     import torch.distributed as dist
 
     cfg, config, hf, prompt, _ = _reference()
-    shard = M.HandLlama(hf.state_dict(), config, dist.get_rank(), dist.get_world_size(), reduce=reduce)
-    return M.generate(shard, prompt, 10, use_cache=True)
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    return [M.generate(M.HandLlama(hf.state_dict(), config, rank, tp, reduce=reduce), prompt, 10)
+            for reduce in (True, False)]
 
 
 @pytest.mark.timeout(200)
@@ -50,12 +52,10 @@ def test_script_checks_pass_on_two_ranks(tmp_path):
 @pytest.mark.timeout(200)
 def test_tensor_parallel_on_four_ranks_equals_one_device_without_cache():
     _, _, _, _, (ref_t, ref_l) = _reference()
-    for tok, lg in run_on_ranks(_tp_worker, 4, True, timeout=180):
+    for (tok, lg), (_, bad) in run_on_ranks(_tp_worker, 4, timeout=180):
         assert torch.equal(tok, ref_t)
         assert (lg - ref_l).abs().max() <= T.PARITY_TOL
-    # negative control: without g's all-reduce the same check fails
-    _, bad = run_on_ranks(_tp_worker, 2, False, timeout=180)[0]
-    assert (bad - ref_l).abs().max() > T.PARITY_TOL
+        assert (bad - ref_l).abs().max() > T.PARITY_TOL  # without g the same check fails
 
 
 @pytest.mark.timeout(120)
@@ -111,3 +111,28 @@ def test_continuous_batching_beats_static_by_the_length_distribution():
     # equal lengths: nothing to gain, the ratio is exactly 1
     same = [10] * 64
     assert P.static_schedule(same, 8)["steps"] == P.continuous_schedule(same, 8)["steps"] == 80
+
+
+@pytest.mark.timeout(120)
+def test_engines_equal_no_cache_generation_and_their_counted_schedules():
+    from chapters.ch28_inference import engine as E
+
+    cfg, config, hf, _, _ = _reference(1)
+    llama = M.HandLlama(hf.state_dict(), config)
+    work = P.workload(20, 24, seed=3)
+    reqs = [(T.prompt_of(cfg, config.vocab_size, 50 + i, p), n) for i, (p, n) in enumerate(work)]
+    decode = [n - 1 for _, n in reqs]
+    expect = {"static": P.static_schedule(decode, 4)["steps"],
+              "continuous": P.continuous_schedule([d for d in decode if d], 4)["steps"]}
+    expect["async"] = expect["continuous"]
+    runs = {mode: E.serve(llama, reqs, 4, mode) for mode in expect}
+    for mode, run in runs.items():
+        assert run["steps"] == expect[mode], mode
+    assert expect["static"] > expect["continuous"]
+    for j, (prompt, n) in enumerate(reqs):
+        ref_t, ref_l = M.generate(llama, prompt, n, use_cache=False)
+        for run in runs.values():
+            assert run["tokens"][j] == ref_t[0].tolist()
+            assert (run["logits"][j] - ref_l[0]).abs().max() <= T.PARITY_TOL
+    with pytest.raises(ValueError):
+        E.serve(llama, reqs, 4, "eager")

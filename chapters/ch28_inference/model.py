@@ -76,14 +76,47 @@ class HandLlama:
     def rms(self, x, w):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
-    def rope(self, x, start: int):
-        """Rotary position embedding (rotate-half form) for positions start.. start+T-1."""
-        T = x.shape[-2]
-        pos = torch.arange(start, start + T, dtype=torch.float64)
-        ang = torch.outer(pos, self.inv_freq)
+    def rope(self, x, start: int | torch.Tensor):
+        """Rotary position embedding (rotate-half form): positions start.. start+T-1, or, with
+        a tensor `start` of B positions and T = 1, row b at position start[b]."""
+        if isinstance(start, torch.Tensor):
+            pos = start.to(torch.float64)[:, None, None]  # (B, 1, 1): one position per row
+        else:
+            pos = torch.arange(start, start + x.shape[-2], dtype=torch.float64)
+        ang = pos[..., None] * self.inv_freq if pos.dim() == 3 else torch.outer(pos, self.inv_freq)
         cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
         x1, x2 = x[..., : self.d // 2], x[..., self.d // 2:]
         return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def attention_slots(self, x, L, kv, pos):
+        """One decode step for B independent sequences in batch slots: row b's new key and
+        value go to slot b's cache at position pos[b]; it attends to positions 0..pos[b]."""
+        B = x.shape[0]
+        x = self.f(x)
+        heads = lambda t: t.view(B, 1, self.n_heads, self.d).transpose(1, 2)  # noqa: E731
+        q, k = self.rope(heads(x @ L["q"].T), pos), self.rope(heads(x @ L["k"].T), pos)
+        v = heads(x @ L["v"].T)
+        rows = torch.arange(B)
+        kv[0][rows, :, pos], kv[1][rows, :, pos] = k[:, :, 0], v[:, :, 0]
+        mask = (torch.arange(kv[0].shape[2])[None] <= pos[:, None])[:, None, None]
+        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask)
+        return self.g(out.transpose(1, 2).reshape(B, 1, -1) @ L["o"].T)
+
+    @torch.no_grad()
+    def decode_slots(self, tokens: torch.Tensor, pos: torch.Tensor, kv: list) -> torch.Tensor:
+        """Logits (B, V) of one decode step over every batch slot of `kv` (from `slot_cache`):
+        a fixed shape, as CUDA-graph engines run it; an idle slot computes a row nobody reads."""
+        x = self.embed[tokens][:, None]
+        for i, L in enumerate(self.layers):
+            x = x + self.attention_slots(self.rms(x, L["in_norm"]), L, kv[i], pos)
+            x = x + self.mlp(self.rms(x, L["post_norm"]), L)
+        return (self.rms(x, self.norm) @ self.head.T)[:, 0]
+
+    def slot_cache(self, batch: int, max_len: int) -> list:
+        """A preallocated cache of `batch` slots x `max_len` positions per layer."""
+        shape = (batch, self.n_heads, max_len, self.d)
+        return [[torch.zeros(shape, dtype=self.embed.dtype), torch.zeros(shape, dtype=self.embed.dtype)]
+                for _ in self.layers]
 
     def g(self, y):
         return reduce_from_tp(y) if self.tp > 1 and self.reduce else y

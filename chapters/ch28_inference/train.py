@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from chapters.ch28_inference import engine as E
 from chapters.ch28_inference import model as M
 from chapters.ch28_inference import paged as P
 from common.config import RunConfig, parse_config
@@ -184,38 +185,51 @@ def record_batching(rec, cfg) -> dict:
 
 
 def benchmark(rec, cfg, hf, config, info) -> dict:
-    """Offline benchmark: request i runs on rank i mod world (one model replica per rank), one
-    at a time with the cache; TTFT = prefill, TPOT = mean decode step; gathered to rank 0."""
+    """Offline benchmark: the default workload's request i is served by rank i mod world (one
+    model replica per rank, `cfg.batch` slots) with static, continuous and asynchronous
+    continuous batching; each engine's tokens are checked against generation without a cache,
+    its decode steps against the counted schedule; TTFT and TPOT gathered to rank 0."""
     model = M.HandLlama(hf.state_dict(), config)
-    outs = [o for _, o in P.workload(cfg.requests, cfg.steps, cfg.seed + 7)]
+    work = P.workload(cfg.requests, cfg.max_out, cfg.seed)
     mine = [i for i in range(cfg.requests) if i % info.world_size == info.rank]
-    ttft, tpot = [], []
-    synchronize(info.device)
-    t_start = time.perf_counter()
-    for i in mine:
-        prompt = prompt_of(cfg, config.vocab_size, 1000 + i)
-        cache = model.new_cache()
-        t0 = time.perf_counter()
-        nxt = model.forward(prompt, cache, 0)[:, -1].argmax(-1, keepdim=True)
-        t1 = time.perf_counter()
-        pos = prompt.shape[1]
-        for _ in range(outs[i] - 1):
-            nxt = model.forward(nxt, cache, pos)[:, -1].argmax(-1, keepdim=True)
-            pos += 1
-        t2 = time.perf_counter()
-        ttft.append(t1 - t0)
-        tpot.append((t2 - t1) / max(outs[i] - 1, 1))
-    span = time.perf_counter() - t_start
+    reqs = [(prompt_of(cfg, config.vocab_size, 1000 + i, work[i][0]), work[i][1]) for i in mine]
+    runs = {}
+    for mode in ("static", "continuous", "async"):
+        synchronize(info.device)
+        runs[mode] = E.serve(model, reqs, cfg.batch, mode)
+    worst, wrong = 0.0, 0
+    for j, (prompt, n_out) in enumerate(reqs):
+        ref_t, ref_l = M.generate(model, prompt, n_out, use_cache=False)
+        for run in runs.values():
+            wrong += int(run["tokens"][j] != ref_t[0].tolist())
+            worst = max(worst, float((run["logits"][j] - ref_l[0]).abs().max()))
+    rec.check("engines (3 modes) = no-cache generation: max |logit diff|", "parity", worst, 0.0, PARITY_TOL)
+    rec.check("engines: requests with a differing token", "count", wrong, 0)
+    decode = [n - 1 for _, n in reqs]  # the prefill gives the first token
+    expect = {"static": P.static_schedule(decode, cfg.batch)["steps"],
+              "continuous": P.continuous_schedule([d for d in decode if d], cfg.batch)["steps"]}
+    expect["async"] = expect["continuous"]
+    for mode, run in runs.items():
+        rec.check(f"engine decode steps, {mode} (rank {info.rank})", "count", run["steps"], expect[mode])
+    seconds = {mode: max(gather_numbers(run["seconds"])) for mode, run in runs.items()}
+    rec.figure("engine wall clock: static, continuous, async", [round(seconds[m], 3) for m in runs], unit="s")
+    rec.check("continuous / static wall-clock throughput", "timing", seconds["static"] / seconds["continuous"],
+              1.0, compare=">")
+    rec.figure("async: prefills that overlapped a decode step (rank 0)", runs["async"]["overlapped_prefills"])
+
+    cont = runs["continuous"]
+    ttft = [cont["ttft"][j] for j in range(len(reqs))]
+    tpot = [(cont["done_at"][j] - cont["ttft"][j]) / (n - 1) for j, (_, n) in enumerate(reqs) if n > 1]
     all_ttft = [x for r in gather_numbers_list(ttft, info) for x in r]
     all_tpot = [x for r in gather_numbers_list(tpot, info) for x in r]
-    spans = gather_numbers(span)
     rec.check("benchmark: requests served over all ranks", "count", len(all_ttft), cfg.requests)
-    wall = max(spans)
+    wall = seconds["continuous"]
     q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1e3 if len(xs) > 1 else xs[0] * 1e3  # noqa: E731
-    rec.figure("TTFT p50, p99", [round(q(all_ttft, 50), 3), round(q(all_ttft, 99), 3)], unit="ms")
-    rec.figure("TPOT p50, p99", [round(q(all_tpot, 50), 3), round(q(all_tpot, 99), 3)], unit="ms")
-    rec.figure("requests/s, output tokens/s", [round(cfg.requests / wall, 1), round(sum(outs) / wall, 1)])
-    return {"ttft": all_ttft, "tpot": all_tpot}
+    rec.figure("TTFT p50, p99 (continuous)", [round(q(all_ttft, 50), 2), round(q(all_ttft, 99), 2)], unit="ms")
+    rec.figure("TPOT p50, p99 (continuous)", [round(q(all_tpot, 50), 3), round(q(all_tpot, 99), 3)], unit="ms")
+    total = sum(n for _, n in work)
+    rec.figure("requests/s, output tokens/s (continuous)", [round(cfg.requests / wall, 1), round(total / wall, 1)])
+    return {"ttft": all_ttft, "tpot": all_tpot, "seconds": seconds}
 
 
 def gather_numbers_list(values: list[float], info) -> list[list[float]]:
