@@ -21,7 +21,7 @@ from chapters.ch28_inference.model import HandLlama
 def prefill(model: HandLlama, prompt: torch.Tensor):
     """(first token, its logits, per-layer (k, v) of the prompt): the request's admission work."""
     cache = model.new_cache()
-    logits = model.forward(prompt, cache, 0)[0, -1]
+    logits = model.forward(prompt, cache, 0)[0, -1]  # forward moves the prompt to the model's device
     return int(logits.argmax()), logits, [(k[0], v[0]) for k, v in cache]
 
 
@@ -37,8 +37,8 @@ def serve(model: HandLlama, requests: list[tuple[torch.Tensor, int]], batch: int
     logits = {i: [] for i in range(len(requests))}
     ttft, done_at = {}, {}
     slot_req = [None] * batch  # the request each slot serves (None: idle)
-    cur = torch.zeros(batch, dtype=torch.long)
-    pos = torch.zeros(batch, dtype=torch.long)
+    cur = torch.zeros(batch, dtype=torch.long, device=model.device)
+    pos = torch.zeros(batch, dtype=torch.long, device=model.device)
     waiting = list(range(len(requests)))
     steps, overlapped, busy = 0, [0], threading.Event()
     t0 = time.perf_counter()

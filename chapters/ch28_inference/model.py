@@ -51,13 +51,14 @@ class HandLlama:
     q, k, v, gate, up are column-parallel (enter through f), o and down row-parallel (leave
     through g, an all-reduce). `reduce=False` drops g: the negative control of TP parity."""
 
-    def __init__(self, state: dict, config, rank: int = 0, tp: int = 1, reduce: bool = True):
-        self.c, self.tp, self.reduce = config, tp, reduce
+    def __init__(self, state: dict, config, rank: int = 0, tp: int = 1, reduce: bool = True,
+                 device: torch.device | str = "cpu"):
+        self.c, self.tp, self.reduce, self.device = config, tp, reduce, torch.device(device)
         self.h = config.hidden_size
         self.n_heads = config.num_attention_heads // tp
         self.d = config.hidden_size // config.num_attention_heads
         self.eps = config.rms_norm_eps
-        w = {k.removeprefix("model."): v.detach() for k, v in state.items()}
+        w = {k.removeprefix("model."): v.detach().to(self.device) for k, v in state.items()}
         rows = lambda t: t.chunk(tp, dim=0)[rank].contiguous()  # noqa: E731  (output features)
         cols = lambda t: t.chunk(tp, dim=1)[rank].contiguous()  # noqa: E731  (input features)
         self.embed, self.norm, self.head = w["embed_tokens.weight"], w["norm.weight"], w["lm_head.weight"]
@@ -71,7 +72,8 @@ class HandLlama:
                 "gate": rows(w[p + "mlp.gate_proj.weight"]), "up": rows(w[p + "mlp.up_proj.weight"]),
                 "down": cols(w[p + "mlp.down_proj.weight"])})
         d = self.d
-        self.inv_freq = 1.0 / (rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        self.inv_freq = 1.0 / (rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.float64,
+                                                                    device=self.device) / d))
 
     def rms(self, x, w):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
@@ -82,7 +84,7 @@ class HandLlama:
         if isinstance(start, torch.Tensor):
             pos = start.to(torch.float64)[:, None, None]  # (B, 1, 1): one position per row
         else:
-            pos = torch.arange(start, start + x.shape[-2], dtype=torch.float64)
+            pos = torch.arange(start, start + x.shape[-2], dtype=torch.float64, device=x.device)
         ang = pos[..., None] * self.inv_freq if pos.dim() == 3 else torch.outer(pos, self.inv_freq)
         cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
         x1, x2 = x[..., : self.d // 2], x[..., self.d // 2:]
@@ -96,9 +98,9 @@ class HandLlama:
         heads = lambda t: t.view(B, 1, self.n_heads, self.d).transpose(1, 2)  # noqa: E731
         q, k = self.rope(heads(x @ L["q"].T), pos), self.rope(heads(x @ L["k"].T), pos)
         v = heads(x @ L["v"].T)
-        rows = torch.arange(B)
+        rows = torch.arange(B, device=x.device)
         kv[0][rows, :, pos], kv[1][rows, :, pos] = k[:, :, 0], v[:, :, 0]
-        mask = (torch.arange(kv[0].shape[2])[None] <= pos[:, None])[:, None, None]
+        mask = (torch.arange(kv[0].shape[2], device=x.device)[None] <= pos[:, None])[:, None, None]
         out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask)
         return self.g(out.transpose(1, 2).reshape(B, 1, -1) @ L["o"].T)
 
@@ -106,6 +108,7 @@ class HandLlama:
     def decode_slots(self, tokens: torch.Tensor, pos: torch.Tensor, kv: list) -> torch.Tensor:
         """Logits (B, V) of one decode step over every batch slot of `kv` (from `slot_cache`):
         a fixed shape, as CUDA-graph engines run it; an idle slot computes a row nobody reads."""
+        tokens, pos = tokens.to(self.device), pos.to(self.device)
         x = self.embed[tokens][:, None]
         for i, L in enumerate(self.layers):
             x = x + self.attention_slots(self.rms(x, L["in_norm"]), L, kv[i], pos)
@@ -115,8 +118,7 @@ class HandLlama:
     def slot_cache(self, batch: int, max_len: int) -> list:
         """A preallocated cache of `batch` slots x `max_len` positions per layer."""
         shape = (batch, self.n_heads, max_len, self.d)
-        return [[torch.zeros(shape, dtype=self.embed.dtype), torch.zeros(shape, dtype=self.embed.dtype)]
-                for _ in self.layers]
+        return [[self.embed.new_zeros(shape), self.embed.new_zeros(shape)] for _ in self.layers]
 
     def g(self, y):
         return reduce_from_tp(y) if self.tp > 1 and self.reduce else y
@@ -136,7 +138,7 @@ class HandLlama:
                 k, v = torch.cat([cache_l[0], k], 2), torch.cat([cache_l[1], v], 2)
             cache_l[0], cache_l[1] = k, v
         S = k.shape[2]  # keys seen: the T new ones end at position start + T - 1
-        mask = torch.ones(T, S, dtype=torch.bool).tril(diagonal=S - T)
+        mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.g(out.transpose(1, 2).reshape(B, T, -1) @ L["o"].T)
 
@@ -146,7 +148,7 @@ class HandLlama:
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, cache: list | None = None, start: int = 0) -> torch.Tensor:
-        x = self.embed[ids]
+        x = self.embed[ids.to(self.device)]
         for i, L in enumerate(self.layers):
             x = x + self.attention(self.rms(x, L["in_norm"]), L, None if cache is None else cache[i], start)
             x = x + self.mlp(self.rms(x, L["post_norm"]), L)
@@ -160,6 +162,7 @@ def generate(model: HandLlama, prompt: torch.Tensor, n_new: int, use_cache: bool
     """Greedy generation from `prompt` (B, T): returns (tokens (B, n_new), logits (B, n_new, V)).
     With the cache: one prefill over the prompt, then one token per step. Without: every step
     re-runs the model over the whole sequence so far and keeps the last position's logits."""
+    prompt = prompt.to(model.device)
     seq, toks, logits = prompt, [], []
     cache = model.new_cache() if use_cache else None
     step_in, start = prompt, 0

@@ -101,7 +101,7 @@ def wrong_position_generate(model, prompt, n_new):
 
 def record_generation(rec, cfg, hf, config, info) -> dict:
     """Cached vs uncached vs transformers' generate, and TP over all ranks vs one device."""
-    dense = M.HandLlama(hf.state_dict(), config)
+    dense = M.HandLlama(hf.state_dict(), config, device=info.device)
     prompt = prompt_of(cfg, config.vocab_size, cfg.seed + 1)
     ref_t, ref_l = M.generate(dense, prompt, cfg.steps, use_cache=False)
     tok, lg = M.generate(dense, prompt, cfg.steps, use_cache=True)
@@ -112,18 +112,18 @@ def record_generation(rec, cfg, hf, config, info) -> dict:
               float((bad_l - ref_l).abs().max()), PARITY_TOL, compare=">")
     hf_t, hf_l = M.hf_generate(hf, prompt, cfg.steps)
     margin = M.top2_margin(ref_l)
-    rec.check("transformers generate: max |logit diff|", "parity", float((hf_l - ref_l).abs().max()), 0.0, HF_TOL)
+    rec.check("transformers generate: max |logit diff|", "parity", float((hf_l - ref_l.cpu()).abs().max()), 0.0, HF_TOL)
     rec.check("top-2 margin exceeds 2x the tolerance", "formula", margin, 2 * HF_TOL, compare=">")
-    rec.check("transformers generate: tokens differing", "count", int((hf_t != ref_t).sum()), 0)
+    rec.check("transformers generate: tokens differing", "count", int((hf_t != ref_t.cpu()).sum()), 0)
 
     tp = info.world_size
-    shard = M.HandLlama(hf.state_dict(), config, info.rank, tp)
+    shard = M.HandLlama(hf.state_dict(), config, info.rank, tp, device=info.device)
     tp_t, tp_l = M.generate(shard, prompt, cfg.steps, use_cache=True)
     rec.check(f"TP on {tp} ranks = one device: max |logit diff|", "parity",
               float((tp_l - ref_l).abs().max()), 0.0, PARITY_TOL)
     rec.check(f"TP on {tp} ranks: tokens differing", "count", int((tp_t != ref_t).sum()), 0)
     if tp > 1:
-        broken = M.HandLlama(hf.state_dict(), config, info.rank, tp, reduce=False)
+        broken = M.HandLlama(hf.state_dict(), config, info.rank, tp, reduce=False, device=info.device)
         _, br_l = M.generate(broken, prompt, cfg.steps, use_cache=True)
         rec.check("control: TP without the all-reduce differs", "parity",
                   float((br_l - ref_l).abs().max()), PARITY_TOL, compare=">")
@@ -132,8 +132,10 @@ def record_generation(rec, cfg, hf, config, info) -> dict:
     speeds = {}
     for use_cache in (True, False):
         M.generate(dense, prompt, 2, use_cache)  # warm-up
+        synchronize(info.device)
         t0 = time.perf_counter()
         M.generate(dense, prompt, cfg.steps, use_cache)
+        synchronize(info.device)
         speeds[use_cache] = cfg.steps / (time.perf_counter() - t0)
     rec.figure("decode tokens/s with the KV cache", round(speeds[True], 1), unit="tok/s")
     rec.figure("decode tokens/s without it", round(speeds[False], 1), unit="tok/s")
@@ -189,7 +191,7 @@ def benchmark(rec, cfg, hf, config, info) -> dict:
     model replica per rank, `cfg.batch` slots) with static, continuous and asynchronous
     continuous batching; each engine's tokens are checked against generation without a cache,
     its decode steps against the counted schedule; TTFT and TPOT gathered to rank 0."""
-    model = M.HandLlama(hf.state_dict(), config)
+    model = M.HandLlama(hf.state_dict(), config, device=info.device)
     work = P.workload(cfg.requests, cfg.max_out, cfg.seed)
     mine = [i for i in range(cfg.requests) if i % info.world_size == info.rank]
     reqs = [(prompt_of(cfg, config.vocab_size, 1000 + i, work[i][0]), work[i][1]) for i in mine]
