@@ -192,3 +192,23 @@ def test_exercise_numbers():
     flat16 = flat32.to(torch.bfloat16)
     k16 = max(k for k in range(n) if sync.delta_bytes_formula(k, flat16) < 2 * n)
     assert (k32, k16) == (3404, 2041)
+
+
+@pytest.mark.timeout(30)
+def test_trl_reward_function_is_the_chapters_reward():
+    from chapters.ch27_rlhf import trl_grpo
+
+    got = trl_grpo.digit_sum_reward(["T6", "T20", "T6", "T6"], ["1 2 3", "9 9 2", "1 2", "T3 1 2"])
+    assert got == [1.0, rl.reward(torch.tensor([20]), torch.tensor([[9, 9, 2]])).item(), 0.0, 0.0]
+
+
+@pytest.mark.timeout(150)
+def test_trl_grpo_trainer_few_cpu_steps():
+    pytest.importorskip("trl")
+    res = run_python(Path(train.__file__).with_name("trl_grpo.py"), timeout=150)
+    assert all(c["ok"] for c in res.summary["checks"]), res.summary["checks"]
+    assert res.check("optimizer steps TRL took == --steps")["measured"] == 4
+    figs = res.summary["figures"]
+    assert figs["GRPOConfig.num_generations (train.py --group-size)"]["measured"] == train.Config().group_size
+    assert figs["GRPOConfig.epsilon (train.py --clip)"]["measured"] == train.Config().clip
+    assert figs["GRPOConfig.num_iterations (train.py --inner-steps)"]["measured"] == train.Config().inner_steps
