@@ -56,7 +56,8 @@ class Config(RunConfig):
     sync: Literal["delta", "full"] = "delta"
     """How the trainer pushes weights to the generators (disaggregated only)."""
     staleness: int = 1
-    """Updates by which the generators' weights lag the trainer's (0: on-policy)."""
+    """Updates by which the generators' weights lag the trainer's (0: on-policy); disaggregated
+    only, colocated runs are on-policy."""
     prompts_per_rank: int = 16
     """Prompts each generating rank samples per step."""
     group_size: int = 8
