@@ -61,6 +61,8 @@ NEEDS = {
     "ch06_hybrid_zero/deepspeed_zero": ["deepspeed"],
     "ch12_checkpointing/deepspeed_ckpt": ["deepspeed"],
     "ch19_moe/deepspeed_moe": ["deepspeed"],
+    "ch21_hyperparameters/tune": ["ray"],
+    "ch27_rlhf/trl_grpo": ["trl"],
 }
 
 
