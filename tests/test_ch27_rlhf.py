@@ -106,7 +106,15 @@ def _sync_worker(n_changed: int) -> dict:
     bad = new.clone()
     bad[:4] += 1.0
     ok_bad = sync.delta_sync(flat, stats, bad, drop=1)
-    return {"full": after_full, "delta": after_delta, "target": target, "new": new, "bad": bad,
+    # two wrong elements whose checksum terms cancel (1·(+2) + 2·(−1) = 0) on rank 1 only:
+    # the checksum cannot see it, the script's bitwise `verify` must
+    collision = new.clone()
+    if rank == 1:
+        collision.view(torch.int32)[0] += 2
+        collision.view(torch.int32)[1] -= 1
+    return {"same_checksum": bool(sync.checksum(collision) == sync.checksum(new)),
+            "verify_collision": train.verify(collision), "verify_equal": train.verify(new.clone()),
+            "full": after_full, "delta": after_delta, "target": target, "new": new, "bad": bad,
             "after_bad": flat.clone(), "ok": ok, "ok_bad": ok_bad, "stats": stats}
 
 
@@ -134,6 +142,13 @@ def test_delta_missing_an_element_is_rejected(synced):
 
 
 @pytest.mark.timeout(120)
+def test_verify_is_bitwise_not_the_checksum(synced):
+    assert synced[1]["same_checksum"]  # the collision fools the checksum...
+    assert all(not r["verify_collision"] for r in synced)  # ...not verify, on every rank
+    assert all(r["verify_equal"] for r in synced)
+
+
+@pytest.mark.timeout(120)
 def test_delta_bytes_counted_far_below_full(synced):
     stats, n = synced[1]["stats"], len(synced[1]["target"])
     assert stats.full_bytes == 4 * n
@@ -153,6 +168,7 @@ def test_script_two_ranks_disaggregated_delta():
     assert res.check("max staleness (updates) == the bound")["measured"] == 1
     assert res.check("delta missing one element: rejected (control)")["measured"] == 1
     assert res.check("weights equal the trainer's (bitwise) after every sync")["measured"] == "59/59"
+    assert res.check("pushes accepted at the first attempt (no repair needed)")["measured"] == "59/59"
 
 
 @pytest.mark.timeout(120)

@@ -171,9 +171,16 @@ def check_sync_protocol(rec: RunRecorder, cfg: Config, model, info) -> None:
 
 
 def verify(flat: torch.Tensor) -> bool:
-    """Every rank's checksum of its vector equals the trainer's (all ranks agree on the answer)."""
-    sums = gather_numbers(sync.checksum(flat))
-    return all(s == sums[sync.TRAINER] for s in sums)
+    """Every rank's vector equals the trainer's bit for bit: the trainer broadcasts its vector and
+    each rank compares the integer views, element by element (not the checksum `delta_sync`
+    accepts with, so a checksum that missed a difference cannot also pass this check). All ranks
+    agree on the answer. One process has nothing to compare: True."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    trainers = flat.clone()
+    dist.broadcast(trainers, src=sync.TRAINER)
+    same = torch.equal(sync.bits(trainers), sync.bits(flat))
+    return all(gather_numbers(int(same)))
 
 
 def rollouts(model, cfg: Config, gen: torch.Generator, version: int, device) -> torch.Tensor:
@@ -227,7 +234,7 @@ def train(cfg: Config, info, rec: RunRecorder) -> None:
         check_sync_protocol(rec, cfg, model, info)
     flat = sync.flatten(model).to(info.device)  # generators: the weights they sample with
     history, version, stats = {0: flat.clone()}, 0, sync.SyncStats()
-    rewards, stale, verified, pushes = [], [], 0, 0
+    rewards, stale, verified, pushes, accepted = [], [], 0, 0, 0
     for step in progress(range(cfg.steps), total=cfg.steps, desc="rl", enabled=info.is_main, every=20):
         generates = where == "colocated" or rank != sync.TRAINER
         if where == "colocated":
@@ -244,12 +251,15 @@ def train(cfg: Config, info, rec: RunRecorder) -> None:
             if rank == sync.TRAINER:
                 history[step + 1] = sync.flatten(model).to(info.device)
             if v >= 1:
-                sync.push(flat, cfg.sync, stats, history.get(v))
+                accepted += sync.push(flat, cfg.sync, stats, history.get(v))
                 pushes += 1
-                verified += verify(flat)
                 version = v
                 if rank != sync.TRAINER:
                     sync.unflatten_into(model, flat)
+                # the weights the generators will sample with (their model, not the received
+                # vector) against the version the trainer pushed
+                held = flat if rank == sync.TRAINER else sync.flatten(model).to(info.device)
+                verified += verify(held)
             history = {k: h for k, h in history.items() if k >= step + 1 - cfg.staleness}
         mean_reward = sum(gather_numbers(batch["rewards"].mean().item() if batch else 0.0)[g]
                           for g in range(world)) / (world if where == "colocated" else 1)
@@ -260,6 +270,9 @@ def train(cfg: Config, info, rec: RunRecorder) -> None:
             rec.metrics(step, loss=out.get("loss", 0.0) if out else 0.0, lr=cfg.lr,
                         reward=mean_reward, staleness=lag)
     report(rec, cfg, where, world, rewards, stale, verified, pushes, stats, flat)
+    if where == "disaggregated":  # a rejected push was repaired by a full one: still a failure
+        rec.check("pushes accepted at the first attempt (no repair needed)", "count",
+                  f"{accepted}/{pushes}", f"{pushes}/{pushes}")
 
 
 def exchange_and_train(model, ref, opt, mine, cfg: Config, info) -> tuple:
