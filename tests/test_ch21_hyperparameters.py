@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from chapters.ch21_hyperparameters import schedules as S
 from chapters.ch21_hyperparameters import train
-from common.launch import run_on_ranks, run_torchrun
+from common.launch import run_on_ranks, run_python, run_torchrun
 from common.results import check_ok
 
 SCRIPT = Path(train.__file__)
@@ -98,3 +98,36 @@ def test_torchrun_two_ranks_passes_its_checks():
     assert run.check("doubling the largest batch: steps gain < 1.3x")["ok"]
     b_crit = run.summary["figures"]["fitted B_crit"]
     assert 0.3 < b_crit["measured"] / b_crit["expected"] < 3  # the knee near the noise scale
+
+
+TUNE = Path(train.__file__).with_name("tune.py")
+
+
+@pytest.mark.timeout(30)
+def test_asha_by_hand_stops_by_the_quantile_rule_and_fifo_stops_none():
+    from chapters.ch21_hyperparameters import tune
+
+    cfg = tune.Config()
+    order = tune.grid_order(cfg)
+    made = tune.asha_by_hand(cfg, order)
+    assert sorted(made) == sorted(tune.lr_grid(cfg)) and made[order[0]] == cfg.max_t  # first: no rival
+    assert all(t in (1, 3, 9) for t in made.values())  # a trial stops only at a rung
+    assert sum(t < cfg.max_t for t in tune.asha_by_hand(cfg, order, early_stopping=False).values()) == 0
+    lo, hi = tune.known_region(cfg)
+    assert lo < tune.best_lr(cfg) < hi and tune.rho(tune.best_lr(cfg), cfg) == pytest.approx(0.6, abs=1e-15)
+    # the loss formula is gradient descent's own: 5 steps of the script's reference
+    assert tune.loss_after(0.3, 5, cfg) == pytest.approx(tune.reference_loss(cfg, 0.3, 5), rel=1e-12)
+
+
+@pytest.mark.timeout(150)
+def test_ray_tune_asha_and_torch_trainer_pass_their_checks():
+    run = run_python(TUNE, timeout=140)  # one launch: Ray, the ASHA search, the TorchTrainer
+    assert run.check("ASHA: trials stopped early (> half)")["measured"] > 6
+    assert run.check("FIFO (no early stopping): stopped early (control)")["measured"] == 0
+    assert run.check("Ray's ASHA == ASHA by hand (trials that differ)")["measured"] == 0
+    assert run.check("ASHA by hand, ascending order, differs (control)")["measured"] > 0
+    assert run.check("TorchTrainer workers reporting")["measured"] == 2
+    assert run.check("TorchTrainer DDP loss == one process (rel.)")["ok"]
+    best = run.check("best trial: rho(lr) <= rho* + slack")
+    assert best["ok"] and best["measured"] == pytest.approx(0.6, abs=1e-12)  # lr* itself
+    assert not run.check("worst trial: rho(lr) > rho* + slack (control)")["measured"] <= 0.7

@@ -50,6 +50,8 @@ REFUSED: dict[tuple[str, int], str] = {
     ("ch13_fault_tolerance/hang", 1): "needs at least 2 ranks",
     # ch06: mesh.py's dp x tp mesh needs its tp degree (2) to divide the world
     **{("ch06_hybrid_zero/mesh", w): "--tp 2 must divide the world size" for w in (1, 3)},
+    # ch21: tune.py is one process; Ray starts its own workers (the TorchTrainer's 2 included)
+    **{("ch21_hyperparameters/tune", w): "one process by design" for w in (2, 3, 4, 8, 16)},
     # ch27: the TRL demonstration is one process (TRL spreads itself with accelerate launch)
     **{("ch27_rlhf/trl_grpo", w): "runs as one process" for w in (2, 3, 4, 8, 16)},
 }

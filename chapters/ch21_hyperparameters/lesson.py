@@ -67,9 +67,27 @@ result = run_torchrun(REPO_ROOT / "chapters/ch21_hyperparameters/train.py", npro
 print(result.output[result.output.index("figure"):])
 
 # %% [markdown]
+# ## ASHA's rule, written out
+# `tune.py` runs this search in Ray Tune (about a minute: `python chapters/ch21_hyperparameters/tune.py`);
+# here the same rule runs by hand on the formula's losses. Ray's ASHA matches it trial for trial.
+# The best region is known: rho(lr) <= rho* + 0.1 around lr* = 2/(h_min + h_max).
+
+# %%
+from chapters.ch21_hyperparameters import tune
+
+tcfg = tune.Config()
+made = tune.asha_by_hand(tcfg, tune.grid_order(tcfg))
+print("known region:", [round(v, 4) for v in tune.known_region(tcfg)])
+for lr in sorted(made):
+    print(f"lr {lr:.4f}  rho {tune.rho(lr, tcfg):.3f}  reports {made[lr]}  "
+          f"loss {tune.loss_after(lr, made[lr] * tcfg.steps_per_report, tcfg):.3g}")
+print("stopped early:", sum(t < tcfg.max_t for t in made.values()), "of", tcfg.grid)
+
+# %% [markdown]
 # ## Exercises
 # The lesson's exercises, with hints and worked answers
 # ([README.md](../chapters/ch21_hyperparameters/README.md#exercises)):
 # 1. Run with `--micro-batch-size 4`: why does the noise-scale parity check disappear?
 # 2. Raise `--target-loss` to 1.0: where does the knee move, and why?
 # 3. Why does the linear-scaled learning rate stop reaching the target at batch 32?
+# 4. Run `tune.py --order-seed 0`: does ASHA still stop more than half of the trials?
