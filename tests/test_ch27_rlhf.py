@@ -84,6 +84,10 @@ def test_reward_uniform_level_kl_and_bradley_terry():
     logp = torch.tensor([-1.0, -2.0])
     assert torch.equal(rl.kl_to_reference(logp, logp), torch.zeros(2))
     assert (rl.kl_to_reference(logp, logp - 0.5) > 0).all()
+    # the direction: KL(π‖π_ref) sampled from π, ratio π_ref/π = e^{-0.5}: e^{-0.5} + 0.5 − 1;
+    # the reversed estimator (ratio π/π_ref) would give e^{0.5} − 0.5 − 1 = 0.149, also positive
+    k3 = math.exp(-0.5) + 0.5 - 1
+    assert (rl.kl_to_reference(logp, logp - 0.5) - k3).abs().max().item() <= 1e-6
     loss = rl.bradley_terry_loss(torch.tensor([1.0]), torch.tensor([0.0]))
     assert abs(loss.item() - math.log(1 + math.exp(-1))) <= 1e-6
 

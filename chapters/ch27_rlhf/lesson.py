@@ -51,7 +51,7 @@ print("clipped objective", rl.clipped_objective(ratio.log(), torch.zeros(4),
 print("GRPO advantages", rl.grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 4).tolist())
 
 # %% [markdown]
-# ## A delta push costs 16 + 12 bytes per changed element; a full push 4 per element
+# ## A delta push costs 16 bytes plus 12 per changed element; a full push 4 per element
 
 # %%
 model = rl.TinyDecoder()

@@ -9,7 +9,7 @@ that it runs, its reward is ours, and the weights move. One process (TRL's own l
 `accelerate launch`, spreads it over GPUs).
 
 Run:
-    python chapters/ch27_rlhf/trl_grpo.py               # 4 steps on CPU, about 20 s
+    python chapters/ch27_rlhf/trl_grpo.py               # 4 steps on CPU, under 10 s
     python chapters/ch27_rlhf/trl_grpo.py --steps 40    # longer: watch TRL's logged reward
 """
 
