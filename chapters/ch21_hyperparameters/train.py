@@ -317,7 +317,7 @@ def main(cfg: Config) -> int:
 
 def target_noise_scale(cfg: Config) -> float:
     """B_simple at the point of the path from 0 to w* where the population loss is the target:
-    computed exactly for this Gaussian problem from 8192 per-example gradients."""
+    estimated from 8192 per-example gradients (a sample estimate, not the closed form)."""
     wstar, var = teacher(cfg), feature_scales(cfg) ** 2
     excess0 = (wstar**2 * var).sum().item()
     frac = 1 - math.sqrt((cfg.target_loss - cfg.label_noise**2) / excess0)

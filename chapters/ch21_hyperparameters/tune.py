@@ -10,7 +10,9 @@ reports) when it is not in the best 1/reduction of the trials seen at that rung:
 early. The same rule written out by hand predicts Ray's decisions trial for trial; with
 stopping switched off (FIFO) it stops none, the control of that count.
 One more trial is itself a multi-process run: Ray Train's TorchTrainer starts 2 gloo workers
-that train the same problem with DDP at lr*, and must end where one process ends.
+that train the same problem with DDP at lr*, each on a different half of the rows, and must end
+where one process ends; the same steps on one half alone, or with the gradients summed instead
+of averaged, end elsewhere (the controls, computed in the same workers).
 
 Ray stays on this machine: no dashboard, no usage statistics, node IP 127.0.0.1. The script is
 one process by design: Ray starts its own workers.
@@ -196,33 +198,58 @@ def run_search(cfg: Config, storage: str) -> list[dict]:
             for r in results]
 
 
+def ddp_halves(cfg: Config, world: int = 2):
+    """Rank r's rows: diag(sqrt(h d a_r)), a_r = 1 + s_r (-1)^i, s_r = +1/2, -1/2 in turn, targets
+    X_r w*. The halves differ (so training on one half alone, without the all-reduce, ends
+    elsewhere), and their mean X^T X / n is still diag(h): the averaged gradient is the full one."""
+    h = torch.tensor(curvatures(cfg), dtype=torch.float64)
+    alt = torch.tensor([(-1.0) ** i for i in range(cfg.d)], dtype=torch.float64)
+    wstar = torch.ones(cfg.d, dtype=torch.float64)
+    halves = []
+    for r in range(world):
+        s = 0.5 if r % 2 == 0 else -0.5
+        if world % 2 and r == world - 1:
+            s = 0.0
+        x = torch.diag((h * cfg.d * (1 + s * alt)).sqrt())
+        halves.append((x, x @ wstar))
+    return halves
+
+
 def ddp_loop(config: dict) -> None:
-    """Each TorchTrainer worker: DDP over its half of the rows, a checkpoint with the report."""
+    """Each TorchTrainer worker: DDP over its half of the rows, a checkpoint with the report.
+    Beside it, plain tensors: the same steps on its half alone (what DDP without its all-reduce
+    would reach) and with the halves' gradients summed instead of averaged (the two controls)."""
     import ray.train
     import torch.distributed as dist
     from ray.train import Checkpoint
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     cfg = Config(**config["cfg"])
-    x, y = problem_data(cfg, copies=dist.get_world_size())
     rank, world = dist.get_rank(), dist.get_world_size()
-    rows = slice(rank * cfg.d, (rank + 1) * cfg.d)  # one copy of diag(sqrt(h d)) per worker
+    xr, yr = ddp_halves(cfg, world)[rank]
     model = torch.nn.Linear(cfg.d, 1, bias=False, dtype=torch.float64)
     torch.nn.init.zeros_(model.weight)
     model = DDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=config["lr"])
+    lr = config["lr"]
+    alone = torch.zeros(cfg.d, dtype=torch.float64)
+    summed = torch.zeros(cfg.d, dtype=torch.float64)
     for _ in range(cfg.steps):
         opt.zero_grad()
         # 1/2 mean of squares on this half; DDP averages the halves' gradients: the full gradient
-        loss = 0.5 * ((model(x[rows]).squeeze(1) - y[rows]) ** 2).mean()
+        loss = 0.5 * ((model(xr).squeeze(1) - yr) ** 2).mean()
         loss.backward()
         opt.step()
+        alone = alone - lr * xr.T @ (xr @ alone - yr) / len(yr)
+        g = xr.T @ (xr @ summed - yr) / len(yr)
+        dist.all_reduce(g)  # SUM: a DDP that forgot to divide by the world size
+        summed = summed - lr * g
     w = model.module.weight.detach().squeeze(0)
-    full = 0.5 * ((x @ w - y) ** 2).mean().item()
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(w, os.path.join(tmp, "w.pt"))
         # Ray Train V2 keeps metrics only with a checkpoint (metrics=None otherwise)
-        ray.train.report({"loss": full, "world_size": world},
+        ray.train.report({"w": w.tolist(), "alone": alone.tolist(), "summed": summed.tolist(),
+                          "world_size": world},
                          checkpoint=Checkpoint.from_directory(tmp) if rank == 0 else None)
 
 
@@ -241,13 +268,22 @@ def run_torch_trainer(cfg: Config, storage: str) -> dict:
     return dict(result.metrics or {})
 
 
-def reference_loss(cfg: Config, lr: float, steps: int) -> float:
+def reference_weights(cfg: Config, lr: float, steps: int) -> torch.Tensor:
     """The same gradient descent in this process, on all rows at once."""
     x, y = problem_data(cfg)
     w = torch.zeros(cfg.d, dtype=torch.float64)
     for _ in range(steps):
         w = w - lr * x.T @ (x @ w - y) / len(y)
+    return w
+
+
+def full_loss(w: torch.Tensor, cfg: Config) -> float:
+    x, y = problem_data(cfg)
     return 0.5 * ((x @ w - y) ** 2).mean().item()
+
+
+def reference_loss(cfg: Config, lr: float, steps: int) -> float:
+    return full_loss(reference_weights(cfg, lr, steps), cfg)
 
 
 def start_ray(cfg: Config) -> None:
@@ -298,11 +334,22 @@ def main(cfg: Config) -> int:
         iters = sum(r["iterations"] for r in asha)
         rec.figure("ASHA reports / reports without stopping", iters / (cfg.grid * cfg.max_t))
         rec.figure("best lr / lr*", best["lr"] / best_lr(cfg), expected=1.0)
-        ref = reference_loss(cfg, best_lr(cfg), cfg.steps)
+        ref = reference_weights(cfg, best_lr(cfg), cfg.steps)
+        nan = torch.full((cfg.d,), math.nan, dtype=torch.float64)
+
+        def off(key: str) -> float:  # max |w - w_ref| over the coordinates (nan if not reported)
+            w = torch.tensor(ddp[key], dtype=torch.float64) if key in ddp else nan
+            return (w - ref).abs().max().item()
+
         rec.check("TorchTrainer workers reporting", "count", ddp.get("world_size", 0), 2)
-        rec.check("TorchTrainer DDP loss == one process (rel.)", "parity",
-                  abs(ddp.get("loss", math.inf) / ref - 1), 0.0, 1e-12)
-        rec.figure("TorchTrainer loss after steps", ddp.get("loss", math.nan),
+        # 20 steps of sums of 8 products of order one, float64: ~1e-14 from different orders
+        rec.check("TorchTrainer DDP weights == one process (max abs)", "parity", off("w"), 0.0, 1e-12)
+        rec.check("one half without the all-reduce differs (control)", "parity", off("alone"),
+                  1e-12, compare=">")
+        rec.check("summed, not averaged, gradients differ (control)", "parity",
+                  off("summed"), 1e-12, compare=">")
+        loss = full_loss(torch.tensor(ddp["w"], dtype=torch.float64), cfg) if "w" in ddp else math.nan
+        rec.figure("TorchTrainer loss after steps", loss,
                    expected=loss_after(best_lr(cfg), cfg.steps, cfg))
         return rec.finish()
     finally:
