@@ -26,7 +26,7 @@ def reference_gae(rewards: list, values: list, gamma: float, lam: float) -> list
     """A_t = Σ_l (γλ)^l δ_{t+l}, summed forwards (the chapter's function runs backwards)."""
     T = len(rewards)
     deltas = [rewards[t] + gamma * (values[t + 1] if t + 1 < T else 0.0) - values[t] for t in range(T)]
-    return [sum((gamma * lam) ** (l - t) * deltas[l] for l in range(t, T)) for t in range(T)]
+    return [sum((gamma * lam) ** (k - t) * deltas[k] for k in range(t, T)) for t in range(T)]
 
 
 @pytest.mark.timeout(30)

@@ -253,8 +253,8 @@ def test_documented_command_is_valid(source, command):
     try:
         ns = parser.parse_args(args)
         cfg = module.Config(**vars(ns))
-        if launches_itself(script):
-            world = getattr(cfg, "nprocs", 1)
+        if launches_itself(script) and hasattr(cfg, "nprocs"):  # it starts its own ranks
+            world = cfg.nprocs
         module.validate(cfg, world)
     except (ValueError, SystemExit) as e:
         if refused:

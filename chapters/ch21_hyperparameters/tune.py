@@ -23,13 +23,14 @@ Run:
 Needs `ray[tune]` (requirements.txt pins 2.60.0).
 """
 
+# launch: python   (./course run 21 tune starts this script with python, not torchrun)
+
 import math
 import os
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 

@@ -13,6 +13,8 @@ Run:
     python chapters/ch27_rlhf/trl_grpo.py --steps 40    # longer: watch TRL's logged reward
 """
 
+# launch: python   (./course run 27 trl_grpo starts this script with python, not torchrun)
+
 from __future__ import annotations
 
 import sys
