@@ -44,3 +44,24 @@ def assert_quiet_console(res, routed: tuple[str, ...] = ()) -> None:
 def quiet_console():
     """`assert_quiet_console`, for chapter tests to apply to the launches they already make."""
     return assert_quiet_console
+
+
+def require_system(*commands: str, probe=None) -> None:
+    """Skip the calling test, with the reason, unless it may use this machine's system: the
+    tests that need root and system packages (Slurm, network namespaces, `tc`, a browser) run
+    when `COURSE_SYSTEM_TESTS=1` (`.ci/run` sets it after `./course setup --system`), the
+    process is root, every one of `commands` is on PATH, and `probe()` (a capability check that
+    returns None when it works, else the reason) succeeds. DESIGN.md, "Tests"."""
+    import shutil
+
+    if os.environ.get("COURSE_SYSTEM_TESTS") != "1":
+        pytest.skip("system test: set COURSE_SYSTEM_TESTS=1 after ./course setup --system (as root)")
+    if os.geteuid() != 0:
+        pytest.skip("system test: needs root")
+    missing = [c for c in commands if shutil.which(c) is None]
+    if missing:
+        pytest.skip(f"system test: {', '.join(missing)} not installed (./course setup --system)")
+    if probe is not None:
+        reason = probe()
+        if reason:
+            pytest.skip(f"system test: {reason}")
