@@ -240,3 +240,19 @@ def torch_extension_built(name: str) -> bool:
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     return any(p.is_file() for pattern in (f"{name}/{name}.so", f"*/{name}/{name}.so")
                for p in root.glob(pattern))
+
+
+def init_deepspeed(info):
+    """Import DeepSpeed and join it to the process group `common.distributed.setup_distributed`
+    made (`info`); returns the `deepspeed` module. Its start-up is kept off the console: on CPU the
+    first run builds its communication operator (about a minute, announced only when it is not
+    cached) and its warnings and build log go to the run's library log. DeepSpeed asserts that
+    LOCAL_RANK is set, which Slurm-started ranks lack: it is set from `info`."""
+    os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
+    if info.device.type == "cpu" and not torch_extension_built("deepspeed_shm_comm"):
+        log.info("building DeepSpeed's communication operator (first run only, about a minute) ...")
+    with library_output():
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=info.backend)  # reuses our process group
+    return deepspeed

@@ -306,3 +306,13 @@ class RunRecorder:
                 names = ", ".join(c["name"] for c in failed)
                 print(f"FAILED checks: {names}", file=sys.stderr)
         return 1 if failed else 0
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> Path:
+    """Write a matplotlib figure as a PNG without matplotlib's version in its metadata (so drawing
+    it again from the same data gives the same bytes: tools/figures.py) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=dpi, metadata={"Software": None})
+    plt.close(fig)
+    return Path(path)

@@ -21,6 +21,7 @@ from common.data import regression_data
 from common.launch import run_on_ranks, run_python, run_torchrun
 from common.models import MLP
 from common.results import check_ok
+from common.testing import rank_info
 
 SCRIPT = Path(train.__file__)
 TOL = train.PARITY_TOLERANCE["float64"]  # 1e-12: the runs differ only by summation order (~1e-16)
@@ -95,7 +96,7 @@ def _controls() -> dict:
     """Runs on 2 gloo ranks: each broken variant, measured by the same parity check."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = train.Config(steps=6)
-    fake = _Info(rank, world)
+    fake = rank_info(rank, world)
     X, Y = train.global_batches(cfg, torch.device("cpu"))
     torch.manual_seed(cfg.seed)
     model = MLP(cfg.d_in, cfg.d_hidden, 1).double()
@@ -160,14 +161,6 @@ def _controls() -> dict:
     out["tokens"] = token_loss.compare(cfg, fake, modes=("global", "naive", "local"))
     out["token_reference"] = token_reference(cfg)
     return out
-
-
-class _Info:
-    """The fields of common.distributed.DistInfo the training functions read."""
-
-    def __init__(self, rank, world_size):
-        self.rank, self.world_size = rank, world_size
-        self.device = torch.device("cpu")
 
 
 @pytest.mark.timeout(90)

@@ -25,6 +25,7 @@ from common.checkpoint import load_checkpoint
 from common.data import regression_data
 from common.launch import run_on_ranks, run_torchrun
 from common.models import MLP
+from common.testing import rank_info
 
 SCRIPT = Path(train.__file__)
 TOL = train.PARITY_TOL["float64"]  # split and unsplit differ only in summation order (~1e-16)
@@ -212,7 +213,7 @@ def _four_stages() -> dict:
     the timelines of GPipe and of the serial control on fixed-sleep stages."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = train.Config()
-    info = _Info(rank, world)
+    info = rank_info(rank, world)
     model = reference_model(cfg, world)
     X, Y = batches(cfg, world)
     m = train.n_micro_batches(cfg, world)
@@ -290,15 +291,6 @@ class _Done:
 def _blocking_send(t: torch.Tensor, dst: int) -> _Done:
     dist.send(t.contiguous(), dst=dst)
     return _Done()
-
-
-class _Info:
-    """The fields of common.distributed.DistInfo that pipelining_step reads."""
-
-    def __init__(self, rank, world_size):
-        self.rank, self.world_size = rank, world_size
-        self.local_world_size = world_size  # one machine
-        self.device = torch.device("cpu")
 
 
 def _merge(results: list[dict], name: str) -> dict:

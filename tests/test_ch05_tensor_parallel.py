@@ -33,7 +33,7 @@ from chapters.ch05_tensor_parallel.tp_layers import tp_layout_error
 from common.checkpoint import load_checkpoint
 from common.config import parse_config
 from common.launch import run_on_ranks, run_torchrun
-from common.results import check_ok
+from common.testing import Verdicts, rank_info
 
 SCRIPT = Path(train.__file__)
 TOL = 1e-12  # float64: versions differ only by summation order (~1e-16)
@@ -172,30 +172,6 @@ def patched(module, name: str, replacement):
         setattr(module, name, original)
 
 
-class _Info:
-    """The fields of common.distributed.DistInfo the training functions read."""
-
-    def __init__(self, rank, world_size):
-        self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
-        self.device = torch.device("cpu")
-
-
-class Verdicts:
-    """A recorder for the chapter's `checks.record_*`: keeps each check's verdict by name."""
-
-    def __init__(self):
-        self.ok: dict[str, bool] = {}
-
-    def check(self, name, kind, measured, expected, tolerance=0.0, relative=False, compare="=="):
-        self.ok[name] = check_ok(measured, expected, tolerance, relative, compare)
-
-    def figure(self, *args, **kwargs):
-        pass
-
-    def failed(self) -> list[str]:
-        return sorted(n for n, ok in self.ok.items() if not ok)
-
-
 def _operators(rank: int, t: int) -> dict:
     """Each operator's forward and backward on rank-dependent tensors."""
     x = torch.full((2, 3), float(rank + 1), dtype=torch.float64, requires_grad=True)
@@ -223,7 +199,7 @@ def _four_ranks() -> dict:
     """On 4 gloo ranks: operators (library and ring), parity of every version, counted bytes
     with the collectives running as chapter 07's ring."""
     rank, t = dist.get_rank(), dist.get_world_size()
-    info = _Info(rank, t)
+    info = rank_info(rank, t)
     out = {"ops": _operators(rank, t)}
     tp_layers.use_ring(True)
     try:
@@ -311,7 +287,7 @@ def _controls() -> dict:
     )
 
     rank, t = dist.get_rank(), dist.get_world_size()
-    info = _Info(rank, t)
+    info = rank_info(rank, t)
     cfg = train.Config(steps=1)
     torch.manual_seed(cfg.seed)
     dense = block.DenseModel(cfg.d_model, cfg.n_heads, cfg.ffn_mult * cfg.d_model, cfg.n_layers,

@@ -28,6 +28,7 @@ from chapters.ch06_hybrid_zero.probe import StepProbe
 from common.checkpoint import load_checkpoint
 from common.launch import run_on_ranks, run_torchrun
 from common.models import MLP, SmallCNN
+from common.testing import rank_info
 
 TOL = 1e-10  # float64 Adam: the runs differ only by summation order (~2e-14 seen), see the lesson
 B = 8  # float64
@@ -405,7 +406,7 @@ def _three_ranks() -> dict:
     held and moved, mixed precision against FSDP2, the wrappers' API, and the broken variants."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = train.Config(steps=3)
-    info = _Info(rank, world)
+    info = rank_info(rank, world)
     X, Y, vocab = train.global_batches(cfg, info.device)
     ref = reference(cfg)
     out = {"diff": {}, "rest": {}, "peak": {}, "volume": {}, "calls": {}}
@@ -522,13 +523,6 @@ def _three_ranks() -> dict:
         partial.redistribute(mesh, [Shard(0)])  # reduce-scatter
     out["funcol"] = probe.calls, probe.volume
     return out
-
-
-class _Info:
-    """The fields of common.distributed.DistInfo the training functions read."""
-
-    def __init__(self, rank, world_size):
-        self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
 
 
 @pytest.mark.timeout(200)

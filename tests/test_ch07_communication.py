@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from chapters.ch07_communication import broadcast_test, collectives, cost_model, train
 from common.launch import run_on_ranks, run_python, run_torchrun
-from common.results import check_ok
+from common.testing import Verdicts
 
 SCRIPT = Path(train.__file__)
 LENGTHS = (1, 3, 12, 1001)  # 12 divides by 2, 3 and 4; 1 and 3 leave empty chunks on 4 ranks
@@ -88,21 +88,6 @@ def recursive_doubling_all_reduce(x, comm):
         buf += incoming
         d *= 2
     return buf
-
-
-class Verdicts:
-    """Stands in for the script's RunRecorder in one process: decides each check with
-    common.results.check_ok and keeps the names of those that failed."""
-
-    def __init__(self):
-        self.failed: list[str] = []
-
-    def check(self, name, kind, measured, expected, tolerance=0.0, relative=False, compare="=="):
-        if not check_ok(measured, expected, tolerance, relative, compare):
-            self.failed.append(name)
-
-    def figure(self, *args, **kwargs):
-        pass
 
 
 def _on_ranks(g: int) -> dict:
@@ -187,7 +172,7 @@ def _on_ranks(g: int) -> dict:
             train.check_bytes(verdicts, collectives.P2P(), levels, "cpu")
         finally:
             collectives.ring_all_gather_ = saved_ag
-        out["exercise2_failed"] = verdicts.failed
+        out["exercise2_failed"] = verdicts.failed()
 
     if n == 2:  # the broadcast test's pieces: data arrives, a rank that missed it is caught
         src = broadcast_test.pattern(1000, "cpu")

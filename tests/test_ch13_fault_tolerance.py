@@ -33,6 +33,7 @@ from common.data import regression_data
 from common.distributed import free_port
 from common.launch import REPO_ROOT, run_on_ranks, run_torchrun
 from common.models import MLP
+from common.testing import rank_info
 
 SCRIPT, HANG = Path(train.__file__), Path(hang.__file__)
 
@@ -217,7 +218,7 @@ def test_elastic_run_grows_then_survives_losing_a_node(tmp_path):
 
 def _job(folder: str, cfg_args: dict) -> dict:
     """train.train on this rank (of a world that run_on_ranks started), checkpoints in `folder`."""
-    info = _Info(dist.get_rank(), dist.get_world_size())
+    info = rank_info(dist.get_rank(), dist.get_world_size())
     res = train.train(train.Config(**cfg_args), info, Path(folder))
     return {"start": res["start"], "model": res["model"].state_dict()}
 
@@ -245,14 +246,9 @@ def test_crash_during_a_save_keeps_the_last_checkpoint_and_a_larger_world_resume
     assert max_diff(out[0]["model"], undisturbed_reference(cfg, 1)) > 1e-6  # the world did change
 
 
-class _Info:
-    def __init__(self, rank: int, world_size: int):
-        self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
-
-
 def _resume_controls(folder: str) -> dict:
     """On 2 gloo ranks: undisturbed, then crash at step 7 and resume with each kind of restore."""
-    info = _Info(dist.get_rank(), dist.get_world_size())
+    info = rank_info(dist.get_rank(), dist.get_world_size())
     cfg = train.Config(steps=12)
     clean = train.train(cfg, info, Path(folder, "clean"))["model"].state_dict()
     out = {}

@@ -23,6 +23,7 @@ from common.checkpoint import load_checkpoint
 from common.data import regression_data
 from common.launch import run_on_ranks, run_torchrun
 from common.models import MLP
+from common.testing import rank_info
 
 SCRIPT = Path(train.__file__)
 
@@ -76,7 +77,7 @@ def _sharded_checks() -> dict:
     from torch.distributed.tensor import DTensor
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    info = _Info(rank, world)
+    info = rank_info(rank, world)
     cfg = train.Config(steps=10, poison_step=5, spike_step=-1, global_batch_size=12, max_norm=0.05)
     X, Y = regression_data(cfg.steps * cfg.global_batch_size, cfg.d_in, 1, dtype=torch.float64)
     X, Y = X.view(cfg.steps, cfg.global_batch_size, -1), Y.view(cfg.steps, cfg.global_batch_size, 1)
@@ -143,11 +144,6 @@ def _poisoned_run(cfg, X, Y, plain, info) -> dict:
             "moved_after": any(not torch.equal(a, b) for a, b in zip(after, end)),
             "finite_after": all(math.isfinite(v) for v in log["loss"]) and all(torch.isfinite(t).all() for t in end),
             "adam_step": [float(s["step"]) for s in opt.state.values()]}
-
-
-class _Info:
-    def __init__(self, rank, world_size):
-        self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
 
 
 @pytest.mark.timeout(120)

@@ -23,7 +23,7 @@ from common.checkpoint import load_checkpoint
 from common.config import parse_config
 from common.launch import run_on_ranks, run_torchrun
 from common.models import TinyGPT
-from common.results import check_ok
+from common.testing import Verdicts, rank_info
 
 SCRIPT = Path(train.__file__)
 U64 = 2.0**-53  # float64 unit roundoff
@@ -63,25 +63,6 @@ def products_by_enumeration(world: int, layout: str) -> list[int]:
             for r in range(world)]
 
 
-class _Info:
-    def __init__(self, rank, world_size):
-        self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
-        self.device = torch.device("cpu")
-
-
-class Verdicts:
-    """A recorder keeping each check's verdict by name."""
-
-    def __init__(self):
-        self.ok: dict[str, bool] = {}
-
-    def check(self, name, kind, measured, expected, tolerance=0.0, relative=False, compare="=="):
-        self.ok[name] = check_ok(measured, expected, tolerance, relative, compare)
-
-    def figure(self, *args, **kwargs):
-        pass
-
-
 BROKEN = {"ring": "no_rescale", "ring contiguous, causal": "dkv_not_returned",
           "ring zigzag, causal": "wrong_layout", "Ulysses, causal": "wrong_order"}
 SERIAL = {"ring zigzag, causal": "serial"}  # right numbers, no overlap
@@ -92,7 +73,7 @@ def _ranks(train_too: bool) -> dict:
     checks (clean and broken), and (train_too) the sequence-parallel trainings (clean and
     broken) and the activation bytes (at 2 ranks the torchrun test covers those)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    info, cfg, dtype = _Info(rank, world), train.Config(), torch.float64
+    info, cfg, dtype = rank_info(rank, world), train.Config(), torch.float64
     qkvw = parity.make_qkv(cfg, info.device, dtype)
     out = {"qkvw": qkvw if rank == 0 else None, "cases": {}}
     for method, layout, causal in CASES:

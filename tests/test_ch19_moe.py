@@ -27,7 +27,7 @@ from chapters.ch19_moe.moe import (
     shard_moe_state,
 )
 from common.launch import run_on_ranks, run_torchrun
-from common.results import check_ok
+from common.testing import Verdicts
 
 SCRIPT = Path(train.__file__)
 TOL = train.TOLERANCE["float64"]
@@ -111,22 +111,6 @@ def _layer(k: int, epr: int) -> dict:
         ep.wrong_combine_order = True
         out["wrong order output"] = (ep(x) - y_ref[mine]).abs().max().item()
     return out
-
-
-class Verdicts:
-    """A recorder for the script's own checks: each check's verdict and measured value by name."""
-
-    def __init__(self):
-        self.ok, self.measured = {}, {}
-
-    def check(self, name, kind, measured, expected, tolerance=0.0, relative=False, compare="=="):
-        self.ok[name], self.measured[name] = check_ok(measured, expected, tolerance, relative, compare), measured
-
-    def figure(self, *args, **kwargs):
-        pass
-
-    def failed(self) -> list[str]:
-        return sorted(n for n, ok in self.ok.items() if not ok)
 
 
 def _script_checks(epr: int, steps: int) -> dict:

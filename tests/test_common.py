@@ -41,6 +41,21 @@ def test_read_launch_env_torchrun_slurm_single():
     assert (got["rank"], got["world_size"], got["launcher"]) == (0, 1, "single")
 
 
+def test_read_launch_env_one_process_per_pod_and_indexed_job():
+    """Launchers that start `python script.py` in each pod (PyTorchJob, Volcano's pytorch plugin)
+    set RANK and WORLD_SIZE but no LOCAL_*: one process per pod, local rank 0 of 1 (chapter 23)."""
+    pod = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
+    got = distributed.read_launch_env(pod)
+    assert (got["rank"], got["local_rank"], got["world_size"], got["local_world_size"]) == (3, 0, 4, 1)
+    # An indexed Job gives only the pod's index; the manifest sets WORLD_SIZE and MASTER_ADDR.
+    indexed = {"JOB_COMPLETION_INDEX": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "j-0.svc", "MASTER_PORT": "29500"}
+    got = distributed.read_launch_env(indexed)
+    assert (got["rank"], got["local_world_size"], got["master_addr"]) == (2, 1, "j-0.svc")
+    # RANK wins over the index; an index without WORLD_SIZE is not a world.
+    assert distributed.read_launch_env({**indexed, "RANK": "0"})["rank"] == 0
+    assert distributed.read_launch_env({"JOB_COMPLETION_INDEX": "2"})["launcher"] == "single"
+
+
 def test_choose_device_and_backend_on_cpu():
     if torch.cuda.is_available():
         pytest.skip("this checks the CPU-only choice")
@@ -575,3 +590,15 @@ def test_a_script_started_directly_refuses_a_missing_device_in_one_line():
                               text=True, timeout=100)
         assert done.returncode == 2 and said in done.stderr
         assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_test_doubles_decide_like_the_recorder():
+    from common.testing import Verdicts, rank_info
+
+    rec = Verdicts()
+    assert rec.check("copy", "parity", 1.0, 1.0) is True
+    assert rec.check("off by 1e-9", "parity", 1.0 + 1e-9, 1.0, tolerance=1e-12) is False
+    assert rec.check("bound", "formula", 3, 2, compare="<=") is False
+    assert rec.failed() == ["bound", "off by 1e-9"] and rec.measured["bound"] == 3
+    assert rank_info(0, 2).is_main and not rank_info(1, 2).is_main
+    assert rank_info(1, 2).device.type == "cpu" and rank_info(1, 2).local_world_size == 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from chapters.ch01_overview import calculators as calc
+from common.results import save_figure
 
 DEVICES_GB = {"24 GB (RTX 4090)": 24, "80 GB (A100/H100)": 80, "141 GB (H200)": 141}
 H100_BF16_PEAK = 989e12
@@ -73,13 +74,11 @@ def make_figures(fig_dir: Path) -> list[Path]:
     plot_memory(a, b)
     fig.tight_layout()
     paths = [fig_dir / "memory.png"]
-    fig.savefig(paths[-1], dpi=110, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[-1], dpi=110)
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     plot_time_to_train(ax)
     fig.tight_layout()
     paths.append(fig_dir / "time_to_train.png")
-    fig.savefig(paths[-1], dpi=110, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[-1], dpi=110)
     return paths

@@ -20,6 +20,7 @@ from chapters.ch02_single_node.controls import VARIANTS, ddp_controls
 from chapters.ch02_single_node.make_diff import write_readme
 from chapters.ch02_single_node.task import PARITY_TOLERANCE, max_param_diff, reference_state
 from common.launch import run_on_ranks
+from common.results import save_figure
 
 FIG_DIR = Path(__file__).resolve().parent / "figures"
 MEASURE_S = 15
@@ -59,7 +60,6 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.legend(fontsize=8, loc="center left")
     fig.tight_layout()
     path = fig_dir / "parity_drift.png"
-    fig.savefig(path, dpi=110, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     # the README's diff is rewritten only when drawing into the chapter itself
     return [path, write_readme()] if fig_dir.resolve() == FIG_DIR else [path]

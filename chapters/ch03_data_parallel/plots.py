@@ -8,6 +8,7 @@ import torch
 
 from chapters.ch03_data_parallel.token_loss import token_batches
 from chapters.ch03_data_parallel.train import Config, micro_batches, scaled_lr
+from common.results import save_figure
 
 
 def token_weights(cfg: Config, world_size: int) -> tuple[list[str], list[float], list[float], float]:
@@ -44,8 +45,7 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths = [fig_dir / "token_weights.png"]
-    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[0])
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
     for batch in (256, 1024, 4096):
@@ -57,6 +57,5 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "lr_schedule.png")
-    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[1])
     return paths

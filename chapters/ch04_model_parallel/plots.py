@@ -12,6 +12,7 @@ from chapters.ch04_model_parallel.schedule import (
     one_f_one_b_order,
     simulate,
 )
+from common.results import save_figure
 
 COLOURS = {"F": "#4c72b0", "B": "#dd8452"}
 
@@ -45,8 +46,7 @@ def make_figures(fig_dir: Path) -> list[Path]:
     axes[-1].set_xlabel("time (one forward or backward = 1 unit)")
     fig.tight_layout()
     paths = [fig_dir / "timelines.png"]
-    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[0])
 
     fig, ax = plt.subplots(figsize=(6, 3.4))
     ms = list(range(1, 33))
@@ -60,6 +60,5 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "bubble.png")
-    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[1])
     return paths

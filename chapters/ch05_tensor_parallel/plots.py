@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.results import save_figure
+
 COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]
 
 
@@ -97,8 +99,7 @@ def make_figures(fig_dir: Path) -> list[Path]:
     def save(fig, name):
         fig.tight_layout()
         paths.append(fig_dir / name)
-        fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-        plt.close(fig)
+        save_figure(fig, paths[-1])
 
     fig, ax = plt.subplots(figsize=(7.5, 3.2))
     _split_panel(ax, 2)

@@ -17,7 +17,6 @@ Run:
 """
 
 import json
-import os
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -29,11 +28,11 @@ from chapters.ch06_hybrid_zero.probe import StepProbe
 from common.config import check_global_batch, parse_config
 from common.distributed import reduce_number, setup_distributed, teardown_distributed
 from common.log import (
+    init_deepspeed,
     library_output,
     log,
     progress,
     setup_logging,
-    torch_extension_built,
 )
 from common.results import RunRecorder
 
@@ -127,15 +126,7 @@ def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
-        os.environ.setdefault("LOCAL_RANK", str(info.local_rank))  # DeepSpeed asserts it is set
-        # DeepSpeed's warnings (on torch 2.14 a FutureWarning per renamed collective it calls),
-        # its build log and its config dump go to the library log that the run names at the end.
-        if info.device.type == "cpu" and not torch_extension_built("deepspeed_shm_comm"):
-            log.info("building DeepSpeed's communication operator (first run only, about a minute) ...")
-        with library_output():
-            import deepspeed
-
-            deepspeed.init_distributed(dist_backend=info.backend)  # reuses our process group
+        deepspeed = init_deepspeed(info)  # its start-up noise goes to the library log
         rec = RunRecorder(cfg, __file__, info)
         X, Y, vocab = train.global_batches(cfg, info.device)
         config = ds_config(cfg.stages[-1], cfg.global_batch_size // info.world_size)

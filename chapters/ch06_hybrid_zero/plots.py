@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from chapters.ch06_hybrid_zero import memory, zeropp
+from common.results import save_figure
 
 PARTS = (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer states"),
          ("buffers", "collective buffers"))
@@ -101,15 +102,13 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     measured_bars(axes[1], saved, WAYS[:5])
     fig.tight_layout()
     paths = [fig_dir / "memory_per_stage.png"]
-    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[0])
 
     fig, ax = plt.subplots(figsize=(7, 3.4))
     volume_bars(ax, saved, psi_bytes)
     fig.tight_layout()
     paths.append(fig_dir / "comm_volume.png")
-    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[1])
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, generator=g, dtype=torch.float64) * torch.linspace(0.1, 2, 512, dtype=torch.float64)
@@ -125,6 +124,5 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "qwz_error.png")
-    fig.savefig(paths[2], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[2])
     return paths

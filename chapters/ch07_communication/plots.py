@@ -17,6 +17,7 @@ from chapters.ch07_communication.cost_model import (
     predicted_time,
     ring_tree_crossover,
 )
+from common.results import save_figure
 
 ALGORITHMS = ("ring", "double_tree", "tree", "naive")
 # one colour per implementation in every panel (ring is the same green everywhere)
@@ -88,8 +89,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
         draw_model(ax, n, sizes)
     fig.tight_layout()
     paths = [fig_dir / "alpha_beta.png"]
-    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[0])
 
     two, four = data["two_processes"], data["four_processes"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
@@ -103,6 +103,5 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     fig.suptitle("Measured bus bandwidth against message size (colour = implementation)", fontsize=10)
     fig.tight_layout()
     paths.append(fig_dir / "bandwidth.png")
-    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[1])
     return paths

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from chapters.ch08_overlap.train import VARIANTS
+from common.results import save_figure
 
 LABELS = {"naive": "naive (ch03)", "deferred": "same buckets,\nafter backward",
           "bucketed": "BucketedDDP", "ddp": "torch DDP"}
@@ -67,6 +68,5 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
                  "order, not time", fontsize=9)
     fig.tight_layout()
     path = fig_dir / "timeline.png"
-    fig.savefig(path, dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, path)
     return [path]

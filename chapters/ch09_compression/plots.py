@@ -9,6 +9,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from common.results import save_figure
+
 MEASURE_S = 30
 STYLE = {"dense": ("black", "-"), "fp16": ("grey", ":"), "bf16": ("silver", ":"),
          "topk": ("tab:blue", "-"), "topk_no_ef": ("tab:blue", "--"), "qsgd": ("tab:green", "-"),
@@ -35,8 +37,7 @@ def draw(curves: dict, summary: dict, fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     paths = [fig_dir / "loss_curves.png"]
-    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[0])
 
     methods = list(curves)
     fig, ax = plt.subplots(figsize=(7, 3.6))
@@ -54,8 +55,7 @@ def draw(curves: dict, summary: dict, fig_dir: Path) -> list[Path]:
     ax.set_title("What each method saves and what it costs")
     fig.tight_layout()
     paths.append(fig_dir / "ratio_vs_loss.png")
-    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[1])
     return paths
 
 

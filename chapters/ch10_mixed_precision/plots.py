@@ -15,6 +15,7 @@ from chapters.ch10_mixed_precision import loss_scaler, train
 from common.data import regression_data
 from common.distributed import setup_distributed, teardown_distributed
 from common.models import MLP
+from common.results import save_figure
 
 
 def loss_curves(cfg: train.Config) -> dict[str, list[float]]:
@@ -82,8 +83,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     gap.legend(fontsize=8)
     fig.tight_layout()
     paths = [fig_dir / "loss_curves.png"]
-    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[0])
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
     for name, style in SCALERS:
@@ -95,6 +95,5 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(fig_dir / "loss_scale.png")
-    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[1])
     return paths

@@ -13,6 +13,7 @@ import torch
 
 from chapters.ch11_data_loading.benchmark import Config, run_grid
 from chapters.ch11_data_loading.sampling import ShardSampler, epoch_shards
+from common.results import save_figure
 
 
 def shard_layout(n: int = 11, world_size: int = 4, drop_last: bool = False, epochs: int = 2):
@@ -65,8 +66,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "loader_throughput.png")
-    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[-1])
 
     for drop_last, name in ((False, "shards_padded.png"), (True, "shards_drop_last.png")):
         layout = shard_layout(drop_last=drop_last)
@@ -89,6 +89,5 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
         ax.set_title(f"11 items on 4 ranks (colour = rank), {mode}", fontsize=9)
         fig.tight_layout()
         paths.append(fig_dir / name)
-        fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-        plt.close(fig)
+        save_figure(fig, paths[-1])
     return paths

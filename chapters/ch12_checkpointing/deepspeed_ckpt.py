@@ -15,7 +15,6 @@ Run:
     srun --ntasks=16 --ntasks-per-node=8 python chapters/ch12_checkpointing/deepspeed_ckpt.py --out /shared/fs/ch12ds
 """
 
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from common.checkpoint import save_checkpoint
 from common.config import RunConfig, parse_config
 from common.data import regression_data
 from common.distributed import setup_distributed, teardown_distributed
-from common.log import library_output, log, setup_logging, torch_extension_built
+from common.log import init_deepspeed, library_output, log, setup_logging
 from common.models import MLP
 from common.results import RunRecorder
 from common.seed import seed_everything
@@ -136,14 +135,7 @@ def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
-        os.environ.setdefault("LOCAL_RANK", str(info.local_rank))  # DeepSpeed asserts it is set
-        # DeepSpeed's warnings, build log and dumps go to the library log the run names at the end
-        if info.device.type == "cpu" and not torch_extension_built("deepspeed_shm_comm"):
-            log.info("building DeepSpeed's communication operator (first run only, about a minute) ...")
-        with library_output():
-            import deepspeed
-
-            deepspeed.init_distributed(dist_backend=info.backend)  # reuses our process group
+        init_deepspeed(info)  # its start-up noise goes to the library log
         rec = RunRecorder(cfg, __file__, info)
         for stage in cfg.stages:
             engine, initial = train_engine(stage, cfg, info)

@@ -11,6 +11,7 @@ from pathlib import Path
 from chapters.ch12_checkpointing import delta as deltas
 from chapters.ch12_checkpointing import resume, train
 from common.data import regression_data
+from common.results import save_figure
 from common.seed import seed_everything
 
 
@@ -70,8 +71,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.legend(fontsize=7)
     fig.tight_layout()
     paths = [fig_dir / "resume_curves.png"]
-    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[0])
 
     tcfg = train.Config()
     touched, sizes, full = TOUCHED, data["delta_bytes"], data["full_bytes"]
@@ -85,6 +85,5 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "delta_size.png")
-    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[1])
     return paths

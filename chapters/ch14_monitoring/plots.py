@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from chapters.ch14_monitoring import monitor, train
+from common.results import save_figure
 
 MEASURE_S = 25
 DASHBOARD = ("loss", "lr", "grad_norm", "samples_per_s")
@@ -37,8 +38,7 @@ def straggler_figure(times: dict, found: dict, path: Path) -> Path:
     axes[0].set_yscale("log")
     fig.suptitle("3 CPU ranks, rank 1 slowed by 30 ms per step: its compute time flags it", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -54,8 +54,7 @@ def dashboard_figure(lines: list[dict], path: Path) -> Path:
         ax.set_xlabel("step")
     fig.suptitle("A training dashboard's first four scalars, from metrics.jsonl (3 CPU ranks)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

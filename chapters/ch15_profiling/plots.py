@@ -19,6 +19,7 @@ from chapters.ch15_profiling.trace_breakdown import (
     load_events,
     step_spans,
 )
+from common.results import save_figure
 
 MEASURE_S = 40
 RUNS = (("1 bucket (default)", []), ("2 buckets (--bucket-cap-mb 0.1)", ["--bucket-cap-mb", "0.1"]))
@@ -131,14 +132,12 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     axes[2].set_title("rank 0, mean of the profiled steps: where a step's time goes", fontsize=9)
     fig.tight_layout()
     paths = [fig_dir / "timeline.png"]
-    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[-1])
 
     fig, ax = plt.subplots(figsize=(8, 3))
     draw_memory(ax, runs["1 bucket (default)"], 4 * n_params)
     ax.set_title("CPU memory during three profiled DDP steps (profile_memory=True)", fontsize=9)
     fig.tight_layout()
     paths.append(fig_dir / "memory.png")
-    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[-1])
     return paths

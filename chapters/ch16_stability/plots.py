@@ -15,6 +15,7 @@ from chapters.ch16_stability import precision
 from chapters.ch16_stability.train import Config, train
 from common.data import regression_data
 from common.models import MLP
+from common.results import save_figure
 
 
 def one_process_run(cfg: Config) -> dict:
@@ -57,8 +58,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "running_sum.png")
-    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[-1])
 
     errors = {k: {**e, "bound": math.inf if e["bound"] is None else e["bound"]}  # JSON: inf -> null
               for k, e in data["accumulation_errors"].items()}
@@ -79,8 +79,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "accumulation_errors.png")
-    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[-1])
 
     run = data["run"]
     losses = [float("nan") if x is None else x for x in run["every_loss"]]
@@ -97,6 +96,5 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "loss_skips.png")
-    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[-1])
     return paths

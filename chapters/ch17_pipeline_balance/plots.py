@@ -18,6 +18,7 @@ from chapters.ch17_pipeline_balance.partition import (
 )
 from chapters.ch17_pipeline_balance.schedules import interleaved_order, peak_in_flight
 from chapters.ch17_pipeline_balance.train import Config, block_flops, model_widths
+from common.results import save_figure
 
 
 def partition_timelines(p: int = 2, m: int = 4):
@@ -46,8 +47,7 @@ def make_figures(fig_dir: Path) -> list[Path]:
     axes[-1].set_xlabel("time (forward cost of each stage in MFLOPs per sample; backward = 2x)")
     fig.tight_layout()
     paths.append(fig_dir / "partition.png")
-    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[-1])
 
     p, m, v = 4, 8, 2
     runs = [("GPipe", simulate(gpipe_order(p, m)), 1),
@@ -61,6 +61,5 @@ def make_figures(fig_dir: Path) -> list[Path]:
     axes[-1].set_xlabel("time (a full stage's forward or backward = 1 unit)")
     fig.tight_layout()
     paths.append(fig_dir / "schedules.png")
-    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[-1])
     return paths

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from chapters.ch18_long_context.ring import chunk_ids, ring_bytes_per_rank
 from chapters.ch18_long_context.ulysses import ulysses_bytes_per_rank
+from common.results import save_figure
 
 MEASURE_S = 120
 LENGTHS = [96, 192, 384, 768]
@@ -107,8 +108,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     def save(fig, name):
         fig.tight_layout()
         paths.append(fig_dir / name)
-        fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-        plt.close(fig)
+        save_figure(fig, paths[-1])
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.4), gridspec_kw={"width_ratios": [1, 1.6]})
     _ring_panel(left, 4)

@@ -16,7 +16,6 @@ Run (experts = --experts-per-rank x world size, expert-parallel over every rank)
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 
@@ -28,7 +27,7 @@ from chapters.ch19_moe.moe import Expert, MoELayer, capacity
 from chapters.ch19_moe.moe_gpt import MoEGPT
 from common.config import parse_config
 from common.distributed import reduce_number, setup_distributed, teardown_distributed
-from common.log import library_output, log, progress, setup_logging, torch_extension_built
+from common.log import init_deepspeed, library_output, log, progress, setup_logging
 from common.results import RunRecorder
 from common.seed import seed_everything
 
@@ -194,13 +193,7 @@ def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
-        os.environ.setdefault("LOCAL_RANK", str(info.local_rank))  # DeepSpeed asserts it is set
-        if info.device.type == "cpu" and not torch_extension_built("deepspeed_shm_comm"):
-            log.info("building DeepSpeed's communication operator (first run only, about a minute) ...")
-        with library_output():
-            import deepspeed
-
-            deepspeed.init_distributed(dist_backend=info.backend)  # reuses our process group
+        deepspeed = init_deepspeed(info)  # its start-up noise goes to the library log
         rec = RunRecorder(cfg, __file__, info)
         world, E = info.world_size, cfg.experts_per_rank * info.world_size
         log.info("DeepSpeed %s: %d experts, %d per rank, top-%d", deepspeed.__version__, E,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from common.results import save_figure
+
 MEASURE_S = 15
 SETUP = dict(experts=8, top_k=2, steps=80, micro_batch_size=8, lr=0.1, capacity_factor=1.0)
 FACTORS = [0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0]
@@ -132,8 +134,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     def save(fig, name):
         fig.tight_layout()
         paths.append(fig_dir / name)
-        fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-        plt.close(fig)
+        save_figure(fig, paths[-1])
 
     s = data["setup"]
     labels = {"0.0": "no balancing loss (α = 0)", "0.01": "balancing loss α = 0.01"}

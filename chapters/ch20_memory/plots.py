@@ -9,6 +9,7 @@ import torch
 from chapters.ch20_memory.offload import per_rank_bytes
 from chapters.ch20_memory.recompute import STRATEGIES, ResidualMLP, predicted_saved_bytes
 from chapters.ch20_memory.train import Config, measure_saved
+from common.results import save_figure
 
 
 def saved_bytes_table(cfg: Config) -> tuple[list[int], list[int]]:
@@ -38,8 +39,7 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths = [fig_dir / "saved_bytes.png"]
-    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[0])
 
     table = per_rank_bytes(psi=1_000_000_000, elem=4, world=8)
     fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -52,6 +52,5 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "offload_bytes.png")
-    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[1])
     return paths

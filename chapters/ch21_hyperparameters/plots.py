@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from chapters.ch21_hyperparameters import schedules as S
+from common.results import save_figure
 
 MEASURE_S = 10
 
@@ -43,8 +44,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths = [fig_dir / "schedules.png"]
-    fig.savefig(paths[0], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[0])
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     b, s = data["batch"], data["steps"]
@@ -61,6 +61,5 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(fig_dir / "batch_scaling.png")
-    fig.savefig(paths[1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[1])
     return paths

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from chapters.ch25_llm.model import PRESETS, forward_matmul_flops, llama_config, n_params
+from common.results import save_figure
 
 MEASURE_S = 60
 
@@ -55,8 +56,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "loss.png")
-    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[-1])
 
     # formula only (computed at draw time): FLOPs per token of the gpu preset against T
     p = PRESETS["gpu"]
@@ -78,6 +78,5 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     paths.append(fig_dir / "flops.png")
-    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[-1])
     return paths

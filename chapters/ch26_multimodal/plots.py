@@ -19,6 +19,7 @@ import torch
 
 from chapters.ch26_multimodal import contrastive, data
 from common.launch import run_python, run_torchrun
+from common.results import save_figure
 
 SCRIPT = Path(__file__).resolve().parent / "train.py"
 MEASURE_S = 60
@@ -68,8 +69,7 @@ def _samples(path: Path) -> None:
     fig.suptitle("Generated pairs (32 px here; 16 px in training). Red: held-out colour/shape "
                  "pairs, never trained on", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _logits(path: Path, runs: dict) -> None:
@@ -92,8 +92,7 @@ def _logits(path: Path, runs: dict) -> None:
     ax.set_title("Logits one rank builds: the local loss falls as 2/W")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _training(path: Path, run: dict) -> None:
@@ -117,8 +116,7 @@ def _training(path: Path, run: dict) -> None:
     ax2.set_title("Zero-shot retrieval of unseen pairs")
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def make_figures(fig_dir: Path, data_json: dict) -> list[Path]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from chapters.ch27_rlhf import train
 from common.launch import run_python, run_torchrun
+from common.results import save_figure
 
 SCRIPT = Path(__file__).resolve().parent / "train.py"
 MEASURE_S = 40
@@ -55,8 +56,7 @@ def _rewards(path: Path, runs: dict) -> None:
     ax.set_title("Digits that sum to a target: the reward rises (seed 0, CPU)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _bytes(path: Path, runs: dict) -> None:
@@ -82,8 +82,7 @@ def _bytes(path: Path, runs: dict) -> None:
     ax.set_title(f"Weight sync to a generator (N = {n:,} float32)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def make_figures(fig_dir: Path, data_json: dict) -> list[Path]:

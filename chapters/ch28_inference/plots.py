@@ -7,6 +7,7 @@ from pathlib import Path
 
 from chapters.ch28_inference import paged as P
 from chapters.ch28_inference.train import Config, expected_ratio
+from common.results import save_figure
 
 
 def make_figures(fig_dir: Path) -> list[Path]:
@@ -30,8 +31,7 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "batching.png")
-    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[-1])
 
     s, c = P.static_schedule(outs, cfg.batch), P.continuous_schedule(outs, cfg.batch)
     fig, ax = plt.subplots(figsize=(6.5, 3.0))
@@ -43,6 +43,5 @@ def make_figures(fig_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(fig_dir / "slots.png")
-    fig.savefig(paths[-1], dpi=120, metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, paths[-1])
     return paths
