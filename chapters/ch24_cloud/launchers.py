@@ -1,0 +1,118 @@
+"""Launcher templates for three clouds, each checked offline against the schema of its request.
+
+- SageMaker `CreateTrainingJob`: validated with botocore's own service model (the JSON model that
+  ships inside the botocore package, the one every AWS SDK call is checked against).
+- Vertex AI `CustomJob` and Alibaba PAI-DLC `CreateJob`: validated with a JSON Schema kept in
+  `schemas/`, hand-written from each API's reference pages (a subset, strict about names and types).
+
+Each template starts a course script; `template_command` pulls the command out of the request and
+`check_command` proves that the script exists, that its options parse, and that `validate(cfg,
+world)` accepts them at the world size the request asks for (nodes x --nproc_per_node). Nothing
+here talks to a cloud: no credentials, no network.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import shlex
+from pathlib import Path
+
+from common.config import build_parser
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+TEMPLATES = {"sagemaker": "sagemaker_create_training_job.json",
+             "vertex": "vertex_custom_job.json",
+             "pai": "pai_dlc_create_job.json"}
+SCHEMAS = {"vertex": "vertex_custom_job.schema.json", "pai": "pai_dlc_create_job.schema.json"}
+SCRIPT_RE = re.compile(r"chapters/(ch\d\d_\w+)/(\w+)\.py")
+
+
+class TemplateError(ValueError):
+    """A request or a command that a cloud or the course script would refuse."""
+
+
+def load_template(cloud: str) -> dict:
+    return json.loads((HERE / "templates" / TEMPLATES[cloud]).read_text())
+
+
+def validate_request(cloud: str, request: dict) -> None:
+    """Raise TemplateError if the request does not match its cloud's schema."""
+    if cloud == "sagemaker":
+        import botocore.session
+        from botocore.exceptions import ParamValidationError
+        from botocore.validate import validate_parameters
+        model = botocore.session.get_session().get_service_model("sagemaker")
+        shape = model.operation_model("CreateTrainingJob").input_shape
+        try:
+            validate_parameters(request, shape)
+        except ParamValidationError as e:
+            raise TemplateError(f"SageMaker CreateTrainingJob: {e}") from None
+        return
+    import jsonschema
+    schema = json.loads((HERE / "schemas" / SCHEMAS[cloud]).read_text())
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(request), key=str)
+    if errors:
+        where = "/".join(map(str, errors[0].absolute_path)) or "(top)"
+        raise TemplateError(f"{cloud}: {where}: {errors[0].message}")
+
+
+def template_command(cloud: str, request: dict) -> tuple[list[str], int]:
+    """(the command's words, the number of nodes the request starts)."""
+    if cloud == "sagemaker":
+        spec = request["AlgorithmSpecification"]
+        words = [*spec.get("ContainerEntrypoint", []), *spec.get("ContainerArguments", [])]
+        return words, int(request["ResourceConfig"]["InstanceCount"])
+    if cloud == "vertex":
+        pools = [p for p in request["jobSpec"]["workerPoolSpecs"] if p]
+        c = pools[0]["containerSpec"]
+        return [*c.get("command", []), *c.get("args", [])], sum(int(p["replicaCount"]) for p in pools)
+    if cloud == "pai":
+        return shlex.split(request["UserCommand"]), sum(s["PodCount"] for s in request["JobSpecs"])
+    raise KeyError(cloud)
+
+
+def _opt(words: list[str], name: str) -> str | None:
+    for i, w in enumerate(words):
+        if w == name and i + 1 < len(words):
+            return words[i + 1]
+        if w.startswith(name + "="):
+            return w.split("=", 1)[1]
+    return None
+
+
+def check_command(words: list[str], nodes: int):
+    """The script's Config, validated at world nodes x --nproc_per_node; TemplateError otherwise."""
+    idx = next((i for i, w in enumerate(words) if SCRIPT_RE.fullmatch(w)), None)
+    if idx is None:
+        raise TemplateError(f"no course script (chapters/chNN_slug/name.py) in {' '.join(words)!r}")
+    script = REPO / words[idx]
+    if not script.is_file():
+        raise TemplateError(f"{words[idx]} does not exist in the course")
+    launcher, args = words[:idx], words[idx + 1:]
+    if launcher and launcher[0] == "torchrun":
+        nproc = int(_opt(launcher, "--nproc_per_node") or _opt(launcher, "--nproc-per-node") or 1)
+        nnodes = _opt(launcher, "--nnodes")
+        if nnodes is not None and not nnodes.startswith("$") and int(nnodes) != nodes:
+            raise TemplateError(f"--nnodes {nnodes} but the request starts {nodes} nodes")
+        if nnodes is None and nodes > 1:
+            raise TemplateError(f"the request starts {nodes} nodes but torchrun has no --nnodes")
+    else:
+        nproc = 1
+    module = importlib.import_module(f"chapters.{script.parent.name}.{script.stem}")
+    try:
+        ns = build_parser(module.Config).parse_args(args)
+    except SystemExit:
+        raise TemplateError(f"{words[idx]} does not accept {' '.join(args)!r}") from None
+    cfg = module.Config(**vars(ns))  # ValueError: an option's value is refused
+    module.validate(cfg, nodes * nproc)
+    return cfg, nodes * nproc
+
+
+def check_template(cloud: str, request: dict | None = None):
+    """Validate a template's request and its command: (Config, world size)."""
+    request = load_template(cloud) if request is None else request
+    validate_request(cloud, request)
+    return check_command(*template_command(cloud, request))

@@ -1,0 +1,131 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 24 · Training in the cloud · 云上分布式训练实践
+#
+# A spot machine is taken back with a SIGTERM and, once the grace period is over, a SIGKILL. This
+# notebook shows the handler and the agreement between ranks, sends a real SIGTERM to a run (one
+# process here; the tests do it to a two-rank torchrun), resumes it, shows why the checkpoint's
+# commit is a manifest written last, and validates the SageMaker, Vertex AI and PAI-DLC launch
+# requests offline. The lesson is
+# [chapters/ch24_cloud/README.md](../chapters/ch24_cloud/README.md).
+
+# %%
+import inspect
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from IPython.display import Image, display
+
+from chapters.ch24_cloud import launchers, train
+from common.checkpoint import CheckpointError
+from common.results import REPO_ROOT
+
+# %% [markdown]
+# ## The notice is a flag; the stop is a collective
+# The handler only notes the time. Between steps every rank all-reduces the flag (MAX), so all
+# stop at the same step even if only one node was told, and they save together.
+
+# %%
+print(inspect.getsource(train.Preemption))
+print(inspect.getsource(train.stop_agreed))
+
+# %% [markdown]
+# ## A real SIGTERM, then a restart
+# One process (`python`, a world of one) trains with a short sleep per step; we send SIGTERM after
+# step 6 as a cloud would, then start the same command again: it resumes from the step it saved.
+
+# %%
+work = Path(tempfile.mkdtemp(prefix="ch24-"))
+bucket = f"file://{work}/bucket"
+cmd = [sys.executable, str(REPO_ROOT / "chapters/ch24_cloud/train.py"), "--device", "cpu",
+       "--steps", "20", "--step-seconds", "0.05", "--log-every", "1", "--ckpt-url", bucket]
+first = subprocess.Popen([*cmd, "--out", str(work / "first")], cwd=REPO_ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+metrics = work / "first" / "metrics.jsonl"
+while not metrics.exists() or metrics.read_text().count("\n") < 7:
+    time.sleep(0.05)
+first.send_signal(signal.SIGTERM)
+out, _ = first.communicate(timeout=60)
+print("exit code:", first.returncode)
+print(out[out.index("figure"):])
+
+# %%
+second = subprocess.run([*cmd, "--out", str(work / "second")], cwd=REPO_ROOT, text=True,
+                        capture_output=True, timeout=60)
+print("exit code:", second.returncode)
+summary = json.loads((work / "second" / "summary.json").read_text())
+print("resumed from step", summary["figures"]["resumed from step"]["measured"])
+
+# %% [markdown]
+# What the bucket holds: a folder per step, each committed by its `manifest.json`.
+
+# %%
+store = train.ObjectStoreCheckpoints(bucket)
+print("committed steps:", store.committed_steps())
+manifest = json.loads(store.get(f"step{store.committed_steps()[0]:06d}/{train.MANIFEST}"))
+print(json.dumps(manifest, indent=1)[:600])
+
+# %% [markdown]
+# ## No rename on an object store: the manifest is the commit
+# `memory://` behaves like S3 or GCS here: an object appears whole or not at all, and there is no
+# rename. A save that dies before its manifest leaves the previous step in charge; a manifest
+# written *first* (the negative control) commits objects that never arrived.
+
+# %%
+mem = train.ObjectStoreCheckpoints("memory://ch24-notebook")
+shared = {"step": 5, "cursor": 40, "model": {"w": torch.zeros(3)}, "optimizer": []}
+mem.save(5, shared, {}, rank=0)
+try:
+    mem.save(10, {**shared, "step": 10}, {}, rank=0, pause=lambda: sys.exit("killed mid-save"))
+except SystemExit as e:
+    print(e)
+print("committed:", mem.committed_steps(), "-> resume from", mem.load_latest(0, 1)["step"])
+mem.put(f"step000015/{train.MANIFEST}", json.dumps({"step": 15, "world_size": 1, "objects": [
+    {"key": "step000015/state.pt", "bytes": 1, "sha256": "0"}]}).encode())
+try:
+    mem.load_latest(0, 1)
+except CheckpointError as e:
+    print("manifest first:", e)
+
+# %% [markdown]
+# ## Three clouds' launch requests, checked offline
+# SageMaker's against botocore's service model; Vertex AI's and PAI-DLC's against JSON Schemas
+# hand-written from their API references. Each command must name a real script with options it
+# accepts at the world size the request starts.
+
+# %%
+for cloud in launchers.TEMPLATES:
+    cfg, world = launchers.check_template(cloud)
+    print(f"{cloud:9s} world {world}: --ckpt-url {cfg.ckpt_url}  --grace-s {cfg.grace_s:.0f}")
+bad = launchers.load_template("pai")
+bad["JobSpecs"][0]["PodCount"] = "2"
+try:
+    launchers.check_template("pai", bad)
+except launchers.TemplateError as e:
+    print("refused:", e)
+
+# %% [markdown]
+# ## The recorded figures
+# Drawn from `chapters/ch24_cloud/figures/data.json` (`python tools/figures.py --rerun ch24`
+# measures again).
+
+# %%
+for name in ("preempt_resume.png", "grace_budget.png"):
+    display(Image(filename=str(REPO_ROOT / "chapters/ch24_cloud/figures" / name)))

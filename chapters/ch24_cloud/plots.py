@@ -1,0 +1,145 @@
+"""Figures for the chapter 24 lesson (`python tools/figures.py ch24`; `--rerun` re-measures).
+
+`measure` (about 20 s) runs the preemption on two spawned gloo ranks (loss curves of an undisturbed
+run, a preempted-and-resumed one and the two negative controls), times checkpoint saves through
+fsspec to a local folder for four state sizes, and sends a real SIGTERM to a torchrun agent to time
+signal -> committed checkpoint. figures/data.json holds what it recorded; the figures are drawn
+from it. The grace periods are the clouds' documented figures; the throughput lines are formulas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from chapters.ch24_cloud import train
+
+STEPS, STOP_AT = 30, 8
+SIZES_MB = [1, 4, 16, 64]
+GRACE_S = {"AWS spot (2 min notice)": 120, "GCP spot / K8s default (30 s)": 30}
+ASSUMED_MB_S = [100, 1000]  # assumed per-node upload throughputs for the formula lines
+MEASURE_S = 25
+
+
+class _Info:
+    def __init__(self):
+        import torch.distributed as dist
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device("cpu")
+
+
+def curves_on_ranks(folder: str) -> dict:
+    """On each of 2 gloo ranks: loss per step of an undisturbed run, of a run preempted before
+    STOP_AT and resumed, and of resumes that leave out the data position or the RNG state."""
+    info, cfg = _Info(), train.Config(steps=STEPS)
+    full = train.train(cfg, info, train.ObjectStoreCheckpoints(f"{folder}/full"), train.Preemption())
+    out = {"undisturbed": full["losses"]}
+    for name, restore in (("preempted, resumed (full state)", train.STATE_PARTS),
+                          ("resumed without data position", ("model", "optimizer", "rng")),
+                          ("resumed without RNG state", ("model", "optimizer", "data"))):
+        store = train.ObjectStoreCheckpoints(f"{folder}/{len(out)}")
+        head = train.train(cfg, info, store, train.StopAtStep(STOP_AT))["losses"]
+        tail = train.train(train.Config(steps=STEPS, restore=restore), info, store,
+                           train.Preemption())["losses"]
+        out[name] = head + tail
+    return out
+
+
+def save_seconds(size_mb: int, folder: str, repeats: int = 3) -> list[float]:
+    """Wall time of ObjectStoreCheckpoints.save (one process) for a float32 state of size_mb."""
+    state = {"step": 0, "cursor": 0, "model": {"w": torch.randn(size_mb * 2**18)}, "optimizer": []}
+    times = []
+    for i in range(repeats):
+        store = train.ObjectStoreCheckpoints(f"file://{folder}/s{size_mb}-{i}")
+        t = time.perf_counter()
+        store.save(1, state, {}, rank=0)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def sigterm_to_commit(folder: str) -> dict:
+    """A real torchrun (2 CPU ranks) sent SIGTERM at step 7: the script's own measurement."""
+    out = Path(folder, "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(Path(train.__file__)), "--device", "cpu", "--steps", "200", "--step-seconds", "0.05",
+           "--log-every", "1", "--ckpt-url", f"{folder}/bucket", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not metrics.exists() or metrics.read_text().count("\n") < 8):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    summary = json.loads((out / "summary.json").read_text())
+    check = next(c for c in summary["checks"] if c["name"].startswith("SIGTERM"))
+    return {"seconds": check["measured"],
+            "step": summary["figures"]["preempted, checkpoint committed at step"]["measured"],
+            "torchrun_exit": proc.returncode}
+
+
+def measure() -> dict:
+    from common.launch import run_on_ranks
+    with tempfile.TemporaryDirectory(prefix="ch24-") as tmp:
+        curves = run_on_ranks(curves_on_ranks, 2, tmp, timeout=120)[0]
+        saves = {str(mb): save_seconds(mb, tmp) for mb in SIZES_MB}
+        sig = sigterm_to_commit(tmp)
+    return {"curves": curves, "save_s": saves, "sigterm": sig,
+            "threads": torch.get_num_threads()}
+
+
+def _save(fig, path: Path) -> Path:
+    """PNG without matplotlib's version in its metadata: the same data gives the same bytes."""
+    import matplotlib.pyplot as plt
+    fig.savefig(path, dpi=120, metadata={"Software": None})
+    plt.close(fig)
+    return path
+
+
+def make_figures(fig_dir: Path, data: dict) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    styles = {"undisturbed": dict(lw=4, alpha=0.35, color="k"),
+              "preempted, resumed (full state)": dict(ls="--")}
+    for name, losses in data["curves"].items():
+        ax.plot(range(len(losses)), losses, label=name, **styles.get(name, dict(lw=1)))
+    ax.axvline(STOP_AT - 0.5, color="grey", ls=":")
+    ax.annotate("notice before step 8: save, resume", (STOP_AT - 0.5, ax.get_ylim()[1]), ha="left",
+                va="top", fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (rank 0's batch)")
+    ax.set_title("A preempted run resumed from its checkpoint (2 gloo ranks, measured)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths = [_save(fig, fig_dir / "preempt_resume.png")]
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    sizes = [int(s) for s in data["save_s"]]
+    med = [sorted(v)[len(v) // 2] for v in data["save_s"].values()]
+    ax.loglog(sizes, med, "o-", label="save through fsspec to a local folder (measured, median of 3)")
+    x = [0.5, 1e6]
+    for mbs in ASSUMED_MB_S:
+        ax.loglog(x, [s / mbs for s in x], ls="--", lw=1,
+                  label=f"size / {mbs} MB/s (formula, an assumed upload rate)")
+    for (name, g), c in zip(GRACE_S.items(), ("tab:red", "tab:purple")):
+        ax.axhline(g, color=c, ls=":", lw=1.5)
+        ax.annotate(name, (0.6, g), color=c, fontsize=8, va="bottom")
+    ax.set_xlim(0.5, 1e6)
+    ax.set_ylim(1e-3, 1e4)
+    ax.set_xlabel("checkpoint bytes written by one node (MB)")
+    ax.set_ylabel("seconds")
+    ax.set_title("What fits in the grace period: size / throughput < grace")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    paths.append(_save(fig, fig_dir / "grace_budget.png"))
+    return paths

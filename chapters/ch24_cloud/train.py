@@ -1,0 +1,397 @@
+"""Survive a spot preemption: SIGTERM, every rank agrees to stop, one checkpoint to object storage
+within the grace period, a clean exit, and a restarted job that resumes bit-identically.
+
+A cloud that reclaims a spot/preemptible machine first sends SIGTERM, then SIGKILL once its grace
+period is over (AWS spot: a 2-minute notice; GCP spot/preemptible: 30 s; Kubernetes:
+terminationGracePeriodSeconds, 30 s by default). The signal handler only sets a flag; at every step
+boundary the ranks all-reduce that flag (MAX), so every rank stops at the same step even if only
+one node was told, and they write one checkpoint together. Checkpoints go through fsspec to a URL
+(a local path, `file://`, `s3://`, `gs://`, `oss://` where its fsspec package is installed): every
+object is written whole, and a step counts only once its `manifest.json`, written last, exists.
+The run then exits with code 143 (128 + SIGTERM), never 0, so that the launcher restarts it; the
+restarted run finds the newest manifest and continues. The training loop, data position and
+per-rank noise are chapter 13's.
+
+Run:
+    python chapters/ch24_cloud/train.py                                       # one process
+    torchrun --standalone --nproc_per_node=2 chapters/ch24_cloud/train.py     # no preemption
+    torchrun --standalone --nproc_per_node=2 chapters/ch24_cloud/train.py --steps 200 \\
+        --step-seconds 0.1 --ckpt-url /tmp/ch24-bucket --out runs/ch24a   # then: kill -TERM <pid>
+    torchrun --standalone --nproc_per_node=2 chapters/ch24_cloud/train.py --steps 200 \\
+        --ckpt-url /tmp/ch24-bucket --out runs/ch24b                       # resumes where it stopped
+    torchrun --nnodes=2 --nproc_per_node=8 --shutdown-timeout 110 --rdzv-backend=c10d \\
+        --rdzv-endpoint=HOST:29500 --rdzv-id=job24 chapters/ch24_cloud/train.py \\
+        --ckpt-url s3://BUCKET/ckpt --grace-s 120                          # AWS spot, 2 nodes
+"""
+
+import hashlib
+import json
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from chapters.ch13_fault_tolerance.train import (
+    all_reduce_mean_,
+    batch_at,
+    noise_seed,
+    replica_spread,
+    restart_count,
+    sgd_momentum_step,
+)
+from common.checkpoint import CheckpointError, atomic_write, save_checkpoint
+from common.config import RunConfig, parse_config
+from common.data import regression_data
+from common.distributed import (
+    gather_numbers,
+    reduce_number,
+    setup_distributed,
+    teardown_distributed,
+)
+from common.log import log, setup_logging
+from common.models import MLP
+from common.results import RunRecorder
+from common.seed import capture_rng_state, restore_rng_state, seed_everything
+
+STATE_PARTS = ("model", "optimizer", "rng", "data")
+PREEMPTED_EXIT = 143  # 128 + SIGTERM: "stopped by a signal", never 0 ("done, do not restart")
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class Config(RunConfig):
+    ckpt_url: str = ""
+    """Checkpoint location, an fsspec URL or a path (default: <out>/ckpt). A run resumes from its newest manifest."""
+    ckpt_every: int = 5
+    """Also checkpoint after every this many steps (a preemption can come without notice)."""
+    grace_s: float = 30.0
+    """Grace period between SIGTERM and SIGKILL that the save must fit in (30 s: GCP spot, Kubernetes' default)."""
+    restore: tuple[str, ...] = STATE_PARTS
+    """What a resume restores; leave parts out to see the run diverge (negative control)."""
+    batch_size: int = 8
+    """Samples per rank per step."""
+    n_samples: int = 96
+    """Size of the dataset (epochs are reshuffled, so the data position matters)."""
+    lr: float = 0.05
+    """Learning rate of SGD with momentum."""
+    momentum: float = 0.9
+    """Momentum of SGD (its buffers are the optimizer state a resume must restore)."""
+    noise: float = 0.1
+    """Std of Gaussian input noise drawn from each rank's RNG (the RNG state a resume must restore)."""
+    step_seconds: float = 0.0
+    """Sleep this long every step: time to send the signal by hand."""
+    pause_save_at: int = -1
+    """Test hook: in the save of this step, after the data objects and before the manifest, write <out>/paused and wait until killed (-1: off)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ckpt_every < 1:
+            raise ValueError(f"--ckpt-every must be at least 1, got {self.ckpt_every}")
+        if self.grace_s <= 0:
+            raise ValueError(f"--grace-s must be positive, got {self.grace_s}")
+        unknown = set(self.restore) - set(STATE_PARTS)
+        if unknown or "model" not in self.restore:
+            raise ValueError(f"--restore takes 'model' and any of {STATE_PARTS[1:]}, not {self.restore}")
+        if self.pause_save_at >= 0 and (self.pause_save_at == 0 or self.pause_save_at % self.ckpt_every):
+            raise ValueError(f"--pause-save-at needs a step that is saved: a multiple of "
+                             f"--ckpt-every {self.ckpt_every}")
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Any world size works: the batch is per rank and the data position is global."""
+
+
+# --- the grace budget (formulas) ---------------------------------------------------------------
+
+def seconds_to_commit(step_s: float, save_s: float, agree_s: float = 0.0) -> float:
+    """Worst case from the notice to a committed checkpoint: the notice lands just after a step
+    began, so that step finishes, then one agreement all-reduce, then the save."""
+    return step_s + agree_s + save_s
+
+
+def largest_checkpoint_bytes(grace_s: float, step_s: float, bytes_per_s: float,
+                             margin_s: float = 0.0) -> float:
+    """Bytes one node can write after the notice: (grace - step - margin) x its upload rate."""
+    return max(0.0, grace_s - step_s - margin_s) * bytes_per_s
+
+
+# --- the preemption notice --------------------------------------------------------------------
+
+class Preemption:
+    """SIGTERM sets a flag and notes the time; the loop looks at it between steps (a handler that
+    saved by itself could run in the middle of an all-reduce and deadlock the job)."""
+
+    def __init__(self) -> None:
+        self.signal_time: float | None = None
+
+    def install(self) -> "Preemption":
+        signal.signal(signal.SIGTERM, self._handler)
+        return self
+
+    def _handler(self, signum, frame) -> None:
+        if self.signal_time is None:
+            self.signal_time = time.time()  # wall clock: comparable with the sender's
+
+    def requested(self, step: int) -> bool:
+        return self.signal_time is not None
+
+
+class StopAtStep(Preemption):
+    """A notice that arrives before step `step` (in-process experiments and tests)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def requested(self, step: int) -> bool:
+        if step >= self.step and self.signal_time is None:
+            self.signal_time = time.time()
+        return self.signal_time is not None
+
+
+def stop_agreed(notice: Preemption, step: int, device: torch.device) -> bool:
+    """Does any rank want to stop? One MAX all-reduce of a flag on `device`, so every rank
+    stops at the same step even when only one node received the signal."""
+    flag = torch.tensor([1.0 if notice.requested(step) else 0.0], device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
+# --- checkpoints on object storage --------------------------------------------------------------
+
+def _bytes(obj) -> bytes:
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+class ObjectStoreCheckpoints:
+    """Checkpoints under an fsspec URL: `stepNNNNNN/state.pt` (what the replicas share, written by
+    rank 0), `stepNNNNNN/rng<r>.pt` (each rank's RNG) and, written last by rank 0 once every rank
+    has finished, `stepNNNNNN/manifest.json` with each object's size and SHA-256. An object store
+    has no rename: an object appears whole or not at all, so the manifest is the commit. On a
+    local file system each object is still written to a temporary name and renamed
+    (`common.checkpoint.atomic_write`, chapter 12)."""
+
+    def __init__(self, url: str) -> None:
+        from fsspec.core import url_to_fs
+        from fsspec.implementations.local import LocalFileSystem
+        self.url = url
+        self.fs, self.root = url_to_fs(url)
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self.puts = 0  # objects written (a count the tests read)
+
+    def _path(self, key: str) -> str:
+        return f"{self.root.rstrip('/')}/{key}"
+
+    def put(self, key: str, data: bytes) -> dict:
+        """Write one object whole; return its manifest entry."""
+        if self.local:
+            atomic_write(self._path(key), lambda f: f.write(data))
+        else:
+            self.fs.pipe_file(self._path(key), data)  # one PUT: whole or nothing
+        self.puts += 1
+        return {"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def get(self, key: str) -> bytes:
+        return self.fs.cat_file(self._path(key))
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose manifest exists, oldest first (a listing, no `latest` pointer to update)."""
+        found = self.fs.glob(self._path(f"step*/{MANIFEST}"))
+        return sorted(int(p.rstrip("/").split("/")[-2][4:]) for p in found)
+
+    def save(self, step: int, shared: dict, rng: dict, rank: int, pause=None) -> dict:
+        """Every rank writes its objects; their entries are gathered; rank 0 writes the manifest
+        last; a barrier keeps every rank until the step is committed. `pause` (a test hook) runs
+        on rank 0 between the data objects and the manifest."""
+        folder = f"step{step:06d}"
+        entries = [self.put(f"{folder}/state.pt", _bytes(shared))] if rank == 0 else []
+        entries.append(self.put(f"{folder}/rng{rank}.pt", _bytes(rng)))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        everyone: list = [None] * world
+        if dist.is_initialized():
+            dist.all_gather_object(everyone, entries)  # also: every rank's objects are written
+        else:
+            everyone = [entries]
+        manifest = {"step": step, "world_size": world,
+                    "objects": [e for rank_entries in everyone for e in rank_entries]}
+        if rank == 0:
+            if pause is not None:
+                pause()
+            self.put(f"{folder}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+        if dist.is_initialized():
+            dist.barrier()
+        return manifest
+
+    def load(self, step: int, rank: int, world_size: int) -> dict:
+        """The committed checkpoint of `step`, every object checked against its manifest entry.
+        `rng` is this rank's stream when the world size is the one that saved it, else None."""
+        folder = f"step{step:06d}"
+        manifest = json.loads(self.get(f"{folder}/{MANIFEST}"))
+        blobs = {}
+        for e in manifest["objects"]:
+            try:
+                data = self.get(e["key"])
+            except FileNotFoundError:
+                raise CheckpointError(f"{self._path(e['key'])} is in the manifest but missing") from None
+            if len(data) != e["bytes"] or hashlib.sha256(data).hexdigest() != e["sha256"]:
+                raise CheckpointError(f"{self._path(e['key'])} does not match its manifest entry")
+            blobs[e["key"]] = data
+        import io
+        state = torch.load(io.BytesIO(blobs[f"{folder}/state.pt"]), weights_only=True)
+        same_world = manifest["world_size"] == world_size
+        state["rng"] = (torch.load(io.BytesIO(blobs[f"{folder}/rng{rank}.pt"]), weights_only=True)
+                        if same_world else None)
+        return state
+
+    def load_latest(self, rank: int, world_size: int) -> dict | None:
+        steps = self.committed_steps()
+        return self.load(steps[-1], rank, world_size) if steps else None
+
+
+def pause_until_killed(out, timeout_s: float):
+    """The test hook: announce the pause in <out>/paused, then wait (a save slower than the grace)."""
+    def pause() -> None:
+        from pathlib import Path
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "paused").write_text(str(time.time()))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise TimeoutError(f"--pause-save-at: nobody killed this run within {timeout_s:.0f} s")
+    return pause
+
+
+# --- the training loop ------------------------------------------------------------------------
+
+def new_model(cfg: Config, device) -> MLP:
+    seed_everything(cfg.seed)  # same initial model on every rank
+    return MLP(8, 32, 1).to(device, torch.float64)
+
+
+def resume(cfg: Config, state: dict, model, buffers, rank: int) -> int:
+    """Put a loaded checkpoint back; return the data cursor. Parts left out of --restore stay as
+    a fresh run would have them (the negative controls)."""
+    model.load_state_dict(state["model"])
+    if "optimizer" in cfg.restore:
+        for b, s in zip(buffers, state["optimizer"]):
+            b.copy_(s)
+    if "rng" in cfg.restore and state["rng"] is not None:
+        restore_rng_state(state["rng"])
+    elif "rng" in cfg.restore:  # another world size: streams re-derived as chapter 13 does
+        seed_everything(noise_seed(cfg, rank, state["step"]))
+    return state["cursor"] if "data" in cfg.restore else 0
+
+
+def train(cfg: Config, info, store: ObjectStoreCheckpoints, notice: Preemption, rec=None,
+          out=None) -> dict:
+    """Chapter 13's data-parallel SGD, checking for a preemption notice before every step."""
+    X, Y = regression_data(cfg.n_samples, 8, 1, seed=cfg.seed, dtype=torch.float64)
+    X, Y = X.to(info.device), Y.to(info.device)
+    model = new_model(cfg, info.device)
+    params = list(model.parameters())
+    buffers = [torch.zeros_like(p) for p in params]
+    seed_everything(noise_seed(cfg, info.rank))  # each rank its own noise stream
+    start, cursor = 0, 0
+    state = store.load_latest(info.rank, info.world_size)
+    if state is not None:
+        start = state["step"]
+        cursor = resume(cfg, state, model, buffers, info.rank)
+        log.info("resumed from step %d of %s, restoring %s", start, store.url, ", ".join(cfg.restore))
+
+    def save(step: int) -> None:
+        pause = (pause_until_killed(out, cfg.timeout) if step == cfg.pause_save_at and out else None)
+        store.save(step, {"step": step, "cursor": cursor, "model": model.state_dict(),
+                          "optimizer": [b.clone() for b in buffers]},
+                   capture_rng_state(), info.rank, pause=pause)
+
+    losses, preempted_at, committed_time, step_s, save_s = [], None, None, [], []
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        if stop_agreed(notice, step, info.device):
+            if step not in store.committed_steps():
+                t = time.perf_counter()
+                save(step)
+                save_s.append(time.perf_counter() - t)
+            preempted_at, committed_time = step, time.time()
+            break
+        x, y = batch_at(X, Y, cursor, info.rank, info.world_size, cfg)
+        cursor += cfg.batch_size * info.world_size
+        x = x + cfg.noise * torch.randn_like(x)
+        loss = F.mse_loss(model(x), y)
+        grads = list(torch.autograd.grad(loss, params))
+        all_reduce_mean_(grads, info.world_size)
+        sgd_momentum_step(params, grads, buffers, cfg)
+        losses.append(loss.item())
+        time.sleep(cfg.step_seconds)
+        step_s.append(time.perf_counter() - t0)
+        if rec is not None and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+            rec.metrics(step, loss=loss.item(), lr=cfg.lr, restart=restart_count())
+            log.info("step %3d  loss %.5f (rank 0's shard)", step, loss.item())
+        if (step + 1) % cfg.ckpt_every == 0 or step == cfg.steps - 1:
+            t = time.perf_counter()
+            save(step + 1)
+            save_s.append(time.perf_counter() - t)
+    return {"model": model, "start": start, "losses": losses, "preempted_at": preempted_at,
+            "signal_time": notice.signal_time, "committed_time": committed_time,
+            "step_s": step_s, "save_s": save_s}
+
+
+def signal_to_commit_s(result: dict) -> float | None:
+    """Seconds from the earliest SIGTERM any rank received to the committed checkpoint."""
+    t = result["signal_time"]
+    earliest = min([s for s in gather_numbers(t if t is not None else float("inf"))])
+    if result["committed_time"] is None or earliest == float("inf"):
+        return None
+    return result["committed_time"] - earliest
+
+
+def main(cfg: Config) -> int:
+    notice = Preemption().install()  # before anything slow: a notice can come at any time
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        setup_logging(info.rank, info.world_size)
+        rec = RunRecorder(cfg, __file__, info)
+        store = ObjectStoreCheckpoints(cfg.ckpt_url or str(rec.out / "ckpt"))
+        log.info("world %d on %s/%s, checkpoints in %s, grace %.0f s", info.world_size,
+                 info.device, info.backend, store.url, cfg.grace_s)
+        result = train(cfg, info, store, notice, rec, out=rec.out)
+
+        rec.figure("resumed from step", result["start"])
+        rec.check("replicas identical (max |dparam| across ranks)", "parity",
+                  replica_spread(result["model"]), 0.0)
+        if result["preempted_at"] is not None:
+            stops = gather_numbers(result["preempted_at"])
+            log.info("preempted: every rank stopped before step %d and saved it", stops[0])
+            rec.figure("preempted, checkpoint committed at step", stops[0])
+            rec.check("every rank stopped at the same step (max - min)", "count",
+                      max(stops) - min(stops), 0)
+            worst = seconds_to_commit(reduce_number(max(result["step_s"], default=0.0), "max"),
+                                      reduce_number(max(result["save_s"], default=0.0), "max"))
+            rec.figure("bound: slowest step + slowest save (formula, this run's times)",
+                       round(worst, 3), unit="s")
+            elapsed = signal_to_commit_s(result)
+            if elapsed is not None:
+                rec.check("SIGTERM -> checkpoint committed, within the grace", "timing",
+                          round(elapsed, 3), cfg.grace_s, compare="<=")
+            code = rec.finish() or PREEMPTED_EXIT
+            log.info("exit code %d: stopped by the preemption notice, resume from %s", code, store.url)
+            return code
+        rec.figure("final loss (rank 0's shard)", result["losses"][-1] if result["losses"] else None)
+        if info.is_main:
+            save_checkpoint(rec.out / "final_params.pt",
+                            {"model": result["model"].state_dict(), "start": result["start"]})
+        return rec.finish()
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config, description=__doc__, validate=validate)))
