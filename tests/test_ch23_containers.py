@@ -1,0 +1,244 @@
+"""Chapter 23: the Dockerfile lints and does what the lesson says; the manifests pass Kubernetes'
+schemas (core objects, the custom resources' pod templates) and the repository's (the rest),
+broken copies do not; every command in them starts a course script with options valid at its
+world size; each launcher's environment (PyTorchJob, elastic PyTorchJob, Volcano, indexed Job,
+Slurm) is read right by common's setup, and a wrong mapping is caught. One real launch: the
+PyTorchJob's container command, run as two plain processes with the operator's variables."""
+
+from __future__ import annotations
+
+import copy
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from chapters.ch23_containers import orchestration as o
+from chapters.ch23_containers import train
+from common.distributed import DistributedSetupError, choose_device_and_backend, read_launch_env
+
+MANIFESTS = o.load_manifests()
+BY_NAME = {obj["metadata"]["name"]: obj for _, obj in MANIFESTS}
+
+
+def reading(env: dict) -> tuple:
+    r = read_launch_env(env)
+    return r["rank"], r["world_size"], r["local_rank"], r["local_world_size"], r["master_addr"], r["master_port"]
+
+
+# --- the Dockerfile -----------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_dockerfile_lints_clean_and_does_what_the_lesson_says(tmp_path):
+    rc, findings = o.hadolint()
+    assert rc == 0, findings
+    facts = o.dockerfile_facts()
+    assert facts["base"].startswith("pytorch/pytorch:") and "cuda" in facts["base"]
+    assert "requirements.txt" in facts["copied"]
+    assert any("pip install" in r and "requirements.txt" in r for r in facts["runs"])
+    assert facts["user"] == "1001:1001" and o.dockerfile_problems(facts) == []
+    # The Dockerfile's command starts a course script with options valid at its world size.
+    from test_configs import parse_command
+
+    script, args, world, _ = parse_command(shlex.join(facts["cmd"]))
+    assert script.name == "train.py" and world == 2
+    o.validate_command(facts["cmd"], world)
+    # Negative controls: each promise broken once is caught; hadolint rejects an unpinned base.
+    text = o.DOCKERFILE.read_text()
+    broken = {"latest": text.replace("pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime", "pytorch/pytorch:latest"),
+              "root": text.replace("USER 1001:1001", "USER root"),
+              "no user": text.replace("USER 1001:1001\n", ""),
+              "no pins": text.replace("requirements.txt pyproject.toml", "pyproject.toml")
+                             .replace("-r /tmp/pins.txt", "torch==2.14.1")}
+    for name, variant in broken.items():
+        path = tmp_path / f"Dockerfile.{name.replace(' ', '_')}"
+        path.write_text(variant)
+        assert variant != text and o.dockerfile_problems(o.dockerfile_facts(path)), name
+    rc, findings = o.hadolint(tmp_path / "Dockerfile.latest")
+    assert rc != 0 and "DL3007" in findings
+
+
+# --- the manifests ------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_manifests_pass_both_validators_and_broken_copies_fail():
+    kinds = sorted(f"{obj['apiVersion']}/{obj['kind']}" for _, obj in MANIFESTS)
+    assert kinds == ["batch.volcano.sh/v1alpha1/Job", "batch/v1/Job", "kubeflow.org/v1/PyTorchJob",
+                     "kubeflow.org/v1/PyTorchJob", "v1/Namespace", "v1/ResourceQuota", "v1/Service"]
+    for fname, obj in MANIFESTS:
+        assert o.validate_object(obj) == [], fname
+    for fname, obj in MANIFESTS:
+        for what, broken in o.broken_variants(obj):
+            assert o.validate_object(broken), f"{fname}: {what} passed"
+    # Each validator on its own: the repository's schema catches a PyTorchJob without replica
+    # specs and a string for replicas; Kubernetes' schema catches the pod template's errors.
+    job = BY_NAME["ch23-ddp"]
+    variants = dict(o.broken_variants(job))
+    schema = o.json.loads((o.SCHEMAS / "pytorchjob.schema.json").read_text())
+    for what in ("custom resource without its replica specs / tasks", "replicas given as a string"):
+        assert o._schema_errors(variants[what], schema), what
+    for what in ("a container without its name", "command given as a string"):
+        assert not o._schema_errors(variants[what], schema)  # the repo schema leaves pods alone
+        assert any("pod template" in e for e in o.validate_object(variants[what])), what
+    # The GPU, shared-memory and quota promises.
+    for _, obj in MANIFESTS:
+        for role, template, _ in o.pod_templates(obj):
+            c = template["spec"]["containers"][0]
+            assert c["resources"]["limits"]["nvidia.com/gpu"] == 1, role
+            shm = [v for v in template["spec"]["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
+            assert shm and {"name": shm[0]["name"], "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert BY_NAME["ch23-gang"]["spec"]["minAvailable"] == 4
+    assert BY_NAME["course-quota"]["spec"]["hard"]["requests.nvidia.com/gpu"] == "8"
+
+
+@pytest.mark.timeout(60)
+def test_check_jsonschema_cli_agrees(tmp_path):
+    """The command the lesson shows: check-jsonschema with the repository's schema."""
+    exe = str(o.Path(sys.executable).parent / "check-jsonschema")
+    schema = str(o.SCHEMAS / "volcano-job.schema.json")
+    ok = subprocess.run([exe, "--schemafile", schema, str(o.K8S / "volcano-job.yaml")],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((o.K8S / "volcano-job.yaml").read_text().replace("minAvailable: 4", "minAvailable: four"))
+    fail = subprocess.run([exe, "--schemafile", schema, str(bad)], capture_output=True, text=True, timeout=60)
+    assert fail.returncode == 1 and "minAvailable" in fail.stdout
+
+
+@pytest.mark.timeout(60)
+def test_every_manifest_command_starts_a_course_script_with_valid_options():
+    commands = o.course_commands(MANIFESTS)
+    assert len(commands) == 6
+    worlds = {where.split(":")[1]: w for where, _, w in commands}
+    assert worlds == {"ch23-ddp/Master": [4], "ch23-ddp/Worker": [4], "ch23-elastic/Worker": [2, 3, 4],
+                      "ch23-gang/master": [4], "ch23-gang/worker": [4], "ch23-indexed/pod": [4]}
+    for _, argv, ws in commands:
+        for w in ws:
+            o.validate_command(argv, w)
+    # Negative controls: an option the script lacks, a batch the world cannot split.
+    argv = commands[0][1]
+    with pytest.raises(SystemExit):
+        o.validate_command([*argv, "--no-such-option"], 4)
+    with pytest.raises(ValueError, match="global"):
+        o.validate_command([*argv, "--global-batch-size", "10"], 4)
+    with pytest.raises(ValueError, match="does not exist"):
+        o.validate_command(["python", "chapters/ch23_containers/trian.py"], 4)
+
+
+# --- each launcher's environment, read by common's setup ----------------------------------------
+
+@pytest.mark.timeout(60)
+def test_pytorchjob_environment():
+    pods = o.pytorchjob_pods(BY_NAME["ch23-ddp"])
+    assert [h for h, _ in pods] == ["ch23-ddp-master-0", *(f"ch23-ddp-worker-{i}" for i in range(3))]
+    assert set(pods[1][1]) == {"PYTHONUNBUFFERED", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
+                               "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_NNODES"}
+    want = [(r, 4, 0, 1, "ch23-ddp-master-0", 23456) for r in range(4)]
+    assert [reading(env) for _, env in pods] == want
+    assert o.check_world(pods) == []
+    # One GPU per pod: the pod's process takes cuda:0. Read as before this chapter (no LOCAL_*
+    # meant "every rank on this node"), the pod would look like 4 processes sharing one GPU.
+    r = read_launch_env(pods[2][1])
+    assert choose_device_and_backend(r["local_rank"], r["local_world_size"], gpu_count=1, env={})[0].index == 0
+    with pytest.raises(DistributedSetupError, match="4 processes on this node but 1 GPU"):
+        choose_device_and_backend(r["local_rank"], r["world_size"], gpu_count=1, env={})
+    # Negative control: a mapping that forgets the operator's worker offset (rank = index).
+    wrong = [(h, {**env, "RANK": h.rsplit("-", 1)[1]}) for h, env in pods]
+    assert any("ranks read" in p for p in o.check_world(wrong))
+
+
+@pytest.mark.timeout(60)
+def test_elastic_pytorchjob_environment_is_torchruns_defaults(monkeypatch):
+    from torch.distributed.run import parse_args
+
+    job = BY_NAME["ch23-elastic"]
+    pods = o.pytorchjob_pods(job)
+    env = pods[1][1]
+    assert env == {"PYTHONUNBUFFERED": "0", "PET_RDZV_ENDPOINT": "ch23-elastic-worker-0:23456",
+                   "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "2:4", "PET_MAX_RESTARTS": "10"}
+    argv = o.course_commands([("x", job)])[0][1]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = parse_args(argv[1:])  # torch's own torchrun parser, PET_* as its defaults
+    assert (args.nnodes, args.rdzv_endpoint, args.rdzv_backend, args.max_restarts, args.nproc_per_node) \
+        == ("2:4", "ch23-elastic-worker-0:23456", "c10d", 10, "1")
+    for k in env:  # negative control: without the operator's variables torchrun is one node
+        monkeypatch.delenv(k)
+    assert (parse_args(argv[1:]).nnodes, parse_args(argv[1:]).rdzv_backend) == ("1:1", "static")
+
+
+@pytest.mark.timeout(60)
+def test_volcano_environment():
+    pods = o.volcano_pods(BY_NAME["ch23-gang"])
+    env = pods[2][1]  # worker 1
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "VC_TASK_INDEX",
+                                "VK_TASK_INDEX", "VC_MASTER_NUM", "VC_WORKER_NUM")} == {
+        "RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "ch23-gang-master-0.ch23-gang",
+        "MASTER_PORT": "23456", "VC_TASK_INDEX": "1", "VK_TASK_INDEX": "1", "VC_MASTER_NUM": "1",
+        "VC_WORKER_NUM": "3"}
+    assert env["VC_WORKER_HOSTS"].split(",")[0] == "ch23-gang-worker-0.ch23-gang"
+    want = [(r, 4, 0, 1, "ch23-gang-master-0.ch23-gang", 23456) for r in range(4)]
+    assert [reading(e) for _, e in pods] == want and o.check_world(pods) == []
+    wrong = [(h, {**e, "RANK": e["VC_TASK_INDEX"]}) for h, e in pods]  # the task index is not the rank
+    assert any("ranks read [0, 0, 1, 2]" in p for p in o.check_world(wrong))
+
+
+@pytest.mark.timeout(60)
+def test_indexed_job_environment():
+    pods = o.indexed_job_pods(BY_NAME["ch23-indexed"])
+    assert [h for h, _ in pods] == [f"ch23-indexed-{i}.ch23-indexed" for i in range(4)]
+    want = [(r, 4, 0, 1, "ch23-indexed-0.ch23-indexed", 29500) for r in range(4)]
+    assert [reading(e) for _, e in pods] == want and o.check_world(pods) == []
+    # Negative control: the manifest without WORLD_SIZE: every pod reads a world of one.
+    wrong = [(h, {k: v for k, v in e.items() if k != "WORLD_SIZE"}) for h, e in pods]
+    assert o.check_world(wrong)
+
+
+@pytest.mark.timeout(60)
+def test_slurm_environment():
+    pods = o.slurm_pods(nodes=2, tasks_per_node=4)
+    assert pods[5][1]["SLURM_JOB_NODELIST"] == "gpu[01-02]" and pods[5][1]["SLURM_TASKS_PER_NODE"] == "4(x2)"
+    want = [(p, 8, p % 4, 4, "gpu01", 20000 + 4242) for p in range(8)]
+    assert [reading(e) for _, e in pods] == want and o.check_world(pods) == []
+    wrong = [(h, {**e, "SLURM_PROCID": e["SLURM_LOCALID"]}) for h, e in pods]  # rank = local id
+    assert o.check_world(wrong)
+    wrong = [(h, {k: v for k, v in e.items() if k != "SLURM_LOCALID"}) for h, e in pods]
+    assert any("same local rank" in p for p in o.check_world(wrong))
+
+
+# --- one real launch ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_pytorchjob_pods_train_as_plain_processes(tmp_path):
+    """The PyTorchJob's container command, `python .../train.py --steps 20`, in two processes
+    with the operator's variables for a 1 Master + 1 Worker job: no torchrun, no LOCAL_*."""
+    job = copy.deepcopy(BY_NAME["ch23-ddp"])
+    job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = 1
+    pods = o.pytorchjob_pods(job)
+    argv = o.course_commands([("pytorchjob.yaml", job)])[0][1]
+    codes, output, summary = o.run_pods(pods, argv, tmp_path, timeout=120)
+    assert codes == [0, 0], output[-3000:]
+    assert summary["world_size"] == 2 and summary["config"]["steps"] == 20
+    checks = {c["name"]: c for c in summary["checks"]}
+    assert all(c["ok"] for c in checks.values()), [c for c in checks.values() if not c["ok"]]
+    assert checks["launch read: world problems"]["measured"] == 0
+    assert checks["DDP == one process (max |dparam|)"]["measured"] <= 1e-12
+    assert checks["broken manifests rejected"]["measured"] == checks["broken manifests rejected"]["expected"] > 0
+
+
+@pytest.mark.timeout(30)
+def test_defaults_and_refusal():
+    for w in (1, 2, 3, 4, 8, 16):
+        train.validate(train.Config(), w)
+    with pytest.raises(ValueError):
+        train.validate(train.Config(global_batch_size=10), 4)
+
+
+@pytest.mark.timeout(30)
+def test_exercise_1_node_rank_is_not_process_rank():
+    job = copy.deepcopy(BY_NAME["ch23-ddp"])
+    job["spec"]["nprocPerNode"] = "4"
+    env = o.pytorchjob_env(job, "Worker", 2)
+    assert (env["WORLD_SIZE"], env["RANK"], env["PET_NODE_RANK"], env["PET_NPROC_PER_NODE"]) == ("16", "3", "3", "4")
