@@ -1,0 +1,217 @@
+"""Chapter 29: the cost planner's worked examples against hand arithmetic, Young's and Daly's
+intervals against a numeric minimisation of their models, a simulated spot run against the
+expected-waste model (with negative controls), and the seeds split over ranks.
+
+One real torchrun launch (two ranks) and one start of three gloo ranks; the rest in process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from chapters.ch29_cost import cost as C
+from chapters.ch29_cost import train as T
+from common.launch import REPO_ROOT, run_on_ranks, run_torchrun
+
+SCRIPT = REPO_ROOT / "chapters" / "ch29_cost" / "train.py"
+H = 3600.0
+
+
+@pytest.mark.timeout(30)
+def test_worked_examples_against_hand_arithmetic():
+    # 7B on 1T tokens: 6 * 7e9 * 1e12 = 4.2e22 FLOPs; an H100 at 989e12 FLOP/s and MFU 0.4 does
+    # 395.6e12 FLOP/s, so 4.2e22 / 395.6e12 = 1.06168e8 GPU-seconds = 29 491.07 GPU-hours
+    flops = C.total_flops(7e9, 1e12)
+    assert flops == 4.2e22
+    p5 = C.instance("aws-p5.48xlarge")
+    assert C.gpu_hours(flops, p5.peak_flops, 0.4) == pytest.approx(4.2e22 / (989e12 * 0.4) / 3600, rel=1e-12)
+    assert C.gpu_hours(flops, p5.peak_flops, 0.4) == pytest.approx(29491.07, abs=0.01)
+    # on 64 GPUs = 8 machines: 29 491.07 / 64 = 460.8 h = 19.2 days; 460.8 h x 8 x $98.32 = $362 445
+    r = C.run_cost(flops, p5, 0.4, 64)
+    assert r["machines"] == 8
+    assert r["wall_hours"] == pytest.approx(29491.07 / 64, abs=1e-3)
+    assert r["dollars"] == pytest.approx(29491.07 / 64 * 8 * 98.32, rel=1e-6)
+    assert round(r["dollars"]) == 362445
+    # spot at 60 % off: 98.32 x 0.4 = 39.328 $/h per machine
+    assert C.run_cost(flops, p5, 0.4, 64, spot=True)["dollars"] == pytest.approx(29491.07 / 8 * 39.328, rel=1e-6)
+    # attention: 12 * 32 * 4096 * 4096 = 6.44e9 per token against 6N = 4.2e10: x 1.1534
+    with_attn = C.total_flops(7e9, 1e12, 32, 4096, 4096)
+    assert with_attn == 4.2e22 + 12 * 32 * 4096 * 4096 * 1e12
+    assert with_attn / flops == pytest.approx(1.15339, abs=1e-5)
+    # Llama 2 (Touvron et al. 2023, table 2): 70B on 2T tokens took 1 720 320 A100-hours;
+    # 6 * 70e9 * 2e12 = 8.4e23; / (312e12 * 1 720 320 * 3600) = 0.4347
+    assert C.implied_mfu(C.total_flops(70e9, 2e12), 312e12, 1720320) == pytest.approx(0.43472, abs=1e-5)
+    # Llama 2 7B: 184 320 A100-hours, 8.4e22 / (312e12 * 184 320 * 3600) = 0.4057
+    assert C.implied_mfu(C.total_flops(7e9, 2e12), 312e12, 184320) == pytest.approx(0.40574, abs=1e-5)
+    # 70B on 2T tokens at MFU 0.4 on H100s: 8.4e23 / (989e12 * 0.4) / 3600 = 589 821.4 GPU-hours
+    assert C.gpu_hours(8.4e23, 989e12, 0.4) == pytest.approx(589_821.4, abs=0.1)
+
+
+@pytest.mark.timeout(30)
+def test_young_daly_worked_numbers():
+    # chapter 13's example: delta = 30 s, M = 86 400 s: sqrt(2 * 30 * 86 400) = 2276.8 s
+    assert C.young_interval(30, 86400) == pytest.approx(math.sqrt(5_184_000))
+    # the script's default: delta = 180 s, M = 4 h = 14 400 s: Young sqrt(5 184 000) = 2276.8 s
+    # = 0.6325 h; Daly: r = 180 / 28 800 = 0.00625, 2276.8 * (1 + 0.079057/3 + 0.00625/9) - 180
+    young = math.sqrt(2 * 180 * 14400)
+    daly = young * (1 + math.sqrt(0.00625) / 3 + 0.00625 / 9) - 180
+    assert C.daly_interval(180, 14400) == pytest.approx(daly, rel=1e-12)
+    assert daly / H == pytest.approx(0.5996, abs=1e-4)
+    assert C.daly_interval(100, 40) == 40  # delta >= 2M: checkpoint every M
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("save,mtbf", [(30, 86400), (180, 4 * H), (600, H)])
+def test_young_is_the_minimum_of_the_first_order_model(save, mtbf):
+    numeric = C.golden_section(lambda t: C.first_order_overhead(t, save, 300, mtbf), 1e-3, 10 * mtbf)
+    assert abs(C.young_interval(save, mtbf) - numeric) / numeric <= T.YOUNG_TOL
+    # negative control: a lost factor 2
+    assert abs(math.sqrt(save * mtbf) - numeric) / numeric > T.YOUNG_TOL
+    # a dense grid agrees with the golden section (1 ‰ steps around the optimum)
+    grid = [numeric * (0.9 + 0.001 * i) for i in range(201)]
+    best = min(grid, key=lambda t: C.first_order_overhead(t, save, 300, mtbf))
+    assert abs(best - numeric) / numeric <= 0.001
+
+
+@pytest.mark.timeout(30)
+def test_daly_is_the_minimum_of_the_exact_model_and_young_is_not():
+    worst_daly = worst_young = 0.0
+    for ratio in T.DALY_GRID:
+        exact = C.golden_section(lambda t: C.per_work_rate(t, ratio, 0.5, 1.0), 1e-8, 10.0)
+        worst_daly = max(worst_daly, abs(C.daly_interval(ratio, 1.0) - exact) / exact)
+        worst_young = max(worst_young, abs(C.young_interval(ratio, 1.0) - exact) / exact)
+        # the wrong factor 2 is rejected at every ratio
+        assert abs(math.sqrt(ratio) - exact) / exact > T.DALY_TOL
+    assert worst_daly <= T.DALY_TOL
+    assert worst_young > T.DALY_TOL  # Young is first order: 17 % off at delta/M = 0.1
+
+
+@pytest.mark.timeout(30)
+def test_segment_time_is_daly_eq_13_and_the_restart_does_not_move_the_optimum():
+    # M e^{R/M} (e^{t/M} - 1), by hand for t = 1 h, R = 0.1 h, M = 4 h
+    assert C.segment_time(H, 0.1 * H, 4 * H) == pytest.approx(4 * H * math.exp(0.025) * (math.exp(0.25) - 1))
+    a = C.golden_section(lambda t: C.per_work_rate(t, 180, 0, 4 * H), 1, 40 * H)
+    b = C.golden_section(lambda t: C.per_work_rate(t, 180, 3000, 4 * H), 1, 40 * H)
+    assert a == pytest.approx(b, rel=1e-6)
+
+
+@pytest.mark.timeout(30)
+def test_simulated_spot_run_matches_the_model_and_the_control_does_not():
+    cfg = T.Config()
+    tau = C.daly_interval(cfg.save_s, cfg.mtbf_h * H)
+    args = (cfg.work_h * H, tau, cfg.save_s, cfg.restart_s, cfg.mtbf_h * H)
+    mean, se = C.mean_and_se(*C.simulate_waste(*args, range(10**6, 10**6 + 8000)))
+    model = C.expected_waste(*args)
+    assert abs(mean - model) <= T.SIM_SIGMAS * se
+    wrong = args[0] * (cfg.save_s / tau + (tau + cfg.restart_s) / args[4])  # whole interval lost
+    assert abs(mean - wrong) > T.SIM_SIGMAS * se
+    # without failures the waste is exactly the saves: n segments x delta
+    n = len(C.segments(args[0], tau))
+    assert C.simulate_run(args[0], tau, cfg.save_s, cfg.restart_s, 1e30, 0) - args[0] == pytest.approx(n * cfg.save_s)
+    # a different interval (2 tau) is also matched: the model holds off the optimum
+    args2 = (args[0], 2 * tau, *args[2:])
+    mean2, se2 = C.mean_and_se(*C.simulate_waste(*args2, range(4000)))
+    assert abs(mean2 - C.expected_waste(*args2)) <= T.SIM_SIGMAS * se2
+
+
+@pytest.mark.timeout(30)
+def test_layout_times_against_hand_arithmetic():
+    m = C.Model(7e9, 32, 4096, 4096)
+    p5 = C.instance("aws-p5.48xlarge")
+    r = C.layout_times(m, p5, 8, 8, 1, 1, 1024, 0.4, alpha=10e-6)
+    assert r["n_micro"] == 128
+    # compute: 6 * 7e9 * 1024 * 4096 / (64 * 989e12 * 0.4) s
+    assert r["compute_s"] == pytest.approx(6 * 7e9 * 1024 * 4096 / (64 * 989e12 * 0.4), rel=1e-12)
+    # tp = 8 inside a machine (450 GB/s): 128 micro-batches x 32 layers x 4 all-reduces of
+    # 4096 * 4096 * 2 bytes, each 2*7*alpha + 2*7/8 * S / 450e9
+    S = 4096 * 4096 * 2
+    per = 14 * 10e-6 + 14 / 8 * S / 450e9
+    assert r["tp_s"] == pytest.approx(128 * 32 * 4 * per, rel=1e-12)
+    # chapter 05's byte count: 8 (t-1)/t * B S h b per layer = the bytes of those 4 all-reduces
+    assert r["tp_bytes_per_layer"] == pytest.approx(128 * 4 * 14 / 8 * S, rel=1e-12)
+    # dp = 8 ranks 8 apart span machines (50 GB/s per GPU): 2*7*alpha + 2 * 7/8 * (7e9/8 * 2) / 50e9
+    assert r["dp_s"] == pytest.approx(14 * 10e-6 + 2 * 7 / 8 * 7e9 / 8 * 2 / 50e9, rel=1e-12)
+    assert r["pp_s"] == 0 and r["bubble"] == 0
+    # pp = 4: bubble (4-1)/(m+4-1) with m = 1024 / (2 * 1) = 512 micro-batches
+    r = C.layout_times(m, p5, 2, 8, 4, 1, 1024, 0.4)
+    assert r["bubble"] == pytest.approx(3 / 515)
+    with pytest.raises(ValueError, match="does not divide"):
+        C.layout_times(m, p5, 3, 1, 1, 1, 1024, 0.4)
+
+
+@pytest.mark.timeout(30)
+def test_spot_break_even_and_priority_preemption_numbers():
+    # spot at 0.4 x the price with 22.8 % waste: 0.4 * 1.228 = 0.491; break-even at 1/0.4 - 1 = 150 %
+    be = C.spot_break_even(10.0, 4.0, 0.228)
+    assert be["cost_ratio"] == pytest.approx(0.4912) and be["break_even_overhead"] == pytest.approx(1.5)
+    # job MTBF: 16 machines of 64 h each -> 4 h
+    assert C.job_mtbf(64 * H, 16) == 4 * H
+    # the lesson's default job: waste fraction at Daly's tau, and a low-priority job preempted
+    # every 12 h (same model, M = 12 h)
+    cfg = T.Config()
+    tau = C.daly_interval(180, 4 * H)
+    assert C.expected_waste(24 * H, tau, 180, 600, 4 * H) / (24 * H) == pytest.approx(0.2284, abs=1e-4)
+    tau12 = C.daly_interval(180, 12 * H)
+    assert C.expected_waste(24 * H, tau12, 180, 600, 12 * H) / (24 * H) == pytest.approx(0.1128, abs=1e-4)
+    assert cfg.save_s == 180 and cfg.restart_s == 600 and cfg.mtbf_h == 4
+
+
+def _rank_sums(seeds: int):
+    """Each rank: its share of the seeds, all-reduced, as the script does it."""
+    import torch.distributed as dist
+
+    cfg = T.Config(seeds=seeds)
+    info = type("Info", (), {"rank": dist.get_rank(), "world_size": dist.get_world_size()})()
+    tau = C.daly_interval(cfg.save_s, cfg.mtbf_h * H)
+    return T.simulate(cfg, info, tau)
+
+
+@pytest.mark.timeout(120)
+def test_seeds_split_over_three_ranks_give_the_one_process_mean():
+    cfg = T.Config(seeds=3001)
+    tau = C.daly_interval(cfg.save_s, cfg.mtbf_h * H)
+    ref = C.simulate_waste(cfg.work_h * H, tau, cfg.save_s, cfg.restart_s, cfg.mtbf_h * H, range(3001))
+    results = run_on_ranks(_rank_sums, 3, 3001, timeout=100)
+    for s, s2, n in results:
+        assert n == 3001
+        assert s == pytest.approx(ref[0], rel=1e-12) and s2 == pytest.approx(ref[1], rel=1e-12)
+    # control: one rank's share alone is not the whole
+    one = C.simulate_waste(cfg.work_h * H, tau, cfg.save_s, cfg.restart_s, cfg.mtbf_h * H, range(0, 3001, 3))
+    assert one[2] == 1001 and one[0] != pytest.approx(ref[0], rel=1e-3)
+
+
+@pytest.mark.timeout(120)
+def test_script_on_two_ranks(tmp_path):
+    res = run_torchrun(SCRIPT, nproc=2, timeout=100, out_dir=tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    checks = {c["name"]: c for c in summary["checks"]}
+    assert all(c["ok"] for c in checks.values()), res.output[-3000:]
+    assert len(checks) == 7
+    # the all-reduced sums equal one process's sums over the same seeds (the test's own reference)
+    cfg = T.Config()
+    tau = C.daly_interval(cfg.save_s, cfg.mtbf_h * H)
+    s, s2, n = C.simulate_waste(cfg.work_h * H, tau, cfg.save_s, cfg.restart_s, cfg.mtbf_h * H,
+                                range(cfg.seeds))
+    mean = summary["figures"]["simulated waste: mean, standard error"]["measured"][0]
+    assert mean == pytest.approx(s / n / H, rel=1e-12)
+    assert summary["figures"]["GPU-hours at the MFU"]["measured"] == pytest.approx(29491.07, abs=0.01)
+
+
+@pytest.mark.timeout(30)
+def test_exercise_answers():
+    # 1: 6 * 13e9 * 2e12 = 1.56e23; / (989e12 * 0.35 * 3600) = 125 186.6 GPU-hours; x 98.32 / 8
+    f = C.total_flops(13e9, 2e12)
+    assert f == pytest.approx(1.56e23)
+    g = C.gpu_hours(f, 989e12, 0.35)
+    assert g == pytest.approx(1.56e23 / (989e12 * 0.35 * 3600)) and round(g) == 125187
+    assert round(C.run_cost(f, C.instance("aws-p5.48xlarge"), 0.35, 8)["dollars"]) == 1538543
+    # 2: sqrt(2 * 60 * 7200) = 929.5 s = 0.258 h; Daly 0.247 h; waste 5.78 h in 24 h
+    assert C.young_interval(60, 2 * H) / H == pytest.approx(math.sqrt(2 * 60 * 7200) / H) == pytest.approx(0.2582, abs=1e-4)
+    assert C.daly_interval(60, 2 * H) / H == pytest.approx(0.2472, abs=1e-4)
+    assert C.expected_waste(24 * H, C.daly_interval(60, 2 * H), 60, 600, 2 * H) / H == pytest.approx(5.780, abs=1e-3)
+    # 3: p (1 + 0.228) = 1
+    assert C.spot_break_even(1.0, 1 / 1.228, 0.228)["cost_ratio"] == pytest.approx(1.0)
+    assert 1 / 1.228 == pytest.approx(0.8143, abs=1e-4)
