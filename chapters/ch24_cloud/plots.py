@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from chapters.ch24_cloud import train
+from common.results import save_figure
 
 STEPS, STOP_AT = 30, 8
 SIZES_MB = [1, 4, 16, 64]
@@ -96,14 +97,6 @@ def measure() -> dict:
             "threads": torch.get_num_threads()}
 
 
-def _save(fig, path: Path) -> Path:
-    """PNG without matplotlib's version in its metadata: the same data gives the same bytes."""
-    import matplotlib.pyplot as plt
-    fig.savefig(path, dpi=120, metadata={"Software": None})
-    plt.close(fig)
-    return path
-
-
 def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     import matplotlib.pyplot as plt
 
@@ -121,7 +114,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.set_title("A preempted run resumed from its checkpoint (2 gloo ranks, measured)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    paths = [_save(fig, fig_dir / "preempt_resume.png")]
+    paths = [save_figure(fig, fig_dir / "preempt_resume.png")]
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
     sizes = [int(s) for s in data["save_s"]]
@@ -141,5 +134,5 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     ax.set_title("What fits in the grace period: size / throughput < grace")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    paths.append(_save(fig, fig_dir / "grace_budget.png"))
+    paths.append(save_figure(fig, fig_dir / "grace_budget.png"))
     return paths

@@ -313,10 +313,11 @@ def train(cfg: Config, info, store: ObjectStoreCheckpoints, notice: Preemption, 
                    capture_rng_state(), info.rank, pause=pause)
 
     losses, preempted_at, committed_time, step_s, save_s = [], None, None, [], []
+    last_saved = start
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         if stop_agreed(notice, step, info.device):
-            if step not in store.committed_steps():
+            if step != last_saved:  # every rank holds the same value: no listing to disagree on
                 t = time.perf_counter()
                 save(step)
                 save_s.append(time.perf_counter() - t)
@@ -339,6 +340,7 @@ def train(cfg: Config, info, store: ObjectStoreCheckpoints, notice: Preemption, 
             t = time.perf_counter()
             save(step + 1)
             save_s.append(time.perf_counter() - t)
+            last_saved = step + 1
     return {"model": model, "start": start, "losses": losses, "preempted_at": preempted_at,
             "signal_time": notice.signal_time, "committed_time": committed_time,
             "step_s": step_s, "save_s": save_s}
