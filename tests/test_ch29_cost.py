@@ -80,7 +80,7 @@ def test_young_is_the_minimum_of_the_first_order_model(save, mtbf):
 def test_daly_is_the_minimum_of_the_exact_model_and_young_is_not():
     worst_daly = worst_young = 0.0
     for ratio in T.DALY_GRID:
-        exact = C.golden_section(lambda t: C.per_work_rate(t, ratio, 0.5, 1.0), 1e-8, 10.0)
+        exact = C.golden_section(lambda t, r=ratio: C.per_work_rate(t, r, 0.5, 1.0), 1e-8, 10.0)
         worst_daly = max(worst_daly, abs(C.daly_interval(ratio, 1.0) - exact) / exact)
         worst_young = max(worst_young, abs(C.young_interval(ratio, 1.0) - exact) / exact)
         # the wrong factor 2 is rejected at every ratio
@@ -215,3 +215,32 @@ def test_exercise_answers():
     # 3: p (1 + 0.228) = 1
     assert C.spot_break_even(1.0, 1 / 1.228, 0.228)["cost_ratio"] == pytest.approx(1.0)
     assert 1 / 1.228 == pytest.approx(0.8143, abs=1e-4)
+
+
+@pytest.mark.timeout(30)
+def test_the_lessons_other_numbers():
+    # worked example 2: 589 821.4 GPU-hours x 98.32 / 8 = $7.249 M
+    assert C.gpu_hours(8.4e23, 989e12, 0.4) * 98.32 / 8 == pytest.approx(7.2489e6, rel=1e-4)
+    # worked example 4: spot $ = 29 491.07 / 8 x 39.328 x (1 + waste), waste 0.2284 -> $178 096
+    p5 = C.instance("aws-p5.48xlarge")
+    tau = C.daly_interval(180, 4 * H)
+    waste = C.expected_waste(24 * H, tau, 180, 600, 4 * H) / (24 * H)
+    spot = C.run_cost(4.2e22, p5, 0.4, 64, spot=True, overhead=waste)["dollars"]
+    assert spot == pytest.approx(29491.07 / 8 * 39.328 * (1 + waste), rel=1e-6) and round(spot) == 178096
+    # worked example 5: Daly's tau at M = 12 h: sqrt(2*180*43200) = 3943.6 s, r = 180/86400
+    r = 180 / 86400
+    assert C.daly_interval(180, 12 * H) == pytest.approx(math.sqrt(2 * 180 * 43200) * (1 + math.sqrt(r) / 3 + r / 9) - 180)
+    assert C.daly_interval(180, 12 * H) / H == pytest.approx(1.062, abs=1e-3)
+    # the layouts the lesson quotes (7B, 64 H100s, global batch 1024): tp 8 -> 0.646, dp 64 -> 0.079
+    m = C.Model(7e9, 32, 4096, 4096)
+    assert C.layout_times(m, p5, 8, 8, 1, 1, 1024, 0.4)["ratio"] == pytest.approx(0.646, abs=1e-3)
+    assert C.layout_times(m, p5, 64, 1, 1, 1, 1024, 0.4)["ratio"] == pytest.approx(0.079, abs=1e-3)
+    # a finite 24 h run: 5.44 h of waste at Young's tau, 5.48 h at Daly's; per useful second
+    # Daly's tau is lower (1.22637 against 1.22663)
+    young = C.young_interval(180, 4 * H)
+    assert C.expected_waste(24 * H, young, 180, 600, 4 * H) / H == pytest.approx(5.439, abs=1e-3)
+    assert C.expected_waste(24 * H, tau, 180, 600, 4 * H) / H == pytest.approx(5.482, abs=1e-3)
+    assert C.per_work_rate(tau, 180, 600, 4 * H) == pytest.approx(1.22637, abs=1e-5)
+    assert C.per_work_rate(young, 180, 600, 4 * H) == pytest.approx(1.22663, abs=1e-5)
+    # Young's first-order waste at Daly's tau: 24 x (180/tau + (tau/2 + 600)/14 400) = 4.80 h
+    assert 24 * C.first_order_overhead(tau, 180, 600, 4 * H) == pytest.approx(4.800, abs=1e-3)

@@ -185,7 +185,7 @@ def young_interval(save_s: float, mtbf_s: float) -> float:
 
 
 def daly_interval(save_s: float, mtbf_s: float) -> float:
-    """Daly (2006), eq. 37: τ = sqrt(2δM)·[1 + ⅓·sqrt(δ/2M) + (1/9)·(δ/2M)] − δ for δ < 2M,
+    """Daly (2006): τ = sqrt(2δM)·[1 + ⅓·sqrt(δ/2M) + (1/9)·(δ/2M)] − δ for δ < 2M,
     else M: the minimiser of `expected_wall_time` expanded to higher order."""
     if save_s >= 2 * mtbf_s:
         return mtbf_s
@@ -202,7 +202,12 @@ def first_order_overhead(tau: float, save_s: float, restart_s: float, mtbf_s: fl
 def segment_time(length_s: float, restart_s: float, mtbf_s: float) -> float:
     """Expected wall time to finish `length_s` of uninterrupted work (compute + the save that
     ends it) when failures arrive at rate 1/M, also during restarts, and each failure costs a
-    restart R before the segment starts over: M·e^{R/M}·(e^{t/M} − 1) (Daly 2006, eq. 13)."""
+    restart R before the segment starts over: M·e^{R/M}·(e^{t/M} − 1) (Daly 2006).
+
+    Why: from a failure the job needs R + t without a failure; that costs (e^{(R+t)/M} − 1)·M
+    (the expected time of a task of length R + t restarted from scratch). A fresh start spends
+    E[min(X, t)] = M(1 − e^{−t/M}) and fails with probability 1 − e^{−t/M}, so the total is
+    M(1 − e^{−t/M})·e^{(R+t)/M} = M·e^{R/M}·(e^{t/M} − 1)."""
     return mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1(length_s / mtbf_s)
 
 

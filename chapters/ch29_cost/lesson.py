@@ -25,7 +25,6 @@ import math
 import matplotlib.pyplot as plt
 
 from chapters.ch29_cost import cost as C
-from chapters.ch29_cost import train as T
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
 
