@@ -327,3 +327,40 @@ def test_real_slurm_cluster_on_localhost():
     # nothing left: the daemons by PID, any process still using the folder, the folder itself
     assert not [n for n, pid in pids.items() if _alive(pid)]
     assert not processes_under(root) and not root.exists()
+
+
+@pytest.mark.timeout(90)
+def test_command_line_up_status_down():
+    """A learner's session: `up` leaves the daemons running and prints SLURM_CONF, a second `up`
+    on the same folder is refused, a client command works, `down` stops them by PID."""
+    from conftest import require_system
+
+    require_system("slurmctld", "slurmd", "munged", "sinfo", probe=_probe)
+    from chapters.ch23_containers.slurm.localcluster import _alive, processes_under
+
+    root = Path(tempfile.gettempdir()) / f"course-slurm-cli-{__import__('os').getpid()}"
+    cli = [sys.executable, "-m", "chapters.ch23_containers.slurm.localcluster"]
+
+    def run(*args, **kw):
+        return subprocess.run([*cli, *args, "--dir", str(root)], cwd=REPO, capture_output=True,
+                              text=True, timeout=60, **kw)
+
+    pids = {}
+    try:
+        up = run("up")
+        assert up.returncode == 0, up.stderr
+        assert f"export SLURM_CONF={root}/slurm.conf" in up.stdout
+        pids = json.loads((root / "cluster.json").read_text())["pids"]
+        assert run("status").returncode == 0
+        again = run("up")
+        assert again.returncode == 2 and "already running" in again.stderr
+        sinfo = subprocess.run(["sinfo", "-h", "-o", "%P %t %N"], capture_output=True, text=True,
+                               env={"SLURM_CONF": str(root / "slurm.conf"), "PATH": "/usr/bin:/bin"},
+                               timeout=20)
+        assert sinfo.stdout.split() == ["course*", "idle", "localhost"], sinfo
+    finally:
+        down = run("down")
+    assert down.returncode == 0 and down.stdout.startswith("stopped"), (down.stdout, down.stderr)
+    assert pids and not [n for n, pid in pids.items() if _alive(pid)]
+    assert not root.exists() and not processes_under(root)
+    assert run("status").returncode == 1
