@@ -91,15 +91,21 @@ def read_launch_env(env: dict[str, str] | None = None) -> dict:
     rank = env.get("RANK", env.get("JOB_COMPLETION_INDEX"))
     if rank is not None and "WORLD_SIZE" in env:
         world_size = int(env["WORLD_SIZE"])
-        # torchrun sets LOCAL_RANK and LOCAL_WORLD_SIZE; a launcher that sets neither (a
-        # PyTorchJob or Volcano pod running `python script.py`, an indexed Job) starts one
-        # process per pod: local rank 0 of 1, so the pod's one GPU is cuda:0.
-        one_per_pod = "LOCAL_RANK" not in env and "LOCAL_WORLD_SIZE" not in env
+        # torchrun sets LOCAL_RANK and LOCAL_WORLD_SIZE. Under srun, enroot's pytorch hook (pyxis
+        # containers) sets RANK and LOCAL_RANK from SLURM_* but no LOCAL_WORLD_SIZE: srun's tasks
+        # per node. A launcher that sets neither (a PyTorchJob or Volcano pod running `python
+        # script.py`, an indexed Job) starts one process per pod: local rank 0 of 1.
+        if "LOCAL_WORLD_SIZE" in env:
+            local_world_size = int(env["LOCAL_WORLD_SIZE"])
+        elif "SLURM_PROCID" in env:
+            local_world_size = _slurm_tasks_per_node(env, world_size)
+        else:
+            local_world_size = world_size if "LOCAL_RANK" in env else 1
         return dict(
             rank=int(rank),
             local_rank=int(env.get("LOCAL_RANK", 0)),
             world_size=world_size,
-            local_world_size=1 if one_per_pod else int(env.get("LOCAL_WORLD_SIZE", world_size)),
+            local_world_size=local_world_size,
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
             launcher="torchrun",
@@ -146,7 +152,9 @@ def choose_device_and_backend(
     """
     gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
     env = os.environ if env is None else env
-    slurm_task = "SLURM_PROCID" in env and "RANK" not in env  # srun started this rank itself
+    # srun started this rank itself (perhaps in a pyxis container whose enroot hook set RANK):
+    # no torchrun, which would have set LOCAL_WORLD_SIZE
+    slurm_task = "SLURM_PROCID" in env and "LOCAL_WORLD_SIZE" not in env
     if device not in ("auto", "cpu", "cuda"):
         raise DistributedSetupError(f"unknown device {device!r}: use auto, cpu or cuda")
     if backend not in ("auto", "gloo", "nccl", "mpi", "ucc", "xccl"):

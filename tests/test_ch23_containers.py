@@ -242,3 +242,26 @@ def test_exercise_1_node_rank_is_not_process_rank():
     job["spec"]["nprocPerNode"] = "4"
     env = o.pytorchjob_env(job, "Worker", 2)
     assert (env["WORLD_SIZE"], env["RANK"], env["PET_NODE_RANK"], env["PET_NPROC_PER_NODE"]) == ("16", "3", "3", "4")
+
+
+@pytest.mark.timeout(30)
+def test_slurm_in_a_pyxis_container_with_enroots_pytorch_hook():
+    """enroot's 50-slurm-pytorch.sh adds RANK, LOCAL_RANK, WORLD_SIZE, MASTER_* but no
+    LOCAL_WORLD_SIZE: the tasks per node must still come from Slurm."""
+    pods = [(h, o.enroot_pytorch_hook(e)) for h, e in o.slurm_pods(nodes=2, tasks_per_node=4)]
+    env = pods[5][1]
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["MASTER_PORT"],
+            env["OMP_NUM_THREADS"]) == ("5", "1", "8", "gpu01", str(4242 % 16384 + 49152), "1")
+    assert "LOCAL_WORLD_SIZE" not in env
+    want = [(p, 8, p % 4, 4, "gpu01", 53394) for p in range(8)]
+    assert [reading(e) for _, e in pods] == want and o.check_world(pods) == []
+    # One GPU bound to each task (--gpus-per-task=1): cuda:0; 4 per node: cuda:local rank.
+    assert choose_device_and_backend(1, 4, gpu_count=1, env=env)[0].index == 0
+    assert choose_device_and_backend(1, 4, gpu_count=4, env=env)[0].index == 1
+    # Negative control: the local world taken as the whole world (8 ranks on a 4-GPU node) is
+    # refused, which is what a missing LOCAL_WORLD_SIZE used to mean.
+    with pytest.raises(DistributedSetupError, match="8 processes on this node but 4 GPU"):
+        choose_device_and_backend(1, 8, gpu_count=4, env=env)
+    # Without PYTORCH_VERSION in the image the hook adds nothing; srun's variables still work.
+    bare = o.enroot_pytorch_hook(o.slurm_env(2, 4, 5), image_env={})
+    assert "RANK" not in bare and reading(bare) == (5, 8, 1, 4, "gpu01", 24242)

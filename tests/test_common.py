@@ -54,6 +54,15 @@ def test_read_launch_env_one_process_per_pod_and_indexed_job():
     # RANK wins over the index; an index without WORLD_SIZE is not a world.
     assert distributed.read_launch_env({**indexed, "RANK": "0"})["rank"] == 0
     assert distributed.read_launch_env({"JOB_COMPLETION_INDEX": "2"})["launcher"] == "single"
+    # srun in a pyxis container with enroot's 50-slurm-pytorch.sh hook: RANK, LOCAL_RANK,
+    # WORLD_SIZE, MASTER_* from SLURM_*, no LOCAL_WORLD_SIZE; one GPU bound to each task.
+    hook = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "4(x2)",
+            "SLURM_GPUS_ON_NODE": "4", "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8",
+            "MASTER_ADDR": "gpu01", "MASTER_PORT": str(4242 % 16384 + 49152)}
+    got = distributed.read_launch_env(hook)
+    assert (got["rank"], got["local_rank"], got["world_size"], got["local_world_size"]) == (5, 1, 8, 4)
+    assert distributed.choose_device_and_backend(1, 4, gpu_count=1, env=hook)[0] == torch.device("cuda", 0)
+    assert distributed.choose_device_and_backend(1, 4, gpu_count=4, env=hook)[0] == torch.device("cuda", 1)
 
 
 def test_choose_device_and_backend_on_cpu():

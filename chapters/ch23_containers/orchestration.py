@@ -261,14 +261,36 @@ def slurm_nodelist(prefix: str, first: int, nodes: int) -> str:
 def slurm_env(nodes: int, tasks_per_node: int, procid: int, job_id: int = 4242,
               prefix: str = "gpu", first: int = 1) -> dict:
     """The variables srun gives task `procid` of `srun --nodes=N --ntasks-per-node=T` (block
-    distribution, Slurm's default: tasks fill node 0 first). The same reach a task that pyxis
-    starts inside a container (`srun --container-image=...`)."""
+    distribution, Slurm's default: tasks fill node 0 first). A task that pyxis starts inside a
+    container (`srun --container-image=...`) gets them too, plus `enroot_pytorch_hook`'s."""
     hosts = slurm_nodelist(prefix, first, nodes)
     return {"SLURM_PROCID": str(procid), "SLURM_LOCALID": str(procid % tasks_per_node),
             "SLURM_NODEID": str(procid // tasks_per_node), "SLURM_NTASKS": str(nodes * tasks_per_node),
             "SLURM_NNODES": str(nodes), "SLURM_NTASKS_PER_NODE": str(tasks_per_node),
             "SLURM_TASKS_PER_NODE": f"{tasks_per_node}(x{nodes})" if nodes > 1 else str(tasks_per_node),
-            "SLURM_JOB_NODELIST": hosts, "SLURM_NODELIST": hosts, "SLURM_JOB_ID": str(job_id)}
+            "SLURM_JOB_NODELIST": hosts, "SLURM_NODELIST": hosts, "SLURM_STEP_NODELIST": hosts,
+            "SLURM_JOB_ID": str(job_id)}
+
+
+def enroot_pytorch_hook(env: dict, image_env: dict | None = None) -> dict:
+    """What enroot's hook 50-slurm-pytorch.sh (NVIDIA/enroot conf/hooks/extra, enabled by the
+    cluster's admin) adds to a task that pyxis starts in a container whose image sets
+    PYTORCH_VERSION: MASTER_ADDR (first host of the step), MASTER_PORT = job id mod 16384 + 49152,
+    WORLD_SIZE, RANK, LOCAL_RANK from SLURM_*, OMP_NUM_THREADS=1 with several tasks per node; a
+    variable the image already sets is kept. No LOCAL_WORLD_SIZE."""
+    from common.distributed import first_slurm_host
+
+    image_env = {"PYTORCH_VERSION": "2.14.1"} if image_env is None else image_env
+    out = {**env, **image_env}
+    if "PYTORCH_VERSION" not in image_env:
+        return out
+    added = {"MASTER_ADDR": first_slurm_host(env["SLURM_STEP_NODELIST"]),
+             "MASTER_PORT": str(int(env["SLURM_JOB_ID"]) % 16384 + 49152),
+             "WORLD_SIZE": env["SLURM_NTASKS"], "RANK": env["SLURM_PROCID"],
+             "LOCAL_RANK": env["SLURM_LOCALID"]}
+    if int(env.get("SLURM_NTASKS_PER_NODE", "1")) > 1:
+        added["OMP_NUM_THREADS"] = "1"
+    return {**out, **{k: v for k, v in added.items() if k not in image_env}}
 
 
 def slurm_pods(nodes: int, tasks_per_node: int) -> list[tuple[str, dict]]:

@@ -108,7 +108,8 @@ def check_manifests(rec: RunRecorder) -> None:
     launchers = {"PyTorchJob": o.pytorchjob_pods(by_name["ch23-ddp"]),
                  "Volcano": o.volcano_pods(by_name["ch23-gang"]),
                  "indexed Job": o.indexed_job_pods(by_name["ch23-indexed"]),
-                 "Slurm 2x4": o.slurm_pods(2, 4)}
+                 "Slurm 2x4": o.slurm_pods(2, 4),
+                 "Slurm+pyxis hook": [(h, o.enroot_pytorch_hook(e)) for h, e in o.slurm_pods(2, 4)]}
     for name, pods in launchers.items():
         rec.check(f"{name} env read: problems", "count", len(o.check_world(pods)), 0)
     # The counter counts: the same check on a wrong mapping (Volcano's task index as the rank:
