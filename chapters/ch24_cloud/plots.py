@@ -123,13 +123,13 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     x = [0.5, 1e6]
     for mbs in ASSUMED_MB_S:
         ax.loglog(x, [s / mbs for s in x], ls="--", lw=1,
-                  label=f"size / {mbs} MB/s (formula, an assumed upload rate)")
+                  label=f"size / {mbs} MiB/s (formula, an assumed upload rate)")
     for (name, g), c in zip(GRACE_S.items(), ("tab:red", "tab:purple")):
         ax.axhline(g, color=c, ls=":", lw=1.5)
         ax.annotate(name, (0.6, g), color=c, fontsize=8, va="bottom")
     ax.set_xlim(0.5, 1e6)
     ax.set_ylim(1e-3, 1e4)
-    ax.set_xlabel("checkpoint bytes written by one node (MB)")
+    ax.set_xlabel("checkpoint bytes written by one node (MiB)")
     ax.set_ylabel("seconds")
     ax.set_title("What fits in the grace period: size / throughput < grace")
     ax.legend(fontsize=7, loc="lower right")
