@@ -257,6 +257,13 @@ def test_readme_shows_the_recorded_run():
         assert str(figure) in readme, figure
 
 
+@pytest.mark.timeout(60)
+def test_readme_links_resolve():
+    readme = SLURM / "README.md"
+    links = [m for m in re.findall(r"\]\(([^)#\s]+)\)", readme.read_text()) if "://" not in m]
+    assert len(links) >= 8 and not [m for m in links if not (readme.parent / m).exists()]
+
+
 @pytest.mark.timeout(90)
 def test_readme_commands_are_valid():
     sys.path.insert(0, str(REPO / "tests"))
