@@ -25,6 +25,7 @@ Run:
 """
 
 import hashlib
+import io
 import json
 import signal
 import sys
@@ -165,7 +166,6 @@ def stop_agreed(notice: Preemption, step: int, device: torch.device) -> bool:
 # --- checkpoints on object storage --------------------------------------------------------------
 
 def _bytes(obj) -> bytes:
-    import io
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
@@ -244,10 +244,11 @@ class ObjectStoreCheckpoints:
             if len(data) != e["bytes"] or hashlib.sha256(data).hexdigest() != e["sha256"]:
                 raise CheckpointError(f"{self._path(e['key'])} does not match its manifest entry")
             blobs[e["key"]] = data
-        import io
-        state = torch.load(io.BytesIO(blobs[f"{folder}/state.pt"]), weights_only=True)
+        state = torch.load(io.BytesIO(blobs[f"{folder}/state.pt"]), map_location="cpu",
+                           weights_only=True)
         same_world = manifest["world_size"] == world_size
-        state["rng"] = (torch.load(io.BytesIO(blobs[f"{folder}/rng{rank}.pt"]), weights_only=True)
+        state["rng"] = (torch.load(io.BytesIO(blobs[f"{folder}/rng{rank}.pt"]), map_location="cpu",
+                                   weights_only=True)
                         if same_world else None)
         return state
 
