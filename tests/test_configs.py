@@ -54,6 +54,8 @@ REFUSED: dict[tuple[str, int], str] = {
     **{("ch21_hyperparameters/tune", w): "one process by design" for w in (2, 3, 4, 8, 16)},
     # ch27: the TRL demonstration is one process (TRL spreads itself with accelerate launch)
     **{("ch27_rlhf/trl_grpo", w): "runs as one process" for w in (2, 3, 4, 8, 16)},
+    # ch30: FedAvg needs clients to average: one per rank, two at least
+    ("ch30_frontier/fedavg", 1): "needs at least 2 ranks",
 }
 
 
