@@ -150,7 +150,7 @@ def check_intervals(rec: RunRecorder, save: float, restart: float, mtbf: float) 
     numeric = C.golden_section(lambda t: C.first_order_overhead(t, save, restart, mtbf),
                                1e-6 * mtbf, 10 * mtbf)
     young = C.young_interval(save, mtbf)
-    rec.check("Young: sqrt(2δM) = argmin of δ/τ + (τ/2+R)/M (relative)", "formula", young,
+    rec.check("Young: sqrt(2δM) = argmin of δ/τ + (τ/2+R)/M (s)", "formula", young,
               numeric, YOUNG_TOL, relative=True)
     wrong = math.sqrt(save * mtbf)
     rec.check("control: sqrt(δM) (a factor 2 lost), relative error", "formula",
