@@ -188,7 +188,7 @@ def check_simulation(rec: RunRecorder, cfg: Config, tau: float, sums) -> dict:
               abs(wrong - mean) / H, bound / H, compare=">")
     first = args[0] * C.first_order_overhead(tau, cfg.save_s, cfg.restart_s, args[4])
     rec.figure("simulated waste: mean, standard error", [mean / H, se / H], model / H, "h")
-    rec.figure("Young's first-order waste at the same τ (an approximation)", first / H, unit="h")
+    rec.figure("Young's first-order waste at the same τ (formula)", first / H, unit="h")
     return {"mean_s": mean, "se_s": se, "model_s": model, "first_order_s": first}
 
 
@@ -234,10 +234,10 @@ def main(cfg: Config) -> int:
                  info.world_size)
         sim = check_simulation(rec, cfg, tau, simulate(cfg, info, tau))
         spot_or_not(rec, cfg, flops, tau)
-        rec.figure("training FLOPs", flops, unit="FLOP")
-        rec.figure("GPU-hours at the MFU", rows[0]["gpu_hours"], unit="GPU-h")
-        rec.figure("Daly interval", tau / H, unit="h")
-        rec.figure("Young interval", C.young_interval(cfg.save_s, cfg.mtbf_h * H) / H, unit="h")
+        rec.figure("training FLOPs (formula)", flops, unit="FLOP")
+        rec.figure("GPU-hours at the MFU (formula)", rows[0]["gpu_hours"], unit="GPU-h")
+        rec.figure("Daly interval (formula)", tau / H, unit="h")
+        rec.figure("Young interval (formula)", C.young_interval(cfg.save_s, cfg.mtbf_h * H) / H, unit="h")
         rec.figure("money table", rows, table=False)
         rec.figure("layouts", lay, table=False)
         rec.figure("simulation sums (waste s, waste² s², runs)", list(sim.values()), table=False)
