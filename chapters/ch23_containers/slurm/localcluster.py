@@ -243,8 +243,8 @@ class LocalSlurm:
         reason = missing_requirements()
         if reason:
             raise ClusterError(reason)
-        self._write_files()
         try:
+            self._write_files()
             m = self.root / "munge"
             self._start("munged", ["munged", "-F", f"--socket={m}/munge.socket",
                                    f"--key-file={m}/munge.key", f"--pid-file={m}/munged.pid",
