@@ -96,7 +96,7 @@ def hand_times(h, pairs, B, m, W, F, alpha, beta):
 @pytest.mark.timeout(30)
 def test_predicted_order_matches_hand_arithmetic():
     cfg = train.Config()
-    F, alpha, beta = 50e9, 200e-6, 1 / 1e9  # stated constants, near what this machine measures
+    F, alpha, beta = 50e9, 200e-6, 1 / 1e9  # stated round constants (the lesson quotes them)
     cluster = real_layouts.cpu_cluster(2, F, alpha, beta)
     spec = real_layouts.tiny_spec(cfg.width, cfg.pairs, cfg.batch)
     got = {k: planner.step_time(spec, cluster, real_layouts.layout_for(k, 2, cfg.batch, cfg.micro_batches))

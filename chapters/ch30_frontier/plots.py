@@ -30,7 +30,9 @@ def measure() -> dict:
                  "measured_ms": p["figures"][f"{k}=2 step time"]["measured"],
                  "spread_ms": p["figures"][f"{k}=2 step time"]["spread"]} for k in ("dp", "tp", "pp")}
     checks = {c["name"]: c["measured"] for c in fed["checks"]}
-    return {"steps": steps, "fedavg_accuracy": curve,
+    constants = {k: p["figures"][k]["measured"] for k in (
+        "measured matmul rate per rank", "measured all-reduce alpha", "measured all-reduce bandwidth (1/beta)")}
+    return {"steps": steps, "constants": constants, "fedavg_accuracy": curve,
             "single_accuracy": checks["best single client's test accuracy (trained alone as long)"],
             "bounds": [fed["config"]["fedavg_accuracy"], fed["config"]["single_accuracy"]]}
 

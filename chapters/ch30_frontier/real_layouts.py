@@ -90,44 +90,44 @@ def tp_step(model: TPPairs, x, y) -> None:
 
 def pp_step(stage: nn.Sequential, x, y, rank: int, world: int, width: int, micro_batches: int) -> None:
     stage.zero_grad(set_to_none=False)
-    act_like = torch.empty(x.shape[0], width, dtype=x.dtype)
+    act_like = torch.empty(x.shape[0], width, dtype=x.dtype, device=x.device)
     gpipe_step(stage, x, y, rank, world, act_like, micro_batches)
 
 
 def time_layouts(kinds: list[str], width: int, pairs: int, batch: int, micro_batches: int,
-                 warmup: int, repeats: int, seed: int) -> dict[str, dict]:
+                 warmup: int, repeats: int, seed: int, device: torch.device) -> dict[str, dict]:
     """Median step time of each layout on this world (the slowest rank's median), in seconds."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
-    model = MLP(width, width, width, n_layers=2 * pairs)
+    model = MLP(width, width, width, n_layers=2 * pairs).to(device)
     g = torch.Generator().manual_seed(seed + 1)
-    x, y = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+    x, y = (torch.randn(batch, width, generator=g).to(device) for _ in range(2))
     steps = {"dp": lambda: dp_step(model, x, y, rank, world),
-             "tp": (lambda tp_model: lambda: tp_step(tp_model, x, y))(TPPairs(model, rank, world)),
+             "tp": (lambda tp_model: lambda: tp_step(tp_model, x, y))(TPPairs(model, rank, world).to(device)),
              "pp": (lambda stage: lambda: pp_step(stage, x, y, rank, world, width, micro_batches))(
                  build_stage(model, rank, world))}
     out = {}
     for kind in kinds:
         dist.barrier()
-        stats = benchmark(steps[kind], warmup=warmup, repeats=repeats)
+        stats = benchmark(steps[kind], warmup=warmup, repeats=repeats, device=device)
         medians = gather_numbers(stats.median)
         out[kind] = {"median_s": max(medians), "min_s": stats.min, "max_s": stats.max,
                      "threads": stats.threads}
     return out
 
 
-def calibrate(width: int, repeats: int) -> dict[str, float]:
+def calibrate(width: int, repeats: int, device: torch.device) -> dict[str, float]:
     """This machine's constants for the planner: FLOP/s of a width×width matmul on one thread
     (as the ranks run), and α, β of the all-reduce from two sizes fitted by chapter 07's line."""
-    rate = matmul_peak_flops(width, repeats=repeats)
+    rate = matmul_peak_flops(width, device=device, repeats=repeats)
     world = dist.get_world_size()
     sizes = [4096, 4 << 20]
     times = []
     for size in sizes:
-        t = torch.zeros(size // 4)
+        t = torch.zeros(size // 4, device=device)
         dist.barrier()
         times.append(max(gather_numbers(benchmark(lambda t=t: dist.all_reduce(t), warmup=2,
-                                                  repeats=repeats).median)))
+                                                  repeats=repeats, device=device).median)))
     a, b = fit_latency_bandwidth([float(s) for s in sizes], times)
     alpha, beta = ring_alpha_beta(a, b, world)
     rate = min(gather_numbers(rate))

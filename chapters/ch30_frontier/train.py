@@ -97,7 +97,7 @@ def predict_and_run(cfg: Config, info, rec: RunRecorder) -> None:
                                                        cfg.micro_batches)]
     for k in set(KINDS) - set(kinds):
         log.info("%s = %d does not split this model: skipped", k, world)
-    const = real_layouts.calibrate(cfg.width, cfg.repeats)
+    const = real_layouts.calibrate(cfg.width, cfg.repeats, info.device)
     log.info("this machine: %.2f GFLOP/s per rank (%dx%d matmul), all-reduce alpha %.0f us, "
              "%.2f GB/s", const["flops"] / 1e9, cfg.width, cfg.width, const["alpha"] * 1e6,
              1e-9 / const["beta"] if const["beta"] else float("inf"))
@@ -110,7 +110,7 @@ def predict_and_run(cfg: Config, info, rec: RunRecorder) -> None:
     predicted = {k: planner.step_time(spec, cluster, real_layouts.layout_for(k, world, cfg.batch, cfg.micro_batches))
                  for k in kinds}
     measured = real_layouts.time_layouts(kinds, cfg.width, cfg.pairs, cfg.batch, cfg.micro_batches,
-                                         cfg.warmup, cfg.repeats, cfg.seed)
+                                         cfg.warmup, cfg.repeats, cfg.seed, info.device)
     for k in kinds:
         log.info("%s=%d: predicted %.2f ms, measured %.2f ms", k, world, predicted[k] * 1e3,
                  measured[k]["median_s"] * 1e3)
