@@ -126,6 +126,19 @@ def test_masks_cancel_in_one_process():
     assert secure_agg.decode(secure_agg.encode(torch.tensor([-1.5, 2.25]), 16), 16).tolist() == [-1.5, 2.25]
 
 
+@pytest.mark.timeout(30)
+def test_clip_and_noise_give_the_stated_variance():
+    g = torch.Generator().manual_seed(0)
+    big = torch.full((1000,), 1.0, dtype=torch.float64)  # norm 31.6: clipped to 2
+    clipped = secure_agg.clip_and_noise(big, 2.0, 0.0, 4, g)
+    assert clipped.norm().item() == pytest.approx(2.0, rel=1e-12)
+    zero = torch.zeros(200_000, dtype=torch.float64)
+    noisy = secure_agg.clip_and_noise(zero, 2.0, 0.5, 4, g)  # per client z·C/√W = 0.5
+    assert noisy.std().item() == pytest.approx(0.5, rel=0.01)
+    total = sum(secure_agg.clip_and_noise(zero[:50_000], 2.0, 0.5, 4, g) for _ in range(4))
+    assert total.std().item() == pytest.approx(1.0, rel=0.02)  # the sum carries z·C
+
+
 def one_round(cfg: fedavg.Config, pairwise: bool):
     """Worker: one FedAvg round on the shards; returns the new global parameters."""
     import torch.distributed as dist

@@ -12,7 +12,7 @@ and that FedAvg reaches an accuracy a single client's model does not.
 Run (one client per rank; two at least):
     torchrun --standalone --nproc_per_node=2 chapters/ch30_frontier/fedavg.py
     torchrun --standalone --nproc_per_node=4 chapters/ch30_frontier/fedavg.py --rounds 40
-    torchrun --standalone --nproc_per_node=4 chapters/ch30_frontier/fedavg.py --clip 1 --noise-multiplier 0.5
+    torchrun --standalone --nproc_per_node=4 chapters/ch30_frontier/fedavg.py --clip 1 --noise-multiplier 0.2
     srun --ntasks=8 python chapters/ch30_frontier/fedavg.py
 """
 

@@ -81,6 +81,8 @@ def plan_worked_pairs(rec: RunRecorder) -> None:
                   [str(plan.layout), plan.time], [str(full.layout), full.time])
         wrong = planner.search(spec, cluster, ignore_memory=True)
         log.info("    control, memory limit ignored: %s needs %s", wrong.layout, gb(wrong.memory))
+        rec.check(f"{name}: control, memory limit ignored: its choice needs more (GB)", "parity",
+                  round(wrong.memory / 1e9, 2), cluster.memory_bytes / 1e9, compare=">")
 
 
 def check_small_cases(rec: RunRecorder) -> None:
@@ -88,6 +90,10 @@ def check_small_cases(rec: RunRecorder) -> None:
         plan, full = planner.search(spec, cluster), planner.brute_force(spec, cluster)
         rec.check(f"small case {name}: planner == brute force", "parity",
                   [str(plan.layout), plan.time], [str(full.layout), full.time])
+    spec, cluster = planner.small_cases()["7B, 32 x 40 GB"]
+    right, blind = planner.search(spec, cluster), planner.search(spec, cluster, drop="dp_comm")
+    rec.check("control: a planner blind to the gradient all-reduce picks another layout", "parity",
+              int(blind.layout != right.layout), 1)
 
 
 def predict_and_run(cfg: Config, info, rec: RunRecorder) -> None:
