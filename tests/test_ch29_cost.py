@@ -46,6 +46,15 @@ def test_worked_examples_against_hand_arithmetic():
     assert C.implied_mfu(C.total_flops(70e9, 2e12), 312e12, 1720320) == pytest.approx(0.43472, abs=1e-5)
     # Llama 2 7B: 184 320 A100-hours, 8.4e22 / (312e12 * 184 320 * 3600) = 0.4057
     assert C.implied_mfu(C.total_flops(7e9, 2e12), 312e12, 184320) == pytest.approx(0.40574, abs=1e-5)
+    # PaLM's MFU adds attention (12 L d T per token, T = 4096): 70B (L 80, d 8192) x 1.0767,
+    # 7B (L 32, d 4096) x 1.1534: both 0.468
+    assert C.implied_mfu(C.total_flops(70e9, 2e12, 80, 8192, 4096), 312e12, 1720320) == pytest.approx(0.468, abs=5e-4)
+    assert C.implied_mfu(C.total_flops(7e9, 2e12, 32, 4096, 4096), 312e12, 184320) == pytest.approx(0.468, abs=5e-4)
+    assert 12 * 80 * 8192 * 4096 / (6 * 70e9) == pytest.approx(0.0767, abs=1e-4)
+    # the 2026 list prices the lesson quotes beside the examples: 55.04 / 98.32 = 0.56;
+    # p4d 21.957642 = 0.67 x 32.7726
+    assert 55.04 / 98.32 == pytest.approx(0.56, abs=5e-3)
+    assert 0.67 * 32.7726 == pytest.approx(21.957642, rel=1e-9)
     # 70B on 2T tokens at MFU 0.4 on H100s: 8.4e23 / (989e12 * 0.4) / 3600 = 589 821.4 GPU-hours
     assert C.gpu_hours(8.4e23, 989e12, 0.4) == pytest.approx(589_821.4, abs=0.1)
 
@@ -115,6 +124,21 @@ def test_simulated_spot_run_matches_the_model_and_the_control_does_not():
     args2 = (args[0], 2 * tau, *args[2:])
     mean2, se2 = C.mean_and_se(*C.simulate_waste(*args2, range(4000)))
     assert abs(mean2 - C.expected_waste(*args2)) <= T.SIM_SIGMAS * se2
+
+
+@pytest.mark.timeout(30)
+def test_failures_during_restarts_are_modelled_and_simulated():
+    # At the default R = 600 s, M = 4 h the e^{R/M} factor differs from "restarts never fail"
+    # (M + R)(e^{t/M} - 1) by ~0.02 h in 24 h, below the simulation's 4 SE: a simulation whose
+    # restarts cannot fail passes the default check. With R = M/2 the two models are ~4 h apart.
+    M, R, save = 4 * H, 2 * H, 180.0
+    tau = C.daly_interval(save, M)
+    args = (24 * H, tau, save, R, M)
+    mean, se = C.mean_and_se(*C.simulate_waste(*args, range(2 * 10**6, 2 * 10**6 + 4000)))
+    assert abs(mean - C.expected_waste(*args)) <= T.SIM_SIGMAS * se
+    # negative control, computed here: each failure costs R once, the restart itself never fails
+    never_fail = sum((M + R) * math.expm1((w + save) / M) for w in C.segments(args[0], tau)) - args[0]
+    assert abs(mean - never_fail) > T.SIM_SIGMAS * se
 
 
 @pytest.mark.timeout(30)

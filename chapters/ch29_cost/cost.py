@@ -58,19 +58,22 @@ SPOT_DISCOUNT = 0.6
 
 INSTANCES = [
     Instance("aws-p5.48xlarge", "H100", 8, 450, 3200 / 8 / 8, 98.32, 98.32 * (1 - SPOT_DISCOUNT),
-             "on-demand us-east-1 as quoted by nextplatform.com (2023-07-27) and computespec.pages.dev "
-             "(2026); 3200 Gbit/s EFA; spot = on-demand × (1 − SPOT_DISCOUNT), assumed"),
+             "on-demand us-east-1 list price from 2023 until AWS's June 2025 cut, as quoted by "
+             "nextplatform.com (2023-07-27); $55.04 in a price list read 2026-11-09; 3200 Gbit/s EFA; "
+             "spot = on-demand × (1 − SPOT_DISCOUNT), assumed"),
     Instance("aws-p5-capacity-block", "H100", 8, 450, 3200 / 8 / 8, 39.33, None,
              "EC2 Capacity Blocks pricing page, us-east-1, rates valid until 2025-01-01 "
              "(reserved ahead, not preemptible)"),
     Instance("aws-p4d.24xlarge", "A100", 8, 300, 400 / 8 / 8, 32.77, 32.77 * (1 - SPOT_DISCOUNT),
-             "on-demand us-east-1, AWS EC2 pricing page as listed 2023-2024 (not re-read for "
-             "this chapter); 400 Gbit/s EFA; spot assumed as above"),
+             "on-demand us-east-1 before AWS's June 2025 cut, as listed 2023-2024 (not re-read; "
+             "$21.96 = 0.67 × $32.77 in a price list read 2026-11-09); 400 Gbit/s EFA; spot assumed "
+             "as above"),
     Instance("tier2-cloud-8xH100", "H100", 8, 450, 400 / 8, 8 * 2.49, None,
              "$2.49 per GPU-hour as quoted by computespec.pages.dev (2026); 400 Gbit/s per GPU "
              "assumed (InfiniBand NDR)"),
 ]
-"""Examples only: prices change; the network and NVLink figures are the instance's stated
+"""Examples only: prices change (the two AWS on-demand rows predate AWS's June 2025 price cut and
+are kept so the lesson's worked numbers stay fixed); the network and NVLink figures are the instance's stated
 aggregate divided by its GPUs (NVLink 4: 900 GB/s both directions = 450 GB/s one way;
 NVLink 3: 600 = 300)."""
 
