@@ -13,7 +13,9 @@ here talks to a cloud: no credentials, no network.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import re
 import shlex
@@ -102,10 +104,14 @@ def check_command(words: list[str], nodes: int):
     else:
         nproc = 1
     module = importlib.import_module(f"chapters.{script.parent.name}.{script.stem}")
+    said = io.StringIO()  # argparse prints its refusal: keep it for the error, off the console
     try:
-        ns = build_parser(module.Config).parse_args(args)
+        with contextlib.redirect_stderr(said):
+            ns = build_parser(module.Config).parse_args(args)
     except SystemExit:
-        raise TemplateError(f"{words[idx]} does not accept {' '.join(args)!r}") from None
+        reason = said.getvalue().strip().splitlines()[-1:] or [""]
+        raise TemplateError(f"{words[idx]} does not accept {' '.join(args)!r}: "
+                            f"{reason[0]}") from None
     cfg = module.Config(**vars(ns))  # ValueError: an option's value is refused
     module.validate(cfg, nodes * nproc)
     return cfg, nodes * nproc

@@ -30,17 +30,13 @@ ASSUMED_MB_S = [100, 1000]  # assumed per-node upload throughputs for the formul
 MEASURE_S = 25
 
 
-class _Info:
-    def __init__(self):
-        import torch.distributed as dist
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = torch.device("cpu")
-
-
 def curves_on_ranks(folder: str) -> dict:
     """On each of 2 gloo ranks: loss per step of an undisturbed run, of a run preempted before
     STOP_AT and resumed, and of resumes that leave out the data position or the RNG state."""
-    info, cfg = _Info(), train.Config(steps=STEPS)
+    import torch.distributed as dist
+
+    from common.testing import rank_info
+    info, cfg = rank_info(dist.get_rank(), dist.get_world_size()), train.Config(steps=STEPS)
     full = train.train(cfg, info, train.ObjectStoreCheckpoints(f"{folder}/full"), train.Preemption())
     out = {"undisturbed": full["losses"]}
     for name, restore in (("preempted, resumed (full state)", train.STATE_PARTS),

@@ -8,9 +8,9 @@ boundary the ranks all-reduce that flag (MAX), so every rank stops at the same s
 one node was told, and they write one checkpoint together. Checkpoints go through fsspec to a URL
 (a local path, `file://`, `s3://`, `gs://`, `oss://` where its fsspec package is installed): every
 object is written whole, and a step counts only once its `manifest.json`, written last, exists.
-The run then exits with code 143 (128 + SIGTERM), never 0, so that the launcher restarts it; the
-restarted run finds the newest manifest and continues. The training loop, data position and
-per-rank noise are chapter 13's.
+Each rank then exits with code 143 (128 + SIGTERM), never 0, so that the launcher restarts it
+(torchrun, if it started the ranks, exits 1 itself); the restarted run finds the newest manifest
+and continues. The training loop, data position and per-rank noise are chapter 13's.
 
 Run:
     python chapters/ch24_cloud/train.py                                       # one process
