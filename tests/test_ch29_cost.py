@@ -236,21 +236,25 @@ def test_exercise_answers():
     assert C.young_interval(60, 2 * H) / H == pytest.approx(math.sqrt(2 * 60 * 7200) / H) == pytest.approx(0.2582, abs=1e-4)
     assert C.daly_interval(60, 2 * H) / H == pytest.approx(0.2472, abs=1e-4)
     assert C.expected_waste(24 * H, C.daly_interval(60, 2 * H), 60, 600, 2 * H) / H == pytest.approx(5.780, abs=1e-3)
-    # 3: p (1 + 0.228) = 1
-    assert C.spot_break_even(1.0, 1 / 1.228, 0.228)["cost_ratio"] == pytest.approx(1.0)
-    assert 1 / 1.228 == pytest.approx(0.8143, abs=1e-4)
+    # 3: p (1 + 0.226) = 1
+    assert C.spot_break_even(1.0, 1 / 1.226, 0.226)["cost_ratio"] == pytest.approx(1.0)
+    assert 1 / 1.226 == pytest.approx(0.8157, abs=1e-4) and 1 - 1 / 1.226 == pytest.approx(0.184, abs=1e-3)
 
 
 @pytest.mark.timeout(30)
 def test_the_lessons_other_numbers():
     # worked example 2: 589 821.4 GPU-hours x 98.32 / 8 = $7.249 M
     assert C.gpu_hours(8.4e23, 989e12, 0.4) * 98.32 / 8 == pytest.approx(7.2489e6, rel=1e-4)
-    # worked example 4: spot $ = 29 491.07 / 8 x 39.328 x (1 + waste), waste 0.2284 -> $178 096
+    # worked example 4: the waste of the run's own 460.8 useful hours (22.64 %, not the 24 h run's
+    # 22.84 %); spot $ = 29 491.07 / 8 x 39.328 x (1 + waste) -> $177 800
     p5 = C.instance("aws-p5.48xlarge")
     tau = C.daly_interval(180, 4 * H)
-    waste = C.expected_waste(24 * H, tau, 180, 600, 4 * H) / (24 * H)
+    work = 29491.07 / 64 * H
+    waste = C.expected_waste(work, tau, 180, 600, 4 * H) / work
+    assert waste == pytest.approx(0.2264, abs=1e-4)
+    assert C.expected_waste(24 * H, tau, 180, 600, 4 * H) / (24 * H) == pytest.approx(0.2284, abs=1e-4)
     spot = C.run_cost(4.2e22, p5, 0.4, 64, spot=True, overhead=waste)["dollars"]
-    assert spot == pytest.approx(29491.07 / 8 * 39.328 * (1 + waste), rel=1e-6) and round(spot) == 178096
+    assert spot == pytest.approx(29491.07 / 8 * 39.328 * (1 + waste), rel=1e-6) and round(spot) == 177800
     # worked example 5: Daly's tau at M = 12 h: sqrt(2*180*43200) = 3943.6 s, r = 180/86400
     r = 180 / 86400
     assert C.daly_interval(180, 12 * H) == pytest.approx(math.sqrt(2 * 180 * 43200) * (1 + math.sqrt(r) / 3 + r / 9) - 180)

@@ -193,21 +193,23 @@ def check_simulation(rec: RunRecorder, cfg: Config, tau: float, sums) -> dict:
 
 
 def spot_or_not(rec: RunRecorder, cfg: Config, flops: float, tau: float) -> None:
-    """Spot's discount against the waste its preemptions cost, at the Daly interval."""
+    """Spot's discount against the waste its preemptions cost, at the Daly interval, over the
+    planned run's own length (its useful hours on n_gpus), not the simulated 24 h run's."""
     inst = C.instance(cfg.instance)
     if inst.spot_per_h is None:
         log.info("%s has no spot price: no spot comparison", inst.name)
         return
-    overhead = C.expected_waste(cfg.work_h * H, tau, cfg.save_s, cfg.restart_s, cfg.mtbf_h * H) / (cfg.work_h * H)
-    spot = C.run_cost(flops, inst, cfg.mfu, cfg.n_gpus, spot=True, overhead=overhead)
     od = C.run_cost(flops, inst, cfg.mfu, cfg.n_gpus)
+    work = od["wall_hours"] * H
+    overhead = C.expected_waste(work, tau, cfg.save_s, cfg.restart_s, cfg.mtbf_h * H) / work
+    spot = C.run_cost(flops, inst, cfg.mfu, cfg.n_gpus, spot=True, overhead=overhead)
     be = C.spot_break_even(inst.on_demand_per_h, inst.spot_per_h, overhead)
-    rec.figure("spot waste fraction at Daly's τ (model)", overhead)
+    rec.figure("spot waste of the planned run, fraction (model)", overhead)
     rec.figure("spot / on-demand cost (model)", be["cost_ratio"])
     rec.figure("waste at which spot breaks even (model)", be["break_even_overhead"])
     log.info("")
-    log.info("spot on %s: waste %.1f %% of the work at τ = %.2f h (model)", inst.name,
-             100 * overhead, tau / H)
+    log.info("spot on %s: waste %.1f %% of the %.0f h run at τ = %.2f h (model)", inst.name,
+             100 * overhead, work / H, tau / H)
     log.info("  $%.0f against $%.0f on demand (%.2f x); spot breaks even at %.0f %% waste",
              spot["dollars"], od["dollars"], be["cost_ratio"], 100 * be["break_even_overhead"])
 
