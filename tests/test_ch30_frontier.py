@@ -81,6 +81,20 @@ def test_worked_pairs_fit_and_use_the_chapters_models():
     assert planner.memory_bytes(spec, lay) - planner.activation_bytes(spec, lay) == pytest.approx(states, abs=16 * 64)
 
 
+@pytest.mark.timeout(30)
+def test_exercise_answers():
+    import dataclasses
+
+    spec, cluster = planner.WORKED["7B on 64 GPUs of 80 GB"]
+    small = planner.search(spec, dataclasses.replace(cluster, memory_bytes=40e9))
+    assert str(small.layout) == "dp=4 tp=1 pp=16 b=1 rc=selective ZeRO-0"
+    assert (round(small.time, 3), round(small.memory / 1e9, 1)) == (3.689, 25.0)
+    hidden = planner.search(spec, cluster, drop="dp_comm")
+    assert str(hidden.layout) == "dp=64 tp=1 pp=1 b=1 rc=selective ZeRO-1"
+    assert round(planner.step_time(spec, cluster, hidden.layout, "dp_comm"), 3) == 3.248
+    assert (round(hidden.time, 3), round(planner.search(spec, cluster).time, 3)) == (3.913, 3.557)
+
+
 def hand_times(h, pairs, B, m, W, F, alpha, beta):
     """The tiny MLP's three layouts by hand (float32, one row = one token, SGD)."""
     psi = pairs * 2 * h * h
