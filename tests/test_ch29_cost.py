@@ -222,6 +222,9 @@ def test_script_on_two_ranks(tmp_path):
     mean = summary["figures"]["simulated waste: mean, standard error"]["measured"][0]
     assert mean == pytest.approx(s / n / H, rel=1e-12)
     assert summary["figures"]["GPU-hours at the MFU (formula)"]["measured"] == pytest.approx(29491.07, abs=0.01)
+    # spot is priced over the planned run's 460.8 useful hours (22.64 %), not the 24 h run's 22.84 %
+    spot_waste = summary["figures"]["spot waste of the planned run, fraction (model)"]["measured"]
+    assert spot_waste == pytest.approx(0.2264, abs=1e-4)
 
 
 @pytest.mark.timeout(30)
