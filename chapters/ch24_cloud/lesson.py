@@ -23,6 +23,7 @@
 # %%
 import inspect
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,7 +60,9 @@ cmd = [sys.executable, str(REPO_ROOT / "chapters/ch24_cloud/train.py"), "--devic
 first = subprocess.Popen([*cmd, "--out", str(work / "first")], cwd=REPO_ROOT, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 metrics = work / "first" / "metrics.jsonl"
+deadline = time.monotonic() + 60
 while not metrics.exists() or metrics.read_text().count("\n") < 7:
+    assert first.poll() is None and time.monotonic() < deadline, "the run never logged step 6"
     time.sleep(0.05)
 first.send_signal(signal.SIGTERM)
 out, _ = first.communicate(timeout=60)
@@ -81,6 +84,7 @@ store = train.ObjectStoreCheckpoints(bucket)
 print("committed steps:", store.committed_steps())
 manifest = json.loads(store.get(f"step{store.committed_steps()[0]:06d}/{train.MANIFEST}"))
 print(json.dumps(manifest, indent=1)[:600])
+shutil.rmtree(work)  # the runs' folders and the bucket: nothing left behind
 
 # %% [markdown]
 # ## No rename on an object store: the manifest is the commit

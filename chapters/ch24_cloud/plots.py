@@ -72,10 +72,17 @@ def sigterm_to_commit(folder: str) -> dict:
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (not metrics.exists() or metrics.read_text().count("\n") < 8):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
+    try:
+        while not metrics.exists() or metrics.read_text().count("\n") < 8:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the torchrun run never logged step 7 (status {proc.returncode})")
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
+            proc.wait()
     summary = json.loads((out / "summary.json").read_text())
     check = next(c for c in summary["checks"] if c["name"].startswith("SIGTERM"))
     return {"seconds": check["measured"],
