@@ -96,7 +96,7 @@ def client_shard(X, y, rank: int, shard: int, skew: float, seed: int):
 
 
 def split_data(cfg: Config, world: int):
-    """One pool from common.data (one teacher): the last 1024 rows are the balanced test set."""
+    """One pool from common.data (one teacher): the last 1024 rows are the test set (all four classes, as the teacher labels them)."""
     X, y = classification_data(n=world * cfg.shard * 2 + 1024, d_in=cfg.features, n_classes=N_CLASSES,
                                seed=cfg.seed, dtype=torch.float64)
     return (X[:-1024], y[:-1024]), (X[-1024:], y[-1024:])

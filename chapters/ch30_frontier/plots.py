@@ -95,7 +95,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     a2.axhline(data["bounds"][0], color="gray", ls=":", lw=1, label="bounds of the checks")
     a2.axhline(data["bounds"][1], color="gray", ls=":", lw=1)
     a2.set_xlabel("round")
-    a2.set_ylabel("test accuracy (balanced 4 classes)")
+    a2.set_ylabel("test accuracy (1024 held-out, 4 classes)")
     a2.set_title("2 clients, 95% of each shard from two classes", fontsize=9)
     a2.legend(fontsize=7)
     fig.tight_layout()

@@ -101,8 +101,11 @@ def predict_and_run(cfg: Config, info, rec: RunRecorder) -> None:
     world = info.world_size
     kinds = [k for k in KINDS if real_layouts.possible(k, world, cfg.width, cfg.pairs, cfg.batch,
                                                        cfg.micro_batches)]
-    for k in set(KINDS) - set(kinds):
-        log.info("%s = %d does not split this model: skipped", k, world)
+    if "pp" in kinds and info.backend == "gloo" and info.device.type == "cuda":
+        kinds.remove("pp")  # gloo sends and receives CPU tensors only (one GPU, several ranks)
+        log.info("pp skipped: gloo cannot send CUDA tensors point to point")
+    for k in sorted(set(KINDS) - set(kinds)):
+        log.info("%s = %d is not run here: skipped", k, world)
     const = real_layouts.calibrate(cfg.width, cfg.repeats, info.device)
     log.info("this machine: %.2f GFLOP/s per rank (%dx%d matmul), all-reduce alpha %.0f us, "
              "%.2f GB/s", const["flops"] / 1e9, cfg.width, cfg.width, const["alpha"] * 1e6,
