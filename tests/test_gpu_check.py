@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_tables_name_real_scripts():
     ids = {gpu_check.script_id(p) for p in gpu_check.chapter_scripts()}
-    assert gpu_check.GLOO_ON_CUDA <= ids and set(gpu_check.NEEDS) <= ids
+    assert gpu_check.GLOO_ON_CUDA <= ids and set(gpu_check.NEEDS) <= ids and set(gpu_check.SYSTEM) <= ids
 
 
 @pytest.mark.parametrize("gpus", [1, 8])

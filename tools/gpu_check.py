@@ -47,13 +47,16 @@ from tools.precheck import launches_itself, script_module  # noqa: E402
 # all-gather, which gloo also runs on CUDA tensors), so two ranks can share one GPU over gloo.
 # Object collectives and common.distributed's number helpers use CPU tensors under gloo.
 # Send/recv, reduce-scatter, all-to-all and DTensor/FSDP2 need NCCL on GPUs (chapter 10 skips its
-# FSDP2 stage under gloo on CUDA and says so; chapter 09 refuses its all-gathered methods there).
+# FSDP2 stage under gloo on CUDA and says so; chapter 09 refuses its all-gathered methods there;
+# chapter 30 skips its pipeline layout there; chapter 22's leader all-reduce needs reduce and
+# send/recv, so it is n/a on one GPU).
 GLOO_ON_CUDA = {
     "ch01_overview/train", "ch02_single_node/train", "ch02_single_node/spawn",
     "ch03_data_parallel/train", "ch07_communication/broadcast_test", "ch08_overlap/train",
     "ch10_mixed_precision/train", "ch11_data_loading/train", "ch13_fault_tolerance/train",
     "ch13_fault_tolerance/hang", "ch14_monitoring/train", "ch15_profiling/train",
-    "ch20_memory/train",
+    "ch20_memory/train", "ch23_containers/train", "ch24_cloud/train", "ch29_cost/train",
+    "ch30_frontier/train", "ch30_frontier/fedavg",
 }
 # Packages a script cannot run without (checked before launching; a run that still fails on a
 # missing module is reported "skipped" too).
@@ -63,6 +66,11 @@ NEEDS = {
     "ch19_moe/deepspeed_moe": ["deepspeed"],
     "ch21_hyperparameters/tune": ["ray"],
     "ch27_rlhf/trl_grpo": ["trl"],
+}
+# Scripts that change the machine itself (root, network namespaces): never run by this check;
+# their tests run on CPU under COURSE_SYSTEM_TESTS=1 (chapter 22's lesson has the recorded runs).
+SYSTEM = {
+    "ch22_networking/netns": "builds network namespaces as root: run it by hand (chapter 22)",
 }
 
 
@@ -125,6 +133,9 @@ def plan(gpus: int, only: list[str] = (), python: str = sys.executable,
         for world, backend in worlds:
             run = Run(sid, world, backend)
             runs.append(run)
+            if sid in SYSTEM:
+                run.status, run.reason = "skipped", SYSTEM[sid]
+                continue
             missing = [m for m in NEEDS.get(sid, []) if importlib.util.find_spec(m) is None]
             if missing:
                 run.status, run.reason = "skipped", f"needs {', '.join(missing)} (not installed)"
