@@ -132,8 +132,10 @@ def test_every_manifest_command_starts_a_course_script_with_valid_options():
 def test_pytorchjob_environment():
     pods = o.pytorchjob_pods(BY_NAME["ch23-ddp"])
     assert [h for h, _ in pods] == ["ch23-ddp-master-0", *(f"ch23-ddp-worker-{i}" for i in range(3))]
-    assert set(pods[1][1]) == {"PYTHONUNBUFFERED", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
-                               "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_NNODES"}
+    assert pods[1][1] == {"PYTHONUNBUFFERED": "1", "MASTER_ADDR": "ch23-ddp-master-0", "MASTER_PORT": "23456",
+                          "PET_MASTER_ADDR": "ch23-ddp-master-0", "PET_MASTER_PORT": "23456",
+                          "WORLD_SIZE": "4", "RANK": "1", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "1",
+                          "PET_NNODES": "4"}
     want = [(r, 4, 0, 1, "ch23-ddp-master-0", 23456) for r in range(4)]
     assert [reading(env) for _, env in pods] == want
     assert o.check_world(pods) == []
@@ -155,14 +157,19 @@ def test_elastic_pytorchjob_environment_is_torchruns_defaults(monkeypatch):
     job = BY_NAME["ch23-elastic"]
     pods = o.pytorchjob_pods(job)
     env = pods[1][1]
-    assert env == {"PYTHONUNBUFFERED": "0", "PET_RDZV_ENDPOINT": "ch23-elastic-worker-0:23456",
-                   "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "2:4", "PET_MAX_RESTARTS": "10"}
+    # nprocPerNode defaults to "auto" (pytorch_defaults.go), which envvar.go hands on as it is.
+    assert env == {"PYTHONUNBUFFERED": "1", "PET_RDZV_ENDPOINT": "ch23-elastic-worker-0:23456",
+                   "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "2:4", "PET_MAX_RESTARTS": "10",
+                   "PET_NPROC_PER_NODE": "auto"}
     argv = o.course_commands([("x", job)])[0][1]
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     args = parse_args(argv[1:])  # torch's own torchrun parser, PET_* as its defaults
     assert (args.nnodes, args.rdzv_endpoint, args.rdzv_backend, args.max_restarts, args.nproc_per_node) \
         == ("2:4", "ch23-elastic-worker-0:23456", "c10d", 10, "1")
+    # The manifest's --nproc-per-node=1 is needed: without it torchrun takes the operator's "auto"
+    # (one process per GPU, or per CPU core on a node without one).
+    assert parse_args([w for w in argv[1:] if not w.startswith("--nproc")]).nproc_per_node == "auto"
     for k in env:  # negative control: without the operator's variables torchrun is one node
         monkeypatch.delenv(k)
     assert (parse_args(argv[1:]).nnodes, parse_args(argv[1:]).rdzv_backend) == ("1:1", "static")
@@ -182,6 +189,12 @@ def test_volcano_environment():
     assert [reading(e) for _, e in pods] == want and o.check_world(pods) == []
     wrong = [(h, {**e, "RANK": e["VC_TASK_INDEX"]}) for h, e in pods]  # the task index is not the rank
     assert any("ranks read [0, 0, 1, 2]" in p for p in o.check_world(wrong))
+    # A third task (say a TensorBoard pod) is not in the world: volcano v1.12 on counts the
+    # master and worker tasks only (commit ae092898e); the svc plugin still lists its hosts.
+    job = copy.deepcopy(BY_NAME["ch23-gang"])
+    job["spec"]["tasks"].append({**copy.deepcopy(job["spec"]["tasks"][0]), "name": "board", "replicas": 1})
+    env = o.volcano_env(job, "worker", 0)
+    assert (env["WORLD_SIZE"], env["VC_BOARD_NUM"]) == ("4", "1")
 
 
 @pytest.mark.timeout(60)
@@ -251,9 +264,13 @@ def test_slurm_in_a_pyxis_container_with_enroots_pytorch_hook():
     pods = [(h, o.enroot_pytorch_hook(e)) for h, e in o.slurm_pods(nodes=2, tasks_per_node=4)]
     env = pods[5][1]
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["MASTER_PORT"],
-            env["OMP_NUM_THREADS"]) == ("5", "1", "8", "gpu01", str(4242 % 16384 + 49152), "1")
+            env["OMP_NUM_THREADS"]) == ("5", "1", "8", "gpu01", str(4242 % 4536 + 61000), "1")
+    # enroot 3.x's port (before commit 29541a8): mod 16384 + 49152
+    assert o.enroot_pytorch_hook(o.slurm_env(2, 4, 5), old_port=True)["MASTER_PORT"] == "53394"
+    # One task per node: the hook leaves OMP_NUM_THREADS alone.
+    assert "OMP_NUM_THREADS" not in o.enroot_pytorch_hook(o.slurm_env(2, 1, 1))
     assert "LOCAL_WORLD_SIZE" not in env
-    want = [(p, 8, p % 4, 4, "gpu01", 53394) for p in range(8)]
+    want = [(p, 8, p % 4, 4, "gpu01", 65242) for p in range(8)]
     assert [reading(e) for _, e in pods] == want and o.check_world(pods) == []
     # One GPU bound to each task (--gpus-per-task=1): cuda:0; 4 per node: cuda:local rank.
     assert choose_device_and_backend(1, 4, gpu_count=1, env=env)[0].index == 0

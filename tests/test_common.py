@@ -58,7 +58,7 @@ def test_read_launch_env_one_process_per_pod_and_indexed_job():
     # WORLD_SIZE, MASTER_* from SLURM_*, no LOCAL_WORLD_SIZE; one GPU bound to each task.
     hook = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "4(x2)",
             "SLURM_GPUS_ON_NODE": "4", "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8",
-            "MASTER_ADDR": "gpu01", "MASTER_PORT": str(4242 % 16384 + 49152)}
+            "MASTER_ADDR": "gpu01", "MASTER_PORT": str(4242 % 4536 + 61000)}
     got = distributed.read_launch_env(hook)
     assert (got["rank"], got["local_rank"], got["world_size"], got["local_world_size"]) == (5, 1, 8, 4)
     assert distributed.choose_device_and_backend(1, 4, gpu_count=1, env=hook)[0] == torch.device("cuda", 0)

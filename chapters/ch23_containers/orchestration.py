@@ -165,17 +165,24 @@ def pytorchjob_env(job: dict, rtype: str, index: int) -> dict:
     spec = job["spec"]
     replicas = spec["pytorchReplicaSpecs"]
     name = job["metadata"]["name"]
-    env = {**_own_env(_container(replicas[rtype]["template"], "pytorch")), "PYTHONUNBUFFERED": "0"}
+    env = {**_own_env(_container(replicas[rtype]["template"], "pytorch")), "PYTHONUNBUFFERED": "1"}
     total = sum(r.get("replicas", 1) for r in replicas.values())
-    nproc = spec.get("nprocPerNode", "auto")  # the operator's default
-    world = total * (int(nproc) if nproc.isdigit() else 1)
+    elastic = spec.get("elasticPolicy")
+    # The defaulter (pytorch_defaults.go) sets nprocPerNode to "auto" unless the elastic policy
+    # names its own nProcPerNode; a value that is not a number counts as 1 in the world size.
+    nproc = spec.get("nprocPerNode")
+    if nproc is None and (elastic is None or "nProcPerNode" not in elastic):
+        nproc = "auto"
+    world = total * (int(nproc) if nproc is not None and nproc.isdigit() else 1)
     if "Master" in replicas:
         port = next(p["containerPort"] for p in _container(replicas["Master"]["template"], "pytorch")["ports"]
                     if p.get("name") == "pytorchjob-port")
         rank = index + 1 if rtype == "Worker" else index
-        env.update(MASTER_PORT=str(port), MASTER_ADDR=f"{name}-master-0", WORLD_SIZE=str(world),
-                   RANK=str(rank), PET_NPROC_PER_NODE=nproc, PET_NODE_RANK=str(rank))
-    elastic = spec.get("elasticPolicy")
+        env.update(MASTER_PORT=str(port), PET_MASTER_PORT=str(port), MASTER_ADDR=f"{name}-master-0",
+                   PET_MASTER_ADDR=f"{name}-master-0", WORLD_SIZE=str(world), RANK=str(rank),
+                   PET_NODE_RANK=str(rank))
+    if nproc is not None:  # set whether or not there is a Master
+        env["PET_NPROC_PER_NODE"] = nproc
     if elastic is None:
         env["PET_NNODES"] = str(total)
         return env
@@ -226,7 +233,7 @@ def volcano_env(job: dict, task: str, index: int) -> dict:
         args = dict(a.lstrip("-").split("=", 1) for a in plugins["pytorch"])
         master, worker = args.get("master", "master"), args.get("worker", "worker")
         env.update(MASTER_ADDR=f"{name}-{master}-0.{name}", MASTER_PORT=args.get("port", "23456"),
-                   WORLD_SIZE=str(sum(t["replicas"] for t in spec["tasks"])))
+                   WORLD_SIZE=str(sum(t["replicas"] for t in spec["tasks"] if t["name"] in (master, worker))))
         if task == worker:
             env["RANK"] = str(index + 1)
         elif task == master:
@@ -269,14 +276,16 @@ def slurm_env(nodes: int, tasks_per_node: int, procid: int, job_id: int = 4242,
             "SLURM_NNODES": str(nodes), "SLURM_NTASKS_PER_NODE": str(tasks_per_node),
             "SLURM_TASKS_PER_NODE": f"{tasks_per_node}(x{nodes})" if nodes > 1 else str(tasks_per_node),
             "SLURM_JOB_NODELIST": hosts, "SLURM_NODELIST": hosts, "SLURM_STEP_NODELIST": hosts,
+            "SLURM_STEP_NUM_TASKS": str(nodes * tasks_per_node), "SLURM_STEP_NUM_NODES": str(nodes),
             "SLURM_JOB_ID": str(job_id)}
 
 
-def enroot_pytorch_hook(env: dict, image_env: dict | None = None) -> dict:
+def enroot_pytorch_hook(env: dict, image_env: dict | None = None, old_port: bool = False) -> dict:
     """What enroot's hook 50-slurm-pytorch.sh (NVIDIA/enroot conf/hooks/extra, enabled by the
     cluster's admin) adds to a task that pyxis starts in a container whose image sets
-    PYTORCH_VERSION: MASTER_ADDR (first host of the step), MASTER_PORT = job id mod 16384 + 49152,
-    WORLD_SIZE, RANK, LOCAL_RANK from SLURM_*, OMP_NUM_THREADS=1 with several tasks per node; a
+    PYTORCH_VERSION: MASTER_ADDR (first host of the step), MASTER_PORT = job id mod 4536 + 61000
+    (enroot 4.0 on, commit 29541a8; `old_port=True`: mod 16384 + 49152, enroot 3.x), WORLD_SIZE,
+    RANK, LOCAL_RANK from SLURM_*, OMP_NUM_THREADS=1 when the step has more tasks than nodes; a
     variable the image already sets is kept. No LOCAL_WORLD_SIZE."""
     from common.distributed import first_slurm_host
 
@@ -285,10 +294,11 @@ def enroot_pytorch_hook(env: dict, image_env: dict | None = None) -> dict:
     if "PYTORCH_VERSION" not in image_env:
         return out
     added = {"MASTER_ADDR": first_slurm_host(env["SLURM_STEP_NODELIST"]),
-             "MASTER_PORT": str(int(env["SLURM_JOB_ID"]) % 16384 + 49152),
+             "MASTER_PORT": str(int(env["SLURM_JOB_ID"]) % 16384 + 49152 if old_port
+                                else int(env["SLURM_JOB_ID"]) % 4536 + 61000),
              "WORLD_SIZE": env["SLURM_NTASKS"], "RANK": env["SLURM_PROCID"],
              "LOCAL_RANK": env["SLURM_LOCALID"]}
-    if int(env.get("SLURM_NTASKS_PER_NODE", "1")) > 1:
+    if int(env.get("SLURM_STEP_NUM_TASKS", "1")) > int(env.get("SLURM_STEP_NUM_NODES", "1")):
         added["OMP_NUM_THREADS"] = "1"
     return {**out, **{k: v for k, v in added.items() if k not in image_env}}
 
