@@ -89,6 +89,20 @@ def test_every_exercise_has_a_hint_and_an_answer(chapter):
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
+def test_next_section_links_the_next_chapter(chapter):
+    """'## Next' links the chapter that follows once it is written (DESIGN: a link to a chapter
+    that is not written yet stays plain text until the chapter exists); the last chapter points
+    beyond the course, to no chapter 31."""
+    following = [c for c in CHAPTERS if int(c.name[2:4]) == int(chapter.name[2:4]) + 1]
+    text = lesson_sections((chapter / "README.md").read_text()).get("Next")
+    assert text, f"{chapter.name} has no '## Next' section"
+    if following:
+        assert f"](../{following[0].name}/" in text, f"{chapter.name}: 'Next' should link {following[0].name}"
+    assert "not written yet" not in text, f"{chapter.name}: 'Next' says a written chapter is not written"
+    assert "Chapter 31" not in text
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
 def test_notebook_source_defines_nothing(chapter):
     """A notebook is a client of its chapter: functions and classes live in the scripts."""
     tree = ast.parse((chapter / "lesson.py").read_text())
@@ -177,7 +191,7 @@ def test_readme_times_and_routes_are_the_lessons_own():
             shown = (int(row.group(2)), int(row.group(3))) if row.group(2) else None
             assert shown == minutes.get(row.group(1)), f"README row {row.group(1)}: {shown}"
     routes = re.findall(r"^\| [^|]+ \| ((?:\d\d → )+\d\d)[^|]* \| ([\d¼½¾]+) h \|$", readme, re.M)
-    assert len(routes) == 4
+    assert len(routes) == 5
     quarters = {"": 0, "¼": 0.25, "½": 0.5, "¾": 0.75}
     for chapters, hours in routes:
         total = sum(minutes[n][0] for n in chapters.split(" → ")) / 60
