@@ -188,9 +188,12 @@ def test_two_namespace_nodes_train_and_all_reduce_at_the_shaped_rate(tmp_path):
 @pytest.mark.timeout(120)
 def test_four_namespace_nodes_follow_the_ring_factor(tmp_path):
     _system()
-    s = _launch(4, 1, 200, tmp_path)
+    # 100 Mbit/s: slow enough that the link, not the CPU, sets the time (a review run with the
+    # links shaped to 400 Mbit/s while 200 was predicted still gave 0.94 at 200 Mbit/s)
+    s = _launch(4, 1, 100, tmp_path)
     fig = s["figures"]["library all_reduce time, 2.00 MiB"]
     ratio = fig["measured"] / fig["expected"]
-    # the DESIGN exception: a shaped link dominates the time, so a loose band is asserted
-    assert fig["expected"] == pytest.approx(2 * 3 / 4 * 2 * 2**20 * 8 / 200e6)
-    assert train.TIME_BAND[0] <= ratio <= train.TIME_BAND[1], ratio
+    # the DESIGN exception: a shaped link dominates the time, so a band is asserted. Lower side:
+    # tbf passes no more than the rate but a 4 KB burst; upper side: CPU time on 2 loaded cores
+    assert fig["expected"] == pytest.approx(2 * 3 / 4 * 2 * 2**20 * 8 / 100e6)
+    assert 0.95 <= ratio <= 1.8, ratio

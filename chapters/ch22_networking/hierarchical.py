@@ -4,7 +4,8 @@ Three phases: every node reduces to its leader (its first rank) over the node's 
 leaders all-reduce among themselves (a ring written with chapter 07's counted point-to-point
 messages, so the bytes that cross between nodes are the bytes actually sent); every leader
 broadcasts the result back over its node's group. Nodes hold consecutive ranks: node k is ranks
-k·g … k·g+g−1 (what torchrun gives with --nproc_per_node=g and --node-rank=k).
+k·g … k·g+g−1 (what torchrun gives with --nproc_per_node=g; with c10d, node k is the agent
+the rendezvous numbered k, not necessarily the k-th machine started).
 """
 
 from __future__ import annotations
