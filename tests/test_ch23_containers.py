@@ -250,11 +250,23 @@ def test_defaults_and_refusal():
 
 
 @pytest.mark.timeout(30)
-def test_exercise_1_node_rank_is_not_process_rank():
+def test_exercise_1_node_rank_is_not_process_rank(monkeypatch):
+    from torch.distributed.run import parse_args
+
     job = copy.deepcopy(BY_NAME["ch23-ddp"])
     job["spec"]["nprocPerNode"] = "4"
     env = o.pytorchjob_env(job, "Worker", 2)
     assert (env["WORLD_SIZE"], env["RANK"], env["PET_NODE_RANK"], env["PET_NPROC_PER_NODE"]) == ("16", "3", "3", "4")
+    # What torchrun makes of it (its own parser, PET_* as defaults): node 3 of 4, 4 processes, the
+    # Master's address (from PET_MASTER_*), so the static rendezvous gives ranks 12-15.
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = parse_args(["chapters/ch23_containers/train.py"])
+    assert (args.nnodes, args.node_rank, args.nproc_per_node, args.master_addr, args.master_port) \
+        == ("4", 3, "4", "ch23-ddp-master-0", 23456)
+    assert [args.node_rank * int(args.nproc_per_node) + r for r in range(4)] == [12, 13, 14, 15]
+    monkeypatch.delenv("PET_MASTER_ADDR")  # without it torchrun would look for rank 0 on itself
+    assert parse_args(["chapters/ch23_containers/train.py"]).master_addr == "127.0.0.1"
 
 
 @pytest.mark.timeout(30)
