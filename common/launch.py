@@ -4,6 +4,9 @@ Both are bounded by a timeout and never hang a test session: a launch that runs 
 killed with its whole process group, and the error carries the tail of its output.
 
 - `run_torchrun(script, nproc, args)` → `LaunchResult` with the parsed `summary.json`.
+- `started(cmd)` (a context manager) and `wait_until(pred, proc, what)`: a run that the caller
+  acts on while it runs (signals it, waits for a file it writes); leaving the block kills
+  whatever is left of it, torchrun and its ranks.
 - `run_on_ranks(fn, world_size, *args)` → `[fn(*args) on rank 0, on rank 1, ...]`. Ranks are
   *spawned* (forking a process that has already run torch can hang); `fn` must therefore be
   importable (defined at module level in a chapter or test module), and reads its rank with
@@ -12,6 +15,7 @@ killed with its whole process group, and the error carries the tail of its outpu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -52,6 +56,41 @@ class LaunchError(AssertionError):
     pass
 
 
+def _children() -> dict[int, list[int]]:
+    """parent pid -> child pids of every process on the machine (/proc, else `ps`)."""
+    children: dict[int, list[int]] = {}
+    stats = list(Path("/proc").glob("[0-9]*/stat"))
+    if stats:
+        pairs = []
+        for stat in stats:
+            try:
+                pairs.append((int(stat.read_text().rsplit(")", 1)[1].split()[1]), int(stat.parent.name)))
+            except (OSError, IndexError, ValueError):
+                continue
+    else:  # macOS: no /proc
+        ps = subprocess.run(["ps", "-A", "-o", "ppid=", "-o", "pid="], capture_output=True, text=True)
+        pairs = [tuple(map(int, line.split())) for line in ps.stdout.splitlines() if line.strip()]
+    for parent, child in pairs:
+        children.setdefault(parent, []).append(child)
+    return children
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL process `pid`, its process group and every descendant. torchrun starts each rank in
+    a session of its own, so killing torchrun's process group alone leaves its ranks running
+    (measured with torch 2.14.1); the descendants are collected first, since a killed parent's
+    children are re-parented at once."""
+    children, tree, i = _children(), [pid], 0
+    while i < len(tree):
+        tree += children.get(tree[i], [])
+        i += 1
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+
+
 def _run(cmd: list[str], timeout: float, env: dict | None, cwd: Path) -> tuple[int, str]:
     # One thread per rank unless the caller chose otherwise: torchrun's default too, which it
     # otherwise announces in a 4-line banner on every launch of more than one process.
@@ -62,7 +101,7 @@ def _run(cmd: list[str], timeout: float, env: dict | None, cwd: Path) -> tuple[i
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
+        kill_tree(proc.pid)  # torchrun and every rank it started
         out, _ = proc.communicate()
         raise LaunchError(f"timed out after {timeout:.0f} s: {' '.join(cmd)}\n{out[-4000:]}") from None
     return proc.returncode, out
@@ -91,6 +130,49 @@ def run_torchrun(script: str | Path, nproc: int = 2, args: list[str] = (), timeo
            f"--nproc_per_node={nproc}", str(script), "--out", str(out_dir), "--device", "cpu",
            *map(str, args)]
     return _launch(cmd, out_dir, timeout, env, expect_ok)
+
+
+@contextlib.contextmanager
+def started(cmd: list[str], env: dict | None = None, log: Path | None = None, cwd: Path = REPO_ROOT):
+    """Start `cmd` in its own session and yield its `Popen` (text output on `proc.stdout`, or in
+    the file `log`). On leaving the block, also by an error, it and every process it started
+    (torchrun's ranks) are killed if still running, and it is reaped: nothing outlives the caller."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(open(log, "w")) if log is not None else subprocess.PIPE
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=full_env,
+                                cwd=cwd, start_new_session=True)
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:  # (a reaped pid may already belong to another process)
+                kill_tree(proc.pid)
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def wait_until(pred, proc: subprocess.Popen, what: str, timeout: float = 60.0) -> None:
+    """Poll `pred()` every 50 ms until it holds; `LaunchError` (with the output's tail) if the
+    started run `proc` ends first or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if proc.poll() is not None:
+            tail = proc.stdout.read()[-3000:] if proc.stdout is not None else ""
+            raise LaunchError(f"the run ended (status {proc.returncode}) before {what}\n{tail}")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"never saw {what} within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def last_logged_step(metrics: Path) -> int:
+    """The step of the last complete line of a run's metrics.jsonl (-1 before the first)."""
+    metrics = Path(metrics)
+    if not metrics.exists():
+        return -1
+    lines = [ln for ln in metrics.read_text().splitlines(keepends=True) if ln.endswith("\n")]
+    return json.loads(lines[-1])["step"] if lines else -1
 
 
 def run_python(script: str | Path, args: list[str] = (), timeout: float = 120,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from common.checkpoint import CheckpointError, load_checkpoint
 from common.config import parse_config
 from common.data import regression_data
 from common.distributed import free_port
-from common.launch import REPO_ROOT, run_on_ranks, run_torchrun
+from common.launch import REPO_ROOT, kill_tree, run_on_ranks, run_torchrun
 from common.models import MLP
 from common.testing import rank_info
 
@@ -131,27 +130,6 @@ class _MetricLog:
             time.sleep(0.2)
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants (torchrun starts its workers in their own
-    sessions, so killing the agent's process group would leave the worker running)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, i = [pid], 0
-    while i < len(tree):
-        tree += children.get(tree[i], [])
-        i += 1
-    for p in tree:  # collected first: a killed parent's children are re-parented at once
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 ELASTIC_STEPS = 60
 
 
@@ -191,11 +169,11 @@ def test_elastic_run_grows_then_survives_losing_a_node(tmp_path):
         # World 2 commits a checkpoint of its own, then node B loses power.
         metrics.wait_for(lambda m: m["world"] == 2 and m["step"] >= grown["step"] + 6, nodes,
                          "world 2 past a checkpoint of its own")
-        _kill_tree(nodes.pop("B").pid)
+        kill_tree(nodes.pop("B").pid)
         assert nodes["A"].wait(timeout=150) == 0, logs["A"].read_text()[-6000:]
     finally:
         for proc in nodes.values():
-            _kill_tree(proc.pid)
+            kill_tree(proc.pid)
             proc.wait()
     lines, log_a = metrics.poll(), logs["A"].read_text()
     worlds = [m["world"] for m in lines]

@@ -18,7 +18,6 @@ import copy
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,13 @@ import torch.distributed as dist
 from chapters.ch24_cloud import launchers, train
 from common.checkpoint import CheckpointError, load_checkpoint
 from common.data import regression_data
-from common.launch import REPO_ROOT, run_on_ranks, run_torchrun
+from common.launch import (
+    last_logged_step,
+    run_on_ranks,
+    run_torchrun,
+    started,
+    wait_until,
+)
 from common.models import MLP
 from common.testing import rank_info
 
@@ -130,21 +135,6 @@ def test_main_exits_143_after_saving_on_notice(reference):
     assert reference["main_committed"] == [5, 7]  # the periodic save, then the one on notice
 
 
-def _wait_for(pred, proc, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert proc.poll() is None, f"the run ended before {what}: {proc.stdout.read()[-3000:]}"
-        assert time.monotonic() < deadline, f"never saw {what}"
-        time.sleep(0.05)
-
-
-def _steps_logged(path: Path) -> int:
-    if not path.exists():
-        return -1
-    lines = [ln for ln in path.read_text().splitlines(keepends=True) if ln.endswith("\n")]
-    return json.loads(lines[-1])["step"] if lines else -1
-
-
 @pytest.mark.timeout(150)
 def test_sigterm_to_torchrun_saves_within_grace_and_resume_matches_undisturbed(tmp_path, reference):
     bucket, out = f"file://{tmp_path}/bucket", tmp_path / "preempted"
@@ -152,18 +142,11 @@ def test_sigterm_to_torchrun_saves_within_grace_and_resume_matches_undisturbed(t
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(SCRIPT), "--device", "cpu", "--steps", str(STEPS), "--step-seconds", "0.05",
            "--log-every", "1", "--ckpt-url", bucket, "--grace-s", str(grace), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=REPO_ROOT, start_new_session=True)
-    try:
-        _wait_for(lambda: _steps_logged(out / "metrics.jsonl") >= 7, proc, "step 7")
+    with started(cmd) as proc:
+        wait_until(lambda: last_logged_step(out / "metrics.jsonl") >= 7, proc, "step 7")
         sent = time.time()
         proc.send_signal(signal.SIGTERM)  # to the agent, as a cloud does; it forwards to the ranks
         output, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     done = time.time()
     summary = json.loads((out / "summary.json").read_text())
     checks = {c["name"]: c for c in summary["checks"]}
@@ -194,20 +177,13 @@ def test_sigterm_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--steps", "20", "--ckpt-every", "5",
            "--pause-save-at", "10", "--ckpt-url", str(bucket), "--out", str(out),
            "--grace-s", str(grace), "--timeout", "60"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=REPO_ROOT, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        _wait_for(lambda: (out / "paused").exists(), proc, "the paused save of step 10")
+    with started(cmd) as proc:
+        wait_until(lambda: (out / "paused").exists(), proc, "the paused save of step 10")
         proc.send_signal(signal.SIGTERM)  # the notice arrives mid-save ...
         time.sleep(grace)
         assert proc.poll() is None  # ... the save is slower than the grace ...
         proc.send_signal(signal.SIGKILL)  # ... and the cloud pulls the plug
         proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert (bucket / "step000010" / "state.pt").exists()  # the data objects were written ...
     assert not (bucket / "step000010" / train.MANIFEST).exists()  # ... the commit was not

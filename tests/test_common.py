@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -611,3 +614,51 @@ def test_test_doubles_decide_like_the_recorder():
     assert rec.failed() == ["bound", "off by 1e-9"] and rec.measured["bound"] == 3
     assert rank_info(0, 2).is_main and not rank_info(1, 2).is_main
     assert rank_info(1, 2).device.type == "cpu" and rank_info(1, 2).local_world_size == 2
+
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
+SLEEPER = """import os, sys, time
+open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"]), "w").write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+def _rank_pids(folder: Path, proc) -> list[int]:
+    """Wait until both ranks of the sleeper have written their pids, and read them."""
+    def written():
+        return len([p for p in folder.glob("rank*") if p.read_text()]) == 2
+
+    launch.wait_until(written, proc, "both ranks", timeout=90)
+    return [int(p.read_text()) for p in folder.glob("rank*")]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+@pytest.mark.timeout(120)
+def test_started_torchrun_leaves_no_rank_behind(tmp_path):
+    """torchrun starts each rank in a session of its own: killing torchrun's process group leaves
+    the ranks running (the control); leaving `launch.started` kills them too."""
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    for how in ("group", "started"):
+        (tmp_path / how).mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(tmp_path / "sleeper.py"), str(tmp_path / how)]
+        with launch.started(cmd) as proc:
+            pids = _rank_pids(tmp_path / how, proc)
+            if how == "group":  # the control: torchrun's process group alone
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                time.sleep(0.5)
+                survivors = [p for p in pids if _alive(p)]
+                for p in survivors:
+                    os.kill(p, signal.SIGKILL)
+                assert len(survivors) == 2, "torchrun's process group held its ranks: control void"
+        time.sleep(0.5)
+        assert not [p for p in pids if _alive(p)], f"{how}: ranks left running"

@@ -28,7 +28,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ from IPython.display import Image, display
 
 from chapters.ch24_cloud import launchers, train
 from common.checkpoint import CheckpointError
+from common.launch import last_logged_step, started, wait_until
 from common.results import REPO_ROOT
 
 # %% [markdown]
@@ -57,15 +57,10 @@ work = Path(tempfile.mkdtemp(prefix="ch24-"))
 bucket = f"file://{work}/bucket"
 cmd = [sys.executable, str(REPO_ROOT / "chapters/ch24_cloud/train.py"), "--device", "cpu",
        "--steps", "20", "--step-seconds", "0.05", "--log-every", "1", "--ckpt-url", bucket]
-first = subprocess.Popen([*cmd, "--out", str(work / "first")], cwd=REPO_ROOT, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-metrics = work / "first" / "metrics.jsonl"
-deadline = time.monotonic() + 60
-while not metrics.exists() or metrics.read_text().count("\n") < 7:
-    assert first.poll() is None and time.monotonic() < deadline, "the run never logged step 6"
-    time.sleep(0.05)
-first.send_signal(signal.SIGTERM)
-out, _ = first.communicate(timeout=60)
+with started([*cmd, "--out", str(work / "first")]) as first:  # killed on leaving, whatever happens
+    wait_until(lambda: last_logged_step(work / "first" / "metrics.jsonl") >= 6, first, "step 6")
+    first.send_signal(signal.SIGTERM)
+    out, _ = first.communicate(timeout=60)
 print("exit code:", first.returncode)
 print(out[out.index("figure"):])
 

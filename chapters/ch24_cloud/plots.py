@@ -10,9 +10,7 @@ from it. The grace periods are the clouds' documented figures; the throughput li
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +19,7 @@ from pathlib import Path
 import torch
 
 from chapters.ch24_cloud import train
+from common.launch import last_logged_step, started, wait_until
 from common.results import save_figure
 
 STEPS, STOP_AT = 30, 8
@@ -68,21 +67,10 @@ def sigterm_to_commit(folder: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(Path(train.__file__)), "--device", "cpu", "--steps", "200", "--step-seconds", "0.05",
            "--log-every", "1", "--ckpt-url", f"{folder}/bucket", "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 60
-    try:
-        while not metrics.exists() or metrics.read_text().count("\n") < 8:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the torchrun run never logged step 7 (status {proc.returncode})")
-            time.sleep(0.05)
+    with started(cmd, log=Path(folder, "torchrun.log")) as proc:
+        wait_until(lambda: last_logged_step(out / "metrics.jsonl") >= 7, proc, "step 7 of the run")
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
-            proc.wait()
     summary = json.loads((out / "summary.json").read_text())
     check = next(c for c in summary["checks"] if c["name"].startswith("SIGTERM"))
     return {"seconds": check["measured"],
