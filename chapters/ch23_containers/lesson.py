@@ -106,7 +106,8 @@ for name, d in plots.launcher_ranks().items():
 # ## The PyTorchJob's pods, run here
 # One Master and one Worker: the container command `python chapters/ch23_containers/train.py
 # --steps 20`, in two processes, each with the variables the operator would give its pod (the
-# cluster's DNS name of the master becomes 127.0.0.1). About 10 s on two CPU cores (8–9 s in the tests here).
+# cluster's DNS name of the master becomes 127.0.0.1). About 10 s on two CPU cores (8–9 s in
+# the tests here).
 
 # %%
 job = copy.deepcopy(by_name["ch23-ddp"])
