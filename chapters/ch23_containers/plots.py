@@ -10,6 +10,7 @@ from pathlib import Path
 
 from chapters.ch23_containers import orchestration as o
 from common.distributed import read_launch_env
+from common.results import save_figure
 
 
 def launcher_ranks() -> dict[str, dict]:
@@ -60,6 +61,4 @@ def make_figures(fig_dir: Path) -> list[Path]:
     fig.suptitle("The rank each pod or task reads from its launcher's variables", fontsize=10)
     fig.tight_layout()
     path = fig_dir / "launcher_ranks.png"
-    fig.savefig(path, dpi=120, metadata={"Software": None})  # same bytes on every draw
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, path)]  # same bytes on every draw
