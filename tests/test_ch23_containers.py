@@ -242,6 +242,23 @@ def test_pytorchjob_pods_train_as_plain_processes(tmp_path):
 
 
 @pytest.mark.timeout(30)
+def test_live_world_check_can_fail():
+    """train.py's live check on what the ranks read: a torchrun world of 2 passes; each kind of
+    misreading is found."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    good = [("vm", read_launch_env(env)), ("vm", read_launch_env({**env, "RANK": "1", "LOCAL_RANK": "1"}))]
+    assert train.world_problems(good) == []
+    assert train.world_problems([good[0], good[0]]) == ["ranks [0, 0]"]
+    assert train.world_problems([good[0], ("vm", {**good[1][1], "world_size": 3})]) == ["world sizes disagree"]
+    assert train.world_problems([good[0], ("vm", {**good[1][1], "master_port": 1})]) \
+        == ["rendezvous addresses disagree"]
+    # LOCAL_RANK=1 read with a local world of 1 (LOCAL_WORLD_SIZE ignored)
+    assert train.world_problems([good[0], ("vm", {**good[1][1], "local_world_size": 1})]) \
+        == ["a local rank outside its local world"]
+
+
+@pytest.mark.timeout(30)
 def test_defaults_and_refusal():
     for w in (1, 2, 3, 4, 8, 16):
         train.validate(train.Config(), w)

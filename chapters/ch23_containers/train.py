@@ -85,6 +85,8 @@ def world_problems(readings: list[tuple[str, dict]]) -> list[str]:
         problems.append("world sizes disagree")
     if len({(r["master_addr"], r["master_port"]) for _, r in readings}) != 1:
         problems.append("rendezvous addresses disagree")
+    if any(not 0 <= r["local_rank"] < r["local_world_size"] for _, r in readings):
+        problems.append("a local rank outside its local world")
     return problems
 
 
