@@ -4,9 +4,11 @@ Chapters 01 and 02 write this inline, as the lesson; from chapter 03 on every ch
 `setup_distributed` / `teardown_distributed` here (same names, same behaviour).
 
 Where the ranks come from, in order:
-1. torchrun (or a Kubernetes PyTorchJob or Volcano Job): `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-   `MASTER_ADDR/PORT` (an indexed Job's `JOB_COMPLETION_INDEX` stands for `RANK`; without
-   `LOCAL_RANK`/`LOCAL_WORLD_SIZE` the pod holds one process);
+1. torchrun (or a Kubernetes PyTorchJob or Volcano Job, or srun with enroot's pyxis hook):
+   `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR/PORT` (an indexed Job's `JOB_COMPLETION_INDEX`
+   stands for `RANK`). The local world is `LOCAL_WORLD_SIZE` (torchrun sets it); without it,
+   srun's tasks per node when `SLURM_PROCID` is set, one process (the pod's) when `LOCAL_RANK` is
+   missing too, else every rank on this node;
 2. Slurm's `srun` starting every rank itself: `SLURM_PROCID`, `SLURM_LOCALID`, `SLURM_NTASKS`,
    and the first host of `SLURM_JOB_NODELIST` as the rendezvous address;
 3. neither: a world of one process (a real process group of size 1, so collectives still work).

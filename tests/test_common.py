@@ -57,6 +57,23 @@ def test_read_launch_env_one_process_per_pod_and_indexed_job():
     # RANK wins over the index; an index without WORLD_SIZE is not a world.
     assert distributed.read_launch_env({**indexed, "RANK": "0"})["rank"] == 0
     assert distributed.read_launch_env({"JOB_COMPLETION_INDEX": "2"})["launcher"] == "single"
+    # Launches that read as before chapter 23. srun torchrun (one torchrun per node, srun's
+    # variables inherited by its workers): torchrun's LOCAL_WORLD_SIZE wins over srun's 1 task
+    # per node, and the worker is not an srun task (4 ranks on 1 GPU are refused, not cuda:0).
+    srun_torchrun = {"SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2",
+                     "SLURM_NTASKS_PER_NODE": "1", "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_GPUS_ON_NODE": "4",
+                     "RANK": "6", "LOCAL_RANK": "2", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+                     "GROUP_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0", "MASTER_ADDR": "gpu01",
+                     "MASTER_PORT": "29500"}
+    got = distributed.read_launch_env(srun_torchrun)
+    assert (got["rank"], got["local_rank"], got["world_size"], got["local_world_size"], got["launcher"]) \
+        == (6, 2, 8, 4, "torchrun")
+    assert distributed.choose_device_and_backend(2, 4, gpu_count=4, env=srun_torchrun)[0] == torch.device("cuda", 2)
+    with pytest.raises(distributed.DistributedSetupError, match="4 processes on this node but 1 GPU"):
+        distributed.choose_device_and_backend(2, 4, gpu_count=1, env=srun_torchrun)
+    # LOCAL_RANK without LOCAL_WORLD_SIZE, no Slurm: every rank on this node, as before.
+    got = distributed.read_launch_env({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"})
+    assert (got["local_rank"], got["local_world_size"]) == (1, 2)
     # srun in a pyxis container with enroot's 50-slurm-pytorch.sh hook: RANK, LOCAL_RANK,
     # WORLD_SIZE, MASTER_* from SLURM_*, no LOCAL_WORLD_SIZE; one GPU bound to each task.
     hook = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "4(x2)",
