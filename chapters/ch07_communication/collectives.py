@@ -59,14 +59,18 @@ class P2P:
 
     def exchange(self, send_t: torch.Tensor, dst: int, recv_t: torch.Tensor, src: int) -> None:
         """Send to `dst` and receive from `src` at the same time. In a ring every rank sends
-        before it receives: blocking sends would wait on each other forever (for messages too
-        large for the transport's buffers), so both are posted together and then awaited."""
+        and receives in the same step: blocking sends would wait on each other forever (for
+        messages too large for the transport's buffers), so both are posted together and then
+        awaited. The receive is posted first: under gloo over TCP, posting the `isend` before
+        the `irecv` made the two directions of a ring step run one after the other (~2× bytes
+        ÷ rate between two shaped network namespaces, against 1.1× with the receive first;
+        measured in chapter 22)."""
         ops = []
+        if recv_t.numel():
+            ops.append(dist.P2POp(dist.irecv, recv_t, self.peer(src), self.group))
         if send_t.numel():
             self._count(send_t, dst)
             ops.append(dist.P2POp(dist.isend, send_t, self.peer(dst), self.group))
-        if recv_t.numel():
-            ops.append(dist.P2POp(dist.irecv, recv_t, self.peer(src), self.group))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()  # NCCL: the current stream waits; the += that follows is queued after

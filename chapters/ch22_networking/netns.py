@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import RunConfig, parse_config
+from common.launch import kill_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SUBNET = "10.22.0"
@@ -150,8 +150,10 @@ def torchrun_commands(topo: Topology, script: str, args: list[str], nproc_per_no
 
 
 def run_nodes(cmds: list[list[str]], timeout: float = 120) -> tuple[list[int], list[str]]:
-    """Start every node's command, wait for all (each in its own process group, killed whole on
-    timeout). Returns the exit codes (None: killed at the timeout) and the outputs."""
+    """Start every node's command, wait for all (each in its own session; on timeout its whole
+    process tree is killed with `common.launch.kill_tree`: torchrun starts each rank in a session
+    of its own, so killing the agent's process group alone would leave the ranks running).
+    Returns the exit codes (None: killed at the timeout) and the outputs."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -164,14 +166,14 @@ def run_nodes(cmds: list[list[str]], timeout: float = 120) -> tuple[list[int], l
                 out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
                 codes.append(p.returncode)
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+                kill_tree(p.pid)
                 out, _ = p.communicate()
                 codes.append(None)
             outs.append(out)
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                kill_tree(p.pid)
                 p.wait()
     return codes, outs
 

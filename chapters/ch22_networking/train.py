@@ -55,7 +55,8 @@ from common.timing import benchmark
 # 1.5 MiB a node sends on 4 nodes, and TCP/IP and Ethernet headers only add bytes (~3-5 %): a
 # ratio under 0.95 means the link was not shaped to the rate, or fewer bytes crossed than the
 # ring sends (a prediction with 2·S per node instead of 2(n−1)/n·S on 4 nodes gives 0.87).
-# Upper side: CPU time on a loaded 2-core machine (1.10–1.49 measured for gloo's all_reduce).
+# Upper side: CPU time on a loaded 2-core machine (gloo's all_reduce: 1.10–1.49 and 1.10–1.21 in
+# two recordings; the hand rings 1.09–1.34 since chapter 07's P2P posts its receive first).
 TIME_BAND = (0.95, 1.8)
 
 
