@@ -8,6 +8,7 @@ with a float reference this module computes in one process; both scripts run onc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -103,7 +104,7 @@ def hand_times(h, pairs, B, m, W, F, alpha, beta):
     dp = c / W + ring(4 * psi, W)
     tp = c / W + pairs * 2 * ring(4 * B * h, W)
     micro = B // m
-    pp = (m + W - 1) * (c / W / m + 2 * (alpha + 4 * micro * h * beta))
+    pp = (m + W - 1) * c / W / m + 2 * (W - 1) * (alpha + 4 * micro * h * beta)  # isend: fill, drain
     return {"dp": dp, "tp": tp, "pp": pp}
 
 
@@ -118,7 +119,21 @@ def test_predicted_order_matches_hand_arithmetic():
     want = hand_times(cfg.width, cfg.pairs, cfg.batch, cfg.micro_batches, 2, F, alpha, beta)
     for k in train.KINDS:
         assert got[k] == pytest.approx(want[k], rel=1e-12)
-    assert sorted(got, key=got.get) == ["pp", "tp", "dp"]
+    assert sorted(got, key=got.get) == ["pp", "dp", "tp"]
+    assert train.ranked_pairs(got) == [("pp", "dp"), ("pp", "tp"), ("dp", "tp")]
+    # Megatron's blocking sends (the worked pairs' default): every slot waits for two messages
+    blocking = planner.step_time(spec, dataclasses.replace(cluster, async_p2p=False),
+                                 real_layouts.layout_for("pp", 2, cfg.batch, cfg.micro_batches))
+    micro = cfg.batch // cfg.micro_batches
+    extra = (cfg.micro_batches + 2 - 1 - 1) * 2 * (alpha + 4 * micro * cfg.width * beta)
+    assert blocking == pytest.approx(got["pp"] + extra, rel=1e-12)
+
+
+@pytest.mark.timeout(30)
+def test_ranked_pairs_leave_close_predictions_unranked():
+    got = train.ranked_pairs({"a": 1.0, "b": 1.49, "c": 1.5, "d": 3.0})
+    assert got == [("a", "c"), ("a", "d"), ("b", "d"), ("c", "d")]
+    assert train.ranked_pairs({"a": 1.0, "b": 1.2}) == []
 
 
 @pytest.mark.timeout(30)

@@ -90,6 +90,10 @@ class Cluster:
     bw_intra: float
     alpha_inter: float
     bw_inter: float
+    async_p2p: bool = False
+    """False: each micro-batch slot waits for its two pipeline messages (Megatron's blocking
+    sends). True: sends are asynchronous (chapter 04's `isend`), so only the 2(p − 1) messages of
+    the fill and the drain are on the critical path."""
 
 
 @dataclass(frozen=True, order=True)
@@ -128,11 +132,11 @@ def step_terms(spec: ModelSpec, cluster: Cluster, lay: Layout) -> dict[str, floa
     tp = spec.n_layers // lay.pp * per_layer * predicted_time("ring", act, lay.tp, a, b)
     a, b = link(cluster, 2, lay.tp)
     pp = 2 * (a + act * b) if lay.pp > 1 else 0.0  # activation forward, its gradient back
+    pp *= (lay.pp - 1) if cluster.async_p2p else stretch
     a, b = link(cluster, lay.dp, lay.tp * lay.pp)
     grads = math.ceil(spec.params() / (lay.tp * lay.pp)) * spec.grad_bytes
     dp = paper_volume(lay.zero) / 2 * predicted_time("ring", grads, lay.dp, a, b)
-    return {"compute": stretch * compute, "tp_comm": stretch * tp, "pp_comm": stretch * pp,
-            "dp_comm": dp}
+    return {"compute": stretch * compute, "tp_comm": stretch * tp, "pp_comm": pp, "dp_comm": dp}
 
 
 def step_time(spec: ModelSpec, cluster: Cluster, lay: Layout, drop: str | None = None) -> float:

@@ -32,7 +32,9 @@ def measure() -> dict:
     checks = {c["name"]: c["measured"] for c in fed["checks"]}
     constants = {k: p["figures"][k]["measured"] for k in (
         "measured matmul rate per rank", "measured all-reduce alpha", "measured all-reduce bandwidth (1/beta)")}
-    return {"steps": steps, "constants": constants, "fedavg_accuracy": curve,
+    timing = [c for c in p["checks"] if c["kind"] == "timing"]
+    ranking = {k: timing[0][k] for k in ("name", "expected", "measured", "ok")} if timing else None
+    return {"steps": steps, "constants": constants, "ranking": ranking, "fedavg_accuracy": curve,
             "single_accuracy": checks["best single client's test accuracy (trained alone as long)"],
             "bounds": [fed["config"]["fedavg_accuracy"], fed["config"]["single_accuracy"]]}
 
@@ -87,7 +89,10 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     a1.bar([i + 0.2 for i in x], meas, 0.4, yerr=[lo, hi], label="measured median (min-max)", color="#dd8452")
     a1.set_xticks(list(x), [f"{k}=2" for k in kinds])
     a1.set_ylabel("ms per step")
-    a1.set_title("tiny MLP on 2 CPU ranks (one run)", fontsize=9)
+    rank = data.get("ranking")
+    a1.set_title("tiny MLP on 2 CPU ranks (one run)" + (
+        f"\npairs >= 1.5x apart, predicted: {rank['expected']}\nmeasured: {rank['measured']}"
+        if rank else ""), fontsize=8)
     a1.legend(fontsize=7)
     curve = data["fedavg_accuracy"]
     a2.plot(range(len(curve)), curve, label="FedAvg global model (secure sum)", color="#55a868")

@@ -25,7 +25,7 @@ from chapters.ch07_communication.cost_model import fit_latency_bandwidth, ring_a
 from chapters.ch30_frontier.planner import Cluster, Layout, ModelSpec
 from common.distributed import gather_numbers
 from common.models import MLP
-from common.timing import benchmark, matmul_peak_flops
+from common.timing import benchmark
 
 
 def tiny_spec(width: int, pairs: int, batch: int) -> ModelSpec:
@@ -116,12 +116,18 @@ def time_layouts(kinds: list[str], width: int, pairs: int, batch: int, micro_bat
     return out
 
 
-def calibrate(width: int, repeats: int, device: torch.device) -> dict[str, float]:
-    """This machine's constants for the planner: FLOP/s of a width×width matmul on one thread
-    (as the ranks run), and α, β of the all-reduce from two sizes fitted by chapter 07's line."""
-    rate = matmul_peak_flops(width, device=device, repeats=repeats)
+def calibrate(width: int, pairs: int, batch: int, repeats: int,
+              device: torch.device) -> dict[str, float]:
+    """This machine's constants for the planner, measured the way the layouts run: FLOP/s of
+    the matmul a dp or pp rank runs (batch/W rows × width × width, on the ranks' one thread,
+    median as the layouts report), and α, β of the all-reduce fitted by chapter 07's line to
+    the two messages the layouts send: tp's activations (batch × width) and dp's gradients."""
     world = dist.get_world_size()
-    sizes = [4096, 4 << 20]
+    rows = max(batch // world, 1)
+    x, w = torch.randn(rows, width, device=device), torch.randn(width, width, device=device)
+    mm = benchmark(lambda: x @ w, warmup=2, repeats=repeats, device=device).median
+    rate = min(gather_numbers(2 * rows * width * width / mm))
+    sizes = [4 * batch * width, 4 * pairs * 2 * (width * width + width)]  # with the biases
     times = []
     for size in sizes:
         t = torch.zeros(size // 4, device=device)
@@ -130,12 +136,13 @@ def calibrate(width: int, repeats: int, device: torch.device) -> dict[str, float
                                                   repeats=repeats, device=device).median)))
     a, b = fit_latency_bandwidth([float(s) for s in sizes], times)
     alpha, beta = ring_alpha_beta(a, b, world)
-    rate = min(gather_numbers(rate))
     return {"flops": rate, "alpha": alpha, "beta": beta}
 
 
 def cpu_cluster(world: int, flops: float, alpha: float, beta: float) -> Cluster:
-    """This machine as the planner sees it: one node of `world` ranks, memory not binding."""
+    """This machine as the planner sees it: one node of `world` ranks, memory not binding, and
+    asynchronous pipeline sends (the implementation that runs here)."""
     bw = 1 / beta if beta > 0 else float("inf")
     return Cluster(n_gpus=world, gpus_per_node=world, memory_bytes=float("inf"), peak_flops=flops,
-                   efficiency=1.0, alpha_intra=alpha, bw_intra=bw, alpha_inter=alpha, bw_inter=bw)
+                   efficiency=1.0, alpha_intra=alpha, bw_intra=bw, alpha_inter=alpha, bw_inter=bw,
+                   async_p2p=True)  # pp_step runs chapter 04's gpipe_step, which sends with isend
