@@ -7,6 +7,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import re  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _torch_default_dtype_restored():
+    """A test that sets torch's default dtype (chapter 28's float64 references) sets it for the
+    rest of the pytest process: a later test's model would then be initialised differently from
+    its spawned ranks' (it happened: ch30's FedAvg reference after ch28). Restore it after each test."""
+    import torch
+
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)
+
 # What a library prints when it is left on the console (DESIGN.md, "Running a chapter"): a
 # Python warning, a C++ log line ("[W1130 ...", "[rank0]:[E1130 ..."), a dumped JSON object, a
 # traceback, torchrun's OMP_NUM_THREADS banner, DeepSpeed's "[2026-11-30 16:32:48,172] [WARNING]".

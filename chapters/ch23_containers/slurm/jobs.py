@@ -79,7 +79,8 @@ def run_jobs(cluster: LocalSlurm, out: Path, timeout: float = 100) -> dict:
     deadline = t0 + timeout
     out.mkdir(parents=True, exist_ok=True)
     ports = iter(free_ports(5, start=24000 + (hash(str(out)) % 1000) * 5))
-    path = f"{REPO / '.venv' / 'bin'}:{cluster.env()['PATH']}"
+    # the environment running this (COURSE_VENV may put it outside the checkout) comes first
+    path = f"{Path(sys.executable).parent}:{cluster.env()['PATH']}"
 
     def submit(name: str, extra: list[str], args: list[str] = ()) -> int:
         env = {"COURSE_OUT": str(out), "MASTER_PORT": str(next(ports)), "PATH": path,
