@@ -23,7 +23,6 @@ The default global batch, 48 micro-batches of one sample, divides over 1, 2, 3, 
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,6 @@ import torch.distributed as dist
 from chapters.ch21_hyperparameters import schedules as S
 from common.config import RunConfig, parse_config, require_at_least_one
 from common.distributed import (
-    DistributedSetupError,
     gather_numbers,
     reduce_number,
     setup_distributed,
@@ -242,11 +240,7 @@ def check_schedules(rec: RunRecorder) -> None:
 
 
 def main(cfg: Config) -> int:
-    try:
-        info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
-    except DistributedSetupError as e:
-        print(f"{Path(__file__).name}: error: {e}", file=sys.stderr)
-        return 2
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)

@@ -20,7 +20,6 @@ The default global batch, 48, divides over 1, 2, 3, 4, 8 and 16 ranks.
 import copy
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -39,7 +38,6 @@ from common.checkpoint import save_checkpoint
 from common.config import RunConfig, check_global_batch, parse_config
 from common.data import regression_data
 from common.distributed import (
-    DistributedSetupError,
     reduce_number,
     setup_distributed,
     teardown_distributed,
@@ -217,11 +215,7 @@ def time_all_reduces(rec: RunRecorder, cfg: Config, info, g: int) -> None:
 
 
 def main(cfg: Config) -> int:
-    try:
-        info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
-    except DistributedSetupError as e:
-        print(f"{Path(__file__).name}: error: {e}", file=sys.stderr)
-        return 2
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)

@@ -25,14 +25,12 @@ import copy
 import dataclasses
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch.distributed as dist
 
 from chapters.ch03_data_parallel import train as ch03
 from common.config import RunConfig, check_global_batch, parse_config
 from common.distributed import (
-    DistributedSetupError,
     read_launch_env,
     setup_distributed,
     teardown_distributed,
@@ -134,11 +132,7 @@ def check_manifests(rec: RunRecorder) -> None:
 
 
 def main(cfg: Config) -> int:
-    try:
-        info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
-    except DistributedSetupError as e:
-        print(f"{Path(__file__).name}: error: {e}", file=sys.stderr)
-        return 2
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)
