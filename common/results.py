@@ -186,6 +186,13 @@ class RunRecorder:
                 log.info("TensorBoard events go to %s; to see them:", shown_path(self.out / "tb"))
                 log.info("  tensorboard --logdir %s", shown_path(self.out / "tb"))
 
+    @property
+    def tensorboard_writer(self):
+        """The TensorBoard `SummaryWriter` that `metrics` writes through on the main rank (None on
+        other ranks and without `--tensorboard`): for what `metrics` does not log, such as
+        `add_scalars` or `add_histogram`. `finish` closes it."""
+        return self._tb
+
     def metrics(self, step: int, **values) -> None:
         """Append one line to metrics.jsonl (flushed at once: nothing lost on a crash)."""
         if not self.is_main:

@@ -398,6 +398,23 @@ def test_tensorboard_scalars(tmp_path):
     assert [round(e.value, 4) for e in acc.Scalars("loss")] == [1.0, 0.5, 0.3333]
 
 
+def test_tensorboard_writer_is_public_on_the_main_rank_only(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert results.RunRecorder(_Cfg(out=str(tmp_path / "off")), "train.py").tensorboard_writer is None
+    info = distributed.DistInfo(1, 1, 2, 2, torch.device("cpu"), "gloo", "torchrun")
+    assert results.RunRecorder(_Cfg(out=str(tmp_path / "rank1"), tensorboard=True), "train.py",
+                               info).tensorboard_writer is None  # only the main rank writes
+    rec = results.RunRecorder(_Cfg(out=str(tmp_path), tensorboard=True), "train.py")
+    rec.tensorboard_writer.add_scalars("compute_ms", {"rank0": 1.0, "rank1": 31.0}, 0)
+    rec.metrics(0, loss=0.5)
+    rec.finish()
+    acc = EventAccumulator(str(tmp_path / "tb" / "compute_ms_rank1"))  # add_scalars: one run per series
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("compute_ms")] == [31.0]
+
+
 # --- models and data --------------------------------------------------------------------------
 
 
