@@ -22,6 +22,7 @@ from common.checkpoint import load_checkpoint
 from common.launch import run_torchrun
 from common.log import setup_logging
 from common.models import MLP
+from common.results import RunRecorder
 
 SCRIPT = Path(train.__file__)
 GOOD = {"step": 3, "time_s": 0.5, "loss": 0.25, "lr": 0.01, "grad_norm": 1.5, "samples_per_s": 900.0,
@@ -50,8 +51,13 @@ def test_slowed_rank_is_flagged_and_the_others_are_not(slowed):
     assert times["compute"][1].min().item() >= 0.030
     # The test's own reading of the gathered times, through the detector: rank 1 only.
     assert monitor.find_stragglers(times["compute"].tolist())["flagged"] == [1]
-    # Whole step times hide the straggler: the all-reduce makes everybody as slow as rank 1.
+    # Whole step times hide the straggler: the all-reduce makes everybody as slow as rank 1, and
+    # the same detector, same rule and run, flags nobody on them...
     assert times["whole"][0].median().item() >= 0.030
+    assert monitor.find_stragglers(times["whole"].tolist())["flagged"] == []
+    assert slowed.check("stragglers flagged from whole step times (hidden)")["measured"] == []
+    # ... while it does flag rank 1 on the same step times less the wait inside the all-reduce.
+    assert monitor.find_stragglers((times["whole"] - times["wait"]).tolist())["flagged"] == [1]
     # The validator counts: the script's broken copy of a line has its two errors found.
     assert slowed.check("errors in a broken line (lr missing, loss 'nan')")["measured"] == 2
     # MFU's denominator on a CPU is a measured matmul, and the run says so.
@@ -153,6 +159,7 @@ def test_no_slowed_rank_nobody_is_flagged(tmp_path):
     res = run_torchrun(SCRIPT, nproc=2, args=["--no-wandb", "--no-tensorboard"], out_dir=tmp_path,
                        timeout=120)
     assert res.check("stragglers flagged (median/MAD of compute times)")["measured"] == []
+    assert res.check("stragglers flagged from whole step times (hidden)")["measured"] == []
     assert not (tmp_path / "wandb").exists() and not (tmp_path / "tb").exists()
     assert monitor.validate_file(tmp_path / "metrics.jsonl") == {}
 
@@ -224,6 +231,22 @@ def test_exercise_answers():
     assert stats(a) == stats(b)
     assert monitor.find_stragglers([[x / 1e3] * 5 for x in a])["flagged"] == [2]
     assert monitor.find_stragglers([[x / 1e3] * 5 for x in b])["flagged"] == [0]
+
+
+def test_exercise_3_per_rank_chart_through_the_public_writer(tmp_path):
+    """Exercise 3's answer, run: per-rank compute times through RunRecorder.tensorboard_writer,
+    read back with TensorBoard's own reader, one series per rank."""
+    pytest.importorskip("tensorboard")
+    rec = RunRecorder(train.Config(out=str(tmp_path), tensorboard=True), str(SCRIPT))
+    for step, line in enumerate([{"compute_s": [0.0005, 0.0305]}, {"compute_s": [0.0004, 0.0306]}]):
+        if rec.tensorboard_writer is not None:  # the answer's code, as the lesson prints it
+            rec.tensorboard_writer.add_scalars("compute_ms", {f"rank{r}": t * 1e3 for r, t in
+                                                             enumerate(line["compute_s"])}, step)
+    rec.finish()
+    series = {r: monitor.read_tensorboard_scalars(tmp_path / "tb" / f"compute_ms_rank{r}")["compute_ms"]
+              for r in (0, 1)}
+    assert [v for _, v in series[1]] == pytest.approx([30.5, 30.6], rel=1e-6)  # float32 events
+    assert all(v1 - v0 > 29 for (_, v0), (_, v1) in zip(series[0], series[1]))
 
 
 def test_learning_rate_warms_up_then_decays_to_ten_percent():
