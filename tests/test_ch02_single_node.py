@@ -19,6 +19,7 @@ from chapters.ch02_single_node.task import (
     build_model,
     global_batch_indices,
     max_param_diff,
+    misplaced_rows,
     shard_for_rank,
 )
 from common.checkpoint import load_checkpoint
@@ -109,12 +110,16 @@ def test_loss_curves_agree_and_scripts_own_checks_pass(runs):
         lines = (result.out_dir / "metrics.jsonl").read_text().splitlines()
         curves[name] = [json.loads(line)["loss"] for line in lines]
         assert all(c["ok"] for c in result.summary["checks"]), result.summary["checks"]
-        assert result.check("distinct samples per global batch")["measured"] == 48
         assert result.summary["figures"]["final loss"]["measured"] == pytest.approx(curves[name][-1])
         step = result.summary["figures"]["step time (median)"]  # reported with its min-max
         assert 0 < step["spread"][0] <= step["measured"] <= step["spread"][1]
     assert len(curves["single"]) == STEPS and curves["single"][-1] < curves["single"][0]
+    # One process shards nothing, so single.py has no shard checks; the DDP scripts merge the
+    # ranks' row counts over the first 3 steps: every row of each global batch held once.
+    assert not [c for c in runs["single"].summary["checks"] if "rows" in c["name"]]
     for name in ("spawn", "train"):
+        assert runs[name].check("rows the shards miss, repeat or add (3 steps)")["measured"] == 0
+        assert runs[name].check("distinct rows the ranks hold (3 steps)")["measured"] == 3 * 48
         assert curves[name] == pytest.approx(curves["single"], rel=1e-12, abs=0)
         assert runs[name].check("DDP == one process on the global batch")["measured"] <= TOL
         assert runs[name].check("replicas identical on every rank")["measured"] == 0.0
@@ -127,15 +132,16 @@ def test_negative_controls_and_ddp_design_on_two_ranks():
     cfg = results[0]["config"]
     reference = reference_history(cfg)
     # Positive control: DDP as train.py does it equals one process after every step, and
-    # train.py's own checks (distinct samples, replica spread) pass.
+    # train.py's own checks (misplaced and distinct rows over 3 steps, replica spread) pass.
+    B = cfg.global_batch_size
     for rank in results:
         correct = rank["variants"]["correct"]
         for got, want in zip(correct["history"], reference):
             assert max_param_diff(got, want) <= TOL
-        assert correct["distinct_samples"] == cfg.global_batch_size
+        assert correct["misplaced_rows"] == 0 and correct["distinct_rows"] == 3 * B
         assert correct["replica_spread"] == 0.0
     # Negative controls: the same parity check against one process rejects every broken variant.
-    for variant in ("same_shard", "sum_loss", "no_ddp"):
+    for variant in ("same_shard", "sum_loss", "no_ddp", "overlap"):
         final0 = results[0]["variants"][variant]["history"][-1]
         diff = max_param_diff(final0, reference[-1])
         assert not diff <= TOL, f"{variant} passed the parity check ({diff})"
@@ -145,14 +151,21 @@ def test_negative_controls_and_ddp_design_on_two_ranks():
     for variant in ("same_shard", "sum_loss"):
         finals = [r["variants"][variant]["history"][-1] for r in results]
         assert max_param_diff(*finals) == 0.0 and results[0]["variants"][variant]["replica_spread"] == 0.0
-    assert results[0]["variants"]["same_shard"]["distinct_samples"] == cfg.global_batch_size // 2
-    assert results[0]["variants"]["sum_loss"]["distinct_samples"] == cfg.global_batch_size
+    # train.py's shard checks: every rank on shard 0 holds half the rows twice and the other
+    # half not at all (48 misplaced rows a step); overlapping shards (rank 0 ends one row late)
+    # share one row a step while together still holding all 48 distinct rows, so only the
+    # misplaced-rows count, not the distinct-rows count, rejects them. A summed loss shards right.
+    shard_checks = {v: (results[0]["variants"][v]["misplaced_rows"],
+                        results[0]["variants"][v]["distinct_rows"])
+                    for v in ("same_shard", "overlap", "sum_loss")}
+    assert shard_checks == {"same_shard": (3 * B, 3 * B // 2), "overlap": (3, 3 * B),
+                            "sum_loss": (0, 3 * B)}
     assert all(r["variants"]["no_ddp"]["replica_spread"] > 1e-3 for r in results)
     # Exercise 2: DistributedSampler's strided shard (rank r takes rows r, r+W, ...) still
     # matches one process within the tolerance: the same rows per step, summed in another order.
     for r in results:
         strided = r["exercise_strided"]
-        assert strided["distinct_samples"] == cfg.global_batch_size and strided["replica_spread"] == 0.0
+        assert strided["misplaced_rows"] == 0 and strided["replica_spread"] == 0.0
         for got, want in zip(strided["history"], reference):
             assert max_param_diff(got, want) <= TOL
     # Construction broadcasts rank 0's parameters: replicas seeded differently end equal.
@@ -186,6 +199,23 @@ def test_shards_partition_the_global_batch_in_order():
         assert torch.equal(torch.cat(shards), idx)
     with pytest.raises(ValueError, match="cannot be split evenly over 5 processes"):
         shard_for_rank(idx, 0, 5)
+
+
+def test_misplaced_rows_judges_any_split():
+    """train.py's shard check, on row counts built here: a partition of the batch gives 0, also
+    when a rank holds nothing; a shared row, a row nobody holds and a row from outside the
+    batch each count once."""
+    batch = torch.tensor([4, 5, 6, 7])  # the global batch: rows 4..7 of a 10-row data set
+
+    def merged(*shards):  # what rows_held's SUM all-reduce makes of the ranks' shards
+        return sum(torch.bincount(torch.tensor(s, dtype=torch.long), minlength=10) for s in shards)
+
+    assert misplaced_rows(merged([4, 5], [6, 7]), batch) == 0
+    assert misplaced_rows(merged([4, 5, 6, 7], [], [], []), batch) == 0  # 3 ranks with nothing
+    assert misplaced_rows(merged([4, 5, 6], [6, 7]), batch) == 1       # overlap by one row
+    assert misplaced_rows(merged([4, 5], [7]), batch) == 1             # row 6 taken by nobody
+    assert misplaced_rows(merged([4, 5], [6, 8]), batch) == 2          # 8 instead of 7
+    assert misplaced_rows(merged([4, 5], [4, 5]), batch) == 4          # everyone on shard 0
 
 
 def test_batch_not_divisible_by_world_size_is_refused(monkeypatch, capsys):
@@ -241,9 +271,33 @@ def test_single_and_spawn_refuse_a_missing_gpu_in_one_line(monkeypatch, capsys, 
     assert all("--device cuda, but torch sees no CUDA GPU" in line for line in err if "error" in line)
 
 
+def _rank_that_raises(rank: int, cfg) -> None:
+    """Stands in for spawn.run_rank: rank 1 fails the way a bug in training would."""
+    if rank == 1:
+        raise ValueError("rank 1 found no rows to train on (raised on purpose)")
+
+
+@pytest.mark.timeout(120)
+def test_spawn_reports_a_rank_that_raised_in_one_line(monkeypatch, capfd, tmp_path):
+    """mp.spawn re-raises a child's exception in the parent as ProcessRaisedException, whose
+    message is the child's whole traceback: spawn.py prints one line naming the rank and the
+    exception, keeps the traceback in the run's folder, and exits with status 1."""
+    monkeypatch.setattr(spawn, "run_rank", _rank_that_raises)  # the children unpickle this one
+    status = spawn.main(replace(spawn.Config(), nprocs=2, out=str(tmp_path), device="cpu"))
+    out, err = capfd.readouterr()
+    assert status == 1
+    assert err.strip().splitlines() == [
+        "spawn.py: error: rank 1 raised ValueError: rank 1 found no rows to train on (raised on "
+        "purpose)"]
+    assert "Traceback" not in out and "traceback.rank1.txt" in out
+    saved = (tmp_path / "traceback.rank1.txt").read_text()
+    assert saved.startswith("-- Process 1 terminated with the following error:")
+    assert "Traceback" in saved and "_rank_that_raises" in saved
+
+
 def test_readme_diff_is_generated_and_current():
     readme = (CH / "README.md").read_text()
     assert make_diff.START in readme and make_diff.END in readme
     assert readme == make_diff.readme_with_diff(readme, make_diff.render_diff()), \
         "the README's diff is stale: run python tools/figures.py ch02"
-    assert "+        idx = shard_for_rank(idx, info.rank, info.world_size)" in readme
+    assert "+        idx = shard_for_rank(batch, info.rank, info.world_size)" in readme

@@ -5,9 +5,10 @@
     from chapters.ch02_single_node.controls import ddp_controls
     rank0, rank1 = run_on_ranks(ddp_controls, 2, steps=8)
 
-- the same training as train.py, correct and in three classic broken variants (VARIANTS), each
+- the same training as train.py, correct and in four classic broken variants (VARIANTS), each
   returning its parameters after every step (to be compared with one process) and what
-  train.py's checks of distinct samples and of replica agreement measure on it;
+  train.py's checks of the shards (misplaced and distinct rows) and of replica agreement
+  measure on it;
 - DDP's construction broadcasts rank 0's parameters (ranks seeded differently end equal);
 - DDP all-reduces the gradients *during* backward, in buckets, each gradient exactly once.
 """
@@ -22,13 +23,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from chapters.ch02_single_node.task import (
+    SHARD_CHECK_STEPS,
     TaskConfig,
     build_data,
     build_model,
     build_optimizer,
-    count_distinct_samples,
     global_batch_indices,
+    misplaced_rows,
     replica_spread,
+    rows_held,
     shard_for_rank,
     train_step,
 )
@@ -38,6 +41,7 @@ VARIANTS = {
     "same_shard": "every rank trains on shard 0 (forgot to shard / no DistributedSampler)",
     "sum_loss": "loss summed over the shard instead of averaged",
     "no_ddp": "no DDP: each rank steps on its own shard's gradient",
+    "overlap": "shards overlap: each slice ends one row late (off by one)",
 }
 
 
@@ -56,21 +60,26 @@ def train_variant(cfg: TaskConfig, variant: str, device: torch.device) -> dict:
     if variant != "no_ddp":
         model = DDP(model)
     opt = build_optimizer(model, cfg)
-    history = []
+    history, misplaced, distinct = [], 0, 0
     for step in range(cfg.steps):
-        idx = global_batch_indices(step, cfg.global_batch_size, cfg.n_samples)
+        batch = global_batch_indices(step, cfg.global_batch_size, cfg.n_samples)
+        per_rank = len(batch) // world_size
         if variant == STRIDED:
-            idx = idx[rank::world_size]
+            idx = batch[rank::world_size]
+        elif variant == "overlap":  # the bug: [r·b, (r+1)·b + 1), rank r also takes r+1's first row
+            idx = batch[rank * per_rank:(rank + 1) * per_rank + 1]
         else:
             shard_rank = 0 if variant == "same_shard" else rank  # the bug: everyone takes shard 0
-            idx = shard_for_rank(idx, shard_rank, world_size)
-        if step == 0:
-            distinct = count_distinct_samples(idx, cfg.n_samples, device)
+            idx = shard_for_rank(batch, shard_rank, world_size)
+        if step < SHARD_CHECK_STEPS:  # train.py's shard checks
+            held = rows_held(idx, cfg.n_samples, device)
+            misplaced += misplaced_rows(held, batch)
+            distinct += int((held > 0).sum())
         reduction = "sum" if variant == "sum_loss" else "mean"
         train_step(model, opt, X[idx], Y[idx], reduction=reduction)
         plain = model.module if isinstance(model, DDP) else model
         history.append({k: v.detach().clone() for k, v in plain.state_dict().items()})
-    return {"history": history, "distinct_samples": distinct,
+    return {"history": history, "misplaced_rows": misplaced, "distinct_rows": distinct,
             "replica_spread": replica_spread(model, device)}
 
 

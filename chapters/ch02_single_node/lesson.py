@@ -208,5 +208,5 @@ plt.show()
 #   shards be equal for DDP's *average* of gradients to equal the global-batch gradient?
 # - `--dtype float32`: the difference grows to 6e-8 (2.7e-7 after 200 steps) — still far within
 #   the float32 tolerance 1e-5.
-# - The broken variants (every rank on shard 0, loss summed, no DDP) are in `controls.py`; the
-#   lesson's figure shows how far they drift from one process.
+# - The broken variants (every rank on shard 0, loss summed, no DDP, overlapping shards) are in
+#   `controls.py`; the lesson's figure shows how far they drift from one process.

@@ -48,7 +48,8 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     fig_dir.mkdir(parents=True, exist_ok=True)
     drift = data["parity_drift"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (variant, diffs), marker, ls in zip(drift.items(), "osD^", ["-", "--", "-", ":"]):
+    for (variant, diffs), marker, ls in zip(drift.items(), "osD^v", ["-", "--", "-", ":", "-."],
+                                            strict=True):
         steps = range(1, len(diffs) + 1)
         ax.semilogy(steps, [max(d, FLOOR) for d in diffs], marker=marker, ls=ls,
                     label=VARIANTS[variant])

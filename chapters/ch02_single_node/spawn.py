@@ -19,6 +19,7 @@ import datetime
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,8 @@ from chapters.ch02_single_node.task import TaskConfig, check_batch_divides
 from chapters.ch02_single_node.train import train
 from common.config import parse_config
 from common.distributed import DistInfo, DistributedSetupError, free_port
-from common.log import log, setup_logging
+from common.log import log, setup_logging, shown_path
+from common.results import default_out_dir
 
 
 @dataclass
@@ -65,7 +67,7 @@ def setup_distributed(rank: int, world_size: int, device: str = "auto", backend:
     environment. One machine, so the local rank is the rank."""
     dev, backend = choose_device(rank, world_size, device, backend)
     if dev.type == "cuda":
-        torch.cuda.set_device(dev)  # BEFORE init: NCCL binds its communicator to this device
+        torch.cuda.set_device(dev)  # BEFORE init: 'the current device' of NCCL calls (ch01)
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return DistInfo(rank, rank, world_size, world_size, dev, backend, "mp.spawn")
@@ -84,6 +86,24 @@ def run_rank(rank: int, cfg: Config) -> None:
         sys.exit(status)  # the parent's mp.spawn raises ProcessExitedException
 
 
+def raised_in_child(e: mp.ProcessRaisedException) -> str:
+    """The rank and its exception, in one line: mp.spawn hands the parent the child's whole
+    traceback as text, whose last line is the exception itself."""
+    lines = [line.strip() for line in e.msg.splitlines() if line.strip()]
+    return f"rank {e.error_index} raised {lines[-1] if lines else 'an exception'}"
+
+
+def save_traceback(e: mp.ProcessRaisedException, out: str) -> str:
+    """Keep the child's full traceback in the run's folder (or say where it could not go)."""
+    path = (Path(out) if out else default_out_dir(__file__)) / f"traceback.rank{e.error_index}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(e.msg.lstrip())
+    except OSError as err:
+        return f"not saved ({err.strerror})"
+    return shown_path(path)
+
+
 def main(cfg: Config) -> int:
     setup_logging()
     try:  # the device choice every child will make, checked once here: one line, not N tracebacks
@@ -97,8 +117,13 @@ def main(cfg: Config) -> int:
         # The worker must be importable by name: spawned processes re-import this file as a
         # module (its main guard keeps them from spawning again) and look run_rank up in it.
         mp.spawn(run_rank, args=(cfg,), nprocs=cfg.nprocs, join=True)
+    except mp.ProcessRaisedException as e:  # mp.spawn stopped the other ranks already
+        print(f"spawn.py: error: {raised_in_child(e)}", file=sys.stderr)
+        log.info("rank %d's traceback: %s", e.error_index, save_traceback(e, cfg.out))
+        return 1
     except mp.ProcessExitedException as e:
-        log.error("rank %d exited with status %s", e.error_index, e.exit_code)
+        print(f"spawn.py: error: rank {e.error_index} exited with status {e.exit_code}",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -1,9 +1,9 @@
 """The training task all three scripts of chapter 02 share: config, data, model, optimizer, step.
 
 single.py, spawn.py and train.py import these, so the only lines that differ between the
-scripts are the distributed ones — the lesson. Two functions here are about distribution:
-`shard_for_rank` (which rows of a global batch a rank takes) and the two small collectives
-below it; the rest would be the same in any single-device training script.
+scripts are the distributed ones — the lesson. The functions about distribution are
+`shard_for_rank` (which rows of a global batch a rank takes) and the small collectives below
+it; the rest would be the same in any single-device training script.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 # order (shard-wise, then across ranks), so results agree to rounding: ~1e-16 relative per
 # operation in float64, ~1e-7 in float32, accumulated over a few dozen steps.
 PARITY_TOLERANCE = {"float64": 1e-12, "float32": 1e-5}
+# Steps whose shards train.py checks: one all-reduce of a count per row each, so not every step.
+SHARD_CHECK_STEPS = 3
 
 
 @dataclass
@@ -124,16 +126,21 @@ def mean_over_ranks(value: torch.Tensor, world_size: int) -> torch.Tensor:
     return value / world_size
 
 
-def count_distinct_samples(local_indices: torch.Tensor, n_samples: int, device: torch.device) -> int:
-    """Distinct data rows the ranks hold together (a collective). A correct split of a global
-    batch of B rows gives B; ranks that all took the same shard give B / world_size.
-    Each rank marks its rows in a 0/1 vector over the data set and a SUM all-reduce merges the
-    marks: an all-reduce, so it also runs where only all-reduce and broadcast take CUDA tensors
-    (gloo sharing one GPU)."""
-    marks = torch.zeros(n_samples, dtype=torch.int64, device=device)
-    marks[local_indices.to(device)] = 1
-    dist.all_reduce(marks, op=dist.ReduceOp.SUM)
-    return int((marks > 0).sum().item())
+def rows_held(local_indices: torch.Tensor, n_samples: int, device: torch.device) -> torch.Tensor:
+    """How many ranks hold each data row this step (a collective): each rank counts its rows in
+    a vector over the data set and a SUM all-reduce adds the ranks' vectors. An all-reduce, so
+    it also runs where only all-reduce and broadcast take CUDA tensors (gloo sharing one GPU)."""
+    held = torch.bincount(local_indices.to(device), minlength=n_samples)
+    dist.all_reduce(held, op=dist.ReduceOp.SUM)
+    return held
+
+
+def misplaced_rows(held: torch.Tensor, global_indices: torch.Tensor) -> int:
+    """Data rows that the ranks together hold a different number of times than the global batch
+    holds them: 0 when the shards partition the batch. A row two ranks share, a row of the batch
+    nobody took and a row from outside the batch each count once."""
+    wanted = torch.bincount(global_indices.to(held.device), minlength=held.numel())
+    return int((held != wanted).sum().item())
 
 
 def replica_spread(model: nn.Module, device: torch.device) -> float:

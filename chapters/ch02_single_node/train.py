@@ -32,17 +32,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from chapters.ch01_overview.train import choose_device, teardown_distributed
 from chapters.ch02_single_node.task import (
     PARITY_TOLERANCE,
+    SHARD_CHECK_STEPS,
     TaskConfig,
     build_data,
     build_model,
     build_optimizer,
     check_batch_divides,
-    count_distinct_samples,
     global_batch_indices,
     max_param_diff,
     mean_over_ranks,
+    misplaced_rows,
     reference_state,
     replica_spread,
+    rows_held,
     shard_for_rank,
     train_step,
 )
@@ -82,7 +84,7 @@ def setup_distributed(device: str = "auto", backend: str = "auto", timeout_s: fl
     # GPUs were asked for and none is visible, else the CPU; the backend follows the device.
     dev, backend = choose_device(local_rank, local_world_size, device, backend)
     if dev.type == "cuda":
-        torch.cuda.set_device(dev)  # BEFORE init: NCCL binds its communicator to this device
+        torch.cuda.set_device(dev)  # BEFORE init: 'the current device' of NCCL calls (ch01)
     timeout = datetime.timedelta(seconds=timeout_s)  # a dead peer becomes an error, not a hang
     if launcher == "single":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
@@ -107,12 +109,15 @@ def train(cfg: Config, info: DistInfo, script_file: str = __file__) -> int:
     X, Y = build_data(cfg, info.device)
     model = wrap_ddp(build_model(cfg, info.device), info)
     opt = build_optimizer(model, cfg)
-    step_times = []
+    step_times, misplaced, distinct = [], 0, 0
+    checked = min(cfg.steps, SHARD_CHECK_STEPS)
     for step in range(cfg.steps):
-        idx = global_batch_indices(step, cfg.global_batch_size, cfg.n_samples)
-        idx = shard_for_rank(idx, info.rank, info.world_size)
-        if step == 0:
-            distinct = count_distinct_samples(idx, cfg.n_samples, info.device)
+        batch = global_batch_indices(step, cfg.global_batch_size, cfg.n_samples)
+        idx = shard_for_rank(batch, info.rank, info.world_size)
+        if step < checked:  # the ranks' shards together must be this step's global batch
+            held = rows_held(idx, cfg.n_samples, info.device)
+            misplaced += misplaced_rows(held, batch)
+            distinct += int((held > 0).sum())
         with Timer(info.device) as timer:
             loss = train_step(model, opt, X[idx], Y[idx])
         step_times.append(timer.elapsed)
@@ -126,8 +131,11 @@ def train(cfg: Config, info: DistInfo, script_file: str = __file__) -> int:
     rec.figure("final loss", measured=loss.item(), unit="MSE")
     rec.figure("step time (median)", measured=statistics.median(step_times) * 1e3, unit="ms",
                spread=(min(step_times) * 1e3, max(step_times) * 1e3))
-    rec.check("distinct samples per global batch", "count", measured=distinct,
-              expected=cfg.global_batch_size)
+    rec.check(f"rows the shards miss, repeat or add ({checked} steps)", "count",
+              measured=misplaced, expected=0)
+    # The sibling that proves the merged counts count: a rank's own shard alone is B / W rows.
+    rec.check(f"distinct rows the ranks hold ({checked} steps)", "count", measured=distinct,
+              expected=checked * cfg.global_batch_size)
     rec.check("replicas identical on every rank", "parity",
               measured=replica_spread(model, info.device), expected=0.0, tolerance=0.0)
     rec.check("DDP == one process on the global batch", "parity",
