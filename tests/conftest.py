@@ -6,6 +6,38 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import re  # noqa: E402
+from collections import defaultdict  # noqa: E402
+
+# DESIGN.md's budget: one chapter's tests and notebook in <= 60 s on a 2-core machine, <= 120 s
+# where DeepSpeed, Ray, TRL, transformers, Slurm or network namespaces are involved.
+BUDGET_S, HEAVY_BUDGET_S = 60, 120
+HEAVY = {"06": "DeepSpeed", "12": "DeepSpeed", "18": "DeepSpeed", "19": "DeepSpeed", "21": "Ray",
+         "22": "network namespaces", "23": "Slurm", "25": "transformers", "27": "TRL",
+         "28": "transformers"}
+_chapter_seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    """Add every phase of every test whose id names a chapter (its own module, its notebook, its
+    structure and config checks) to that chapter's time."""
+    found = re.search(r"ch(\d\d)_", report.nodeid)
+    if found:
+        _chapter_seconds[found.group(1)] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each chapter's time beside its budget, at the end of every run (reported, never failed:
+    shared machines are noisy)."""
+    if not _chapter_seconds:
+        return
+    write = terminalreporter.write_line
+    write(f"chapter time, tests + notebook (budget {BUDGET_S} s; {HEAVY_BUDGET_S} s with "
+          "DeepSpeed, Ray, TRL, transformers, Slurm, namespaces):")
+    for chapter, seconds in sorted(_chapter_seconds.items()):
+        budget = HEAVY_BUDGET_S if chapter in HEAVY else BUDGET_S
+        over = f"  over its {budget} s" + (f" ({HEAVY[chapter]})" if chapter in HEAVY else "")
+        write(f"  ch{chapter} {seconds:6.1f} s{over if seconds > budget else ''}")
+    write(f"  total {sum(_chapter_seconds.values()):.0f} s in chapters")
 
 
 @pytest.fixture(autouse=True)

@@ -200,3 +200,95 @@ def test_a_failed_run_ends_with_one_line_naming_the_first_failure(tmp_path):
         f"course: {script} failed: rank 1 exited with code 3 first; torchrun then stopped 1 other "
         "rank. Its own messages are above.")
     assert "Traceback" not in done.stderr and "SIGTERM" not in done.stderr
+
+
+
+# The loader of the test below: DeepSpeed's own load of its operator, with torch's build lock
+# made to say, as it is entered, whether another process holds it.
+LOADER = """
+import fcntl, os
+import torch.utils.cpp_extension as cpp_extension
+class Lock(cpp_extension.FileLock):
+    def __enter__(self):
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            print("lock: free", flush=True)
+        except BlockingIOError:
+            print("lock: held by another process", flush=True)
+        finally:
+            os.close(fd)
+        return super().__enter__()
+cpp_extension.FileLock = Lock
+from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
+print("lock: loaded", flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_operator_build_leaves_no_lock_that_blocks_a_later_load(tmp_path):
+    """`./course setup` builds DeepSpeed's CPU operator once (tools/build_ops.py) and relies on
+    torch's build lock being advisory: a builder that dies (a test's timeout, Slurm, the OOM
+    killer) releases it with its process, while the lock file stays behind. Here a holder takes
+    the lock of a copy of the built operator's folder; a loader finds it held (the control: the
+    lock is honoured while its holder lives) and waits; the holder is SIGKILLed, and the loader
+    then finishes without rebuilding, though the lock file is still there."""
+    pytest.importorskip("deepspeed", reason="pip install deepspeed==0.19.8 (requirements.txt)")
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    built = sorted(root.glob("*/deepspeed_shm_comm/deepspeed_shm_comm.so"))
+    if not built or torch.cuda.is_available():
+        pytest.skip("DeepSpeed's CPU operator is not built here (./course setup builds it on CPU)")
+    folder = tmp_path / "ext" / "deepspeed_shm_comm"  # TORCH_EXTENSIONS_DIR/NAME, no subfolder
+    shutil.copytree(built[0].parent, folder)  # copy2: mtimes kept, so ninja sees it up to date
+    so, lock = folder / "deepspeed_shm_comm.so", folder / "lock"
+    lock.touch()
+    built_at = so.stat().st_mtime_ns
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         "fd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "print('held', flush=True)\ntime.sleep(300)\n", str(lock)],
+        stdout=subprocess.PIPE, text=True)
+    loader = subprocess.Popen([sys.executable, "-c", LOADER], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True,
+                              env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        said = ""
+        while not said.startswith("lock:"):  # DeepSpeed prints its accelerator's name first
+            said = loader.stdout.readline()
+            assert said, "the loader ended without trying the lock"
+        assert said.strip() == "lock: held by another process"
+        time.sleep(1)
+        assert loader.poll() is None  # still waiting for the live holder
+        holder.kill()  # a builder killed while it holds the lock
+        holder.wait(timeout=10)
+        out, _ = loader.communicate(timeout=60)
+    finally:
+        for proc in (holder, loader):
+            if proc.poll() is None:
+                proc.kill()
+    assert loader.returncode == 0 and out.strip().endswith("lock: loaded")
+    assert lock.exists() and so.stat().st_mtime_ns == built_at  # the file stayed; nothing rebuilt
+
+
+def test_the_operator_build_is_skipped_without_python_once_built(tmp_path):
+    """`./course test` asks `ops_built` (bash, no Python start) before every run: it finds the
+    operator where torch puts it, TORCH_EXTENSIONS_DIR/NAME or ~/.cache/torch_extensions/pyXY_*/NAME."""
+    so = "deepspeed_shm_comm/deepspeed_shm_comm.so"
+    ext, home = tmp_path / "ext", tmp_path / "home"
+
+    def built(env):
+        return functions("ops_built", env={"HOME": str(home), "XDG_CACHE_HOME": "", **env}).returncode
+
+    assert built({"TORCH_EXTENSIONS_DIR": str(ext)}) == 1 and built({}) == 1
+    (ext / so).parent.mkdir(parents=True)
+    (ext / so).touch()
+    assert built({"TORCH_EXTENSIONS_DIR": str(ext)}) == 0
+    assert built({}) == 1  # not under the default root yet
+    cached = home / ".cache" / "torch_extensions" / "py311_cu130" / so
+    cached.parent.mkdir(parents=True)
+    cached.touch()
+    assert built({}) == 0
