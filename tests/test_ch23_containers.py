@@ -1,14 +1,14 @@
 """Chapter 23: the Dockerfile lints and does what the lesson says; the manifests pass Kubernetes'
-schemas (core objects, the custom resources' pod templates) and the repository's (the rest),
-broken copies do not; every command in them starts a course script with options valid at its
-world size; each launcher's environment (PyTorchJob, elastic PyTorchJob, Volcano, indexed Job,
-Slurm) is read right by common's setup, and a wrong mapping is caught. One real launch: the
-PyTorchJob's container command, run as two plain processes with the operator's variables."""
+schemas (core objects, the custom resources' pod templates), the operators' CRD schemas and
+webhooks and the course's lints (the rest), broken copies do not; every command in them starts a
+course script with options valid at its world size; each launcher's environment (PyTorchJob,
+elastic PyTorchJob, Volcano, indexed Job, Slurm) is read right by common's setup, and a wrong
+mapping is caught. One real launch: the PyTorchJob's container command, run as two plain
+processes with the operator's variables."""
 
 from __future__ import annotations
 
 import copy
-import shlex
 import subprocess
 import sys
 
@@ -38,15 +38,23 @@ def test_dockerfile_lints_clean_and_does_what_the_lesson_says(tmp_path):
     assert "requirements.txt" in facts["copied"]
     assert any("pip install" in r and "requirements.txt" in r for r in facts["runs"])
     assert facts["user"] == "1001:1001" and o.dockerfile_problems(facts) == []
-    # The Dockerfile's command starts a course script with options valid at its world size.
-    from test_configs import parse_command
-
-    script, args, world, _ = parse_command(shlex.join(facts["cmd"]))
-    assert script.name == "train.py" and world == 2
-    o.validate_command(facts["cmd"], world)
+    # The base carries the pinned torch, for the pinned wheel's CUDA; PYTORCH_VERSION says so.
+    pin = o.pinned_version("torch")
+    assert pin == "2.14.1" and o.base_image_versions(facts["base"]) == {"torch": pin, "cuda": "13.0"}
+    assert facts["env"]["PYTORCH_VERSION"] == pin and facts["env"]["PIP_BREAK_SYSTEM_PACKAGES"] == "1"
+    # The CMD starts one rank per GPU: torchrun's "gpu" (torch.distributed.run), valid at the GPU
+    # counts a node has; the script's options are valid there.
+    assert facts["cmd"][:3] == ["torchrun", "--standalone", "--nproc_per_node=gpu"]
+    for world in (1, 2, 4, 8):
+        o.validate_command(facts["cmd"], world)
     # Negative controls: each promise broken once is caught; hadolint rejects an unpinned base.
     text = o.DOCKERFILE.read_text()
-    broken = {"latest": text.replace("pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime", "pytorch/pytorch:latest"),
+    base = "pytorch/pytorch:2.14.1-cuda13.0-cudnn9-runtime"
+    broken = {"latest": text.replace(base, "pytorch/pytorch:latest"),
+              "old base": text.replace(base, "pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime"),
+              "other cuda": text.replace(base, "pytorch/pytorch:2.14.1-cuda12.6-cudnn9-runtime"),
+              "stale PYTORCH_VERSION": text.replace("PYTORCH_VERSION=2.14.1", "PYTORCH_VERSION=2.9.1"),
+              "two ranks": text.replace("--nproc_per_node=gpu", "--nproc_per_node=2"),
               "root": text.replace("USER 1001:1001", "USER root"),
               "no user": text.replace("USER 1001:1001\n", ""),
               "no pins": text.replace("requirements.txt pyproject.toml", "pyproject.toml")
@@ -57,6 +65,23 @@ def test_dockerfile_lints_clean_and_does_what_the_lesson_says(tmp_path):
         assert variant != text and o.dockerfile_problems(o.dockerfile_facts(path)), name
     rc, findings = o.hadolint(tmp_path / "Dockerfile.latest")
     assert rc != 0 and "DL3007" in findings
+
+
+@pytest.mark.timeout(30)
+def test_pinned_torch_cuda_and_the_driver_it_needs():
+    """torch.version.cuda of the pinned wheel is 13.0 (read live where this environment is the
+    pinned CUDA build); CUDA 13.x needs driver branch 580 (NVIDIA's CUDA Compatibility guide,
+    "Minor Version Compatibility", Table 1: 13.x >= 580, 12.x >= 525, 11.x >= 450), which the
+    Dockerfile and the lesson state."""
+    import torch
+
+    if torch.__version__.split("+")[0] == o.pinned_version("torch") and torch.version.cuda:
+        assert torch.version.cuda == o.PINNED_TORCH_CUDA, torch.version.cuda
+    assert (o.min_driver("13.0"), o.min_driver("12.8"), o.min_driver("11.8")) == (580, 525, 450)
+    need = o.min_driver(o.PINNED_TORCH_CUDA)
+    assert f"driver >= {need}" in o.DOCKERFILE.read_text()
+    readme = (o.CHAPTER / "README.md").read_text()
+    assert f"branch {need} and later" in readme and "580.65.06" in readme
 
 
 # --- the manifests ------------------------------------------------------------------------------
@@ -71,16 +96,21 @@ def test_manifests_pass_both_validators_and_broken_copies_fail():
     for fname, obj in MANIFESTS:
         for what, broken in o.broken_variants(obj):
             assert o.validate_object(broken), f"{fname}: {what} passed"
-    # Each validator on its own: the repository's schema catches a PyTorchJob without replica
-    # specs and a string for replicas; Kubernetes' schema catches the pod template's errors.
+    # Each check on its own: the CRD schema catches a PyTorchJob without replica specs and a
+    # string for replicas; Kubernetes' schema the pod template's errors; the webhook a container
+    # not named pytorch; the lint a port not named pytorchjob-port.
     job = BY_NAME["ch23-ddp"]
     variants = dict(o.broken_variants(job))
     schema = o.json.loads((o.SCHEMAS / "pytorchjob.schema.json").read_text())
+    assert o._schema_errors(job, schema) == []
     for what in ("custom resource without its replica specs / tasks", "replicas given as a string"):
         assert o._schema_errors(variants[what], schema), what
     for what in ("a container without its name", "command given as a string"):
-        assert not o._schema_errors(variants[what], schema)  # the repo schema leaves pods alone
+        assert not o._schema_errors(variants[what], schema)  # the CRD schema leaves pods alone
         assert any("pod template" in e for e in o.validate_object(variants[what])), what
+    assert [e.split(":")[0] for e in o.validate_object(variants["PyTorchJob container not named pytorch"])] \
+        == ["admission webhook", "admission webhook"]  # Master and Worker
+    assert all(e.startswith("lint:") for e in o.validate_object(variants["PyTorchJob port not named pytorchjob-port"]))
     # The GPU, shared-memory and quota promises.
     for _, obj in MANIFESTS:
         for role, template, _ in o.pod_templates(obj):
@@ -92,9 +122,98 @@ def test_manifests_pass_both_validators_and_broken_copies_fail():
     assert BY_NAME["course-quota"]["spec"]["hard"]["requests.nvidia.com/gpu"] == "8"
 
 
+@pytest.mark.timeout(30)
+def test_schemas_are_cut_from_the_operators_crds():
+    """The schemas in schemas/ are the operators' CRD schemas (source and commit recorded),
+    strict about unknown fields; schema_from_crd does what its docstring says."""
+    for name, (repo, tag, commit, path) in o.CRD_SOURCES.items():
+        schema = o.json.loads((o.SCHEMAS / name).read_text())
+        assert all(x in schema["$comment"] for x in (repo, tag, commit, path)), name
+        assert schema["additionalProperties"] is False and schema["properties"]["spec"]["additionalProperties"] is False
+    ptj = o.json.loads((o.SCHEMAS / "pytorchjob.schema.json").read_text())
+    assert ptj["properties"]["spec"]["required"] == ["pytorchReplicaSpecs"]  # as the CRD says
+    # strict: a misspelt field is refused (the API server's strict field validation), the
+    # correct one passes
+    job = copy.deepcopy(BY_NAME["ch23-ddp"])
+    assert o._schema_errors(job, ptj) == []
+    job["spec"]["nprocsPerNode"] = job["spec"].pop("nprocPerNode")
+    assert any("nprocsPerNode" in e for e in o._schema_errors(job, ptj))
+    crd = {"spec": {"versions": [{"name": "v1", "storage": True, "schema": {"openAPIV3Schema": {
+        "type": "object", "description": "x", "properties": {"spec": {"type": "object", "properties": {
+            "template": {"type": "object", "properties": {"spec": {"type": "object"}}},
+            "free": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                     "properties": {"a": {"type": "string"}}},
+            "n": {"type": "integer", "description": "y"}}}}}}}]}}
+    cut = o.schema_from_crd(crd, "src")
+    spec = cut["properties"]["spec"]
+    assert cut["$comment"] == "src" and "description" not in cut and "description" not in spec["properties"]["n"]
+    assert spec["properties"]["template"] == {"type": "object"} and spec["additionalProperties"] is False
+    assert "additionalProperties" not in spec["properties"]["free"]
+
+
+@pytest.mark.timeout(30)
+def test_pytorchjob_container_and_port_names():
+    """The operator configures the container named pytorch (its webhook refuses a replica
+    without one) and reads MASTER_PORT from its port named pytorchjob-port, adding 23456 when
+    there is none: a port named otherwise is silently replaced (training-operator v1.9.0)."""
+    job = BY_NAME["ch23-ddp"]
+    assert o.pytorchjob_admission_errors(job) == [] and o.lint_errors(job) == []
+    renamed = dict(o.broken_variants(job))["PyTorchJob container not named pytorch"]
+    errors = o.pytorchjob_admission_errors(renamed)
+    assert errors == [f"spec.pytorchReplicaSpecs[{r}].template.spec.containers: must have at least one "
+                      "container with name pytorch" for r in ("Master", "Worker")]
+    other_port = dict(o.broken_variants(job))["PyTorchJob port not named pytorchjob-port"]
+    assert o.pytorchjob_admission_errors(other_port) == []  # the operator accepts it ...
+    assert len(o.lint_errors(other_port)) == 2  # ... the lint does not
+    declared = other_port["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["ports"]
+    assert declared == [{"name": "rendezvous", "containerPort": 29500}]
+    assert {e["MASTER_PORT"] for _, e in o.pytorchjob_pods(other_port)} == {"23456"}  # not 29500
+    # The other rules of the webhook, each on its own
+    two_masters = copy.deepcopy(job)
+    two_masters["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = 2
+    assert o.pytorchjob_admission_errors(two_masters) == ["spec.pytorchReplicaSpecs[Master].replicas: must be 1"]
+    chief = copy.deepcopy(job)
+    chief["spec"]["pytorchReplicaSpecs"]["Chief"] = chief["spec"]["pytorchReplicaSpecs"].pop("Master")
+    assert any("Unsupported value" in e for e in o.pytorchjob_admission_errors(chief))
+    elastic = copy.deepcopy(BY_NAME["ch23-elastic"])
+    assert o.pytorchjob_admission_errors(elastic) == []
+    elastic["spec"]["pytorchReplicaSpecs"]["Master"] = elastic["spec"]["pytorchReplicaSpecs"].pop("Worker")
+    assert any("elastic policy" in e for e in o.pytorchjob_admission_errors(elastic))
+
+
+@pytest.mark.timeout(30)
+def test_volcano_pods_fail_so_that_job_policies_act():
+    """restartPolicy Never on every task of a Volcano Job with a PodFailed policy; the lint
+    refuses OnFailure (and the pod default, Always), and only where such a policy exists."""
+    job = BY_NAME["ch23-gang"]
+    assert {t["name"]: t["template"]["spec"]["restartPolicy"] for t in job["spec"]["tasks"]} \
+        == {"master": "Never", "worker": "Never"}
+    assert [p["event"] for p in job["spec"]["policies"]] == ["PodEvicted", "PodFailed"]
+    assert o.volcano_admission_errors(job) == [] and o.lint_errors(job) == []
+    on_failure = dict(o.broken_variants(job))["Volcano pods restarted in place (OnFailure)"]
+    assert [e.split(":")[0] for e in o.lint_errors(on_failure)] == ["task master", "task worker"]
+    default = copy.deepcopy(job)
+    for t in default["spec"]["tasks"]:
+        del t["template"]["spec"]["restartPolicy"]  # the pod default: Always
+    assert len(o.lint_errors(default)) == 2
+    no_policy = copy.deepcopy(on_failure)
+    no_policy["spec"]["policies"] = [{"event": "PodEvicted", "action": "RestartJob"}]
+    assert o.lint_errors(no_policy) == []  # eviction deletes the pod: OnFailure does not hide it
+    # Volcano's webhook rules (transcribed): tasks, task names, minAvailable, events, plugins
+    for change, words in ((lambda j: j["spec"].update(tasks=[]), "No task"),
+                          (lambda j: j["spec"].update(minAvailable=5), "minAvailable"),
+                          (lambda j: j["spec"]["tasks"][1].update(name="master"), "duplicated task"),
+                          (lambda j: j["spec"]["policies"].append({"event": "PodFailed", "action": "AbortJob"}),
+                           "duplicate event"),
+                          (lambda j: j["spec"]["plugins"].update(pytoch=[]), "unable to find job plugin")):
+        bad = copy.deepcopy(job)
+        change(bad)
+        assert any(words in e for e in o.volcano_admission_errors(bad)), words
+
+
 @pytest.mark.timeout(60)
 def test_check_jsonschema_cli_agrees(tmp_path):
-    """The command the lesson shows: check-jsonschema with the repository's schema."""
+    """The command the lesson shows: check-jsonschema with the Volcano CRD's schema in schemas/"""
     exe = str(o.Path(sys.executable).parent / "check-jsonschema")
     schema = str(o.SCHEMAS / "volcano-job.schema.json")
     ok = subprocess.run([exe, "--schemafile", schema, str(o.K8S / "volcano-job.yaml")],

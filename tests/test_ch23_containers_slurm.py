@@ -70,6 +70,25 @@ def unknown_directives(text: str) -> list[str]:
     return sorted(set(directives(text)) - SBATCH_OPTIONS)
 
 
+SRUN_CPUS = "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK"
+
+
+def cluster_problems(text: str) -> list[str]:
+    """What a real cluster needs of a script: from Slurm 22.05 on, srun does not inherit
+    --cpus-per-task (man sbatch, --cpus-per-task), so SRUN_CPUS_PER_TASK is exported before the
+    first srun; and no --gpus-per-task (with devices confined, a task sees only its own GPU: no
+    CUDA peer-to-peer, no NVLink between the ranks; NVIDIA/nccl#1066, NVIDIA/pyxis#73)."""
+    lines = [line.strip() for line in text.splitlines()]
+    srun = next((i for i, line in enumerate(lines) if re.match(r"srun\b", line)), None)
+    export = next((i for i, line in enumerate(lines) if line == SRUN_CPUS), None)
+    problems = []
+    if srun is not None and "cpus-per-task" in directives(text) and (export is None or export > srun):
+        problems.append("srun without SRUN_CPUS_PER_TASK: its tasks get one CPU each (Slurm >= 22.05)")
+    if "--gpus-per-task" in text:
+        problems.append("--gpus-per-task: ranks cannot reach each other's GPUs (use --gpus-per-node)")
+    return problems
+
+
 def expand(text: str, variables: dict[str, str]) -> str:
     """Shell parameter expansion as far as the test needs it: ${X:-d}, ${X:?msg}, ${X}, $X,
     "$@" (dropped) and $(...) (a placeholder host)."""
@@ -151,6 +170,25 @@ def test_directives_are_sbatch_options():
     assert unknown_directives("#!/bin/bash\n#SBATCH --gpus-per-nod=8\n") == ["gpus-per-nod"]
     with pytest.raises(ValueError, match="after the first command"):
         directives("#!/bin/bash\necho hi\n#SBATCH --nodes=2\n")
+
+
+@pytest.mark.timeout(30)
+def test_scripts_are_right_for_a_real_cluster():
+    for p in SCRIPTS:
+        text = p.read_text()
+        assert cluster_problems(text) == [], (p.name, cluster_problems(text))
+        assert SRUN_CPUS in text, p.name
+    # negative controls: the same script without the export, with the export after srun, and
+    # with GPUs per task, is refused
+    text = (SLURM / "ch03_multi_node.sbatch").read_text()
+    assert cluster_problems(text.replace(SRUN_CPUS, ""))[0].startswith("srun without SRUN_CPUS")
+    late = text.replace(SRUN_CPUS + "\n", "") + "\n" + SRUN_CPUS + "\n"
+    assert cluster_problems(late)[0].startswith("srun without SRUN_CPUS")
+    assert cluster_problems(text.replace("--gpus-per-node=8", "--gpus-per-task=1"))[0].startswith("--gpus-per-task")
+    # the lessons show no --gpus-per-task in a command (the pitfalls name it in prose only)
+    for readme in (SLURM / "README.md", SLURM.parent / "README.md", REPO / "chapters/ch22_networking/README.md"):
+        commands = " ".join(re.findall(r"```(?:bash)?\n(.*?)```", readme.read_text(), re.S))
+        assert "--gpus-per-task" not in commands and "--gpus-per-node" in commands, readme
 
 
 @pytest.mark.timeout(60)

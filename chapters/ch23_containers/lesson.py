@@ -33,23 +33,28 @@ from common.results import REPO_ROOT
 
 # %% [markdown]
 # ## The Dockerfile, read and linted
-# `dockerfile-parse` reads what the file does; the lesson's three promises (a pinned CUDA +
-# PyTorch base, the pinned requirements installed, a non-root user) are checked on that, and
-# hadolint lints it. The image itself is not built here.
+# `dockerfile-parse` reads what the file does; the lesson's promises (a CUDA + PyTorch base whose
+# torch and CUDA are the pinned wheel's, `PYTORCH_VERSION` equal to the pin, the pinned
+# requirements installed, a non-root user, one rank per GPU) are checked on that, and hadolint
+# lints it. The image itself is not built here.
 
 # %%
 facts = o.dockerfile_facts()
 print("base image :", facts["base"])
 print("copied     :", facts["copied"])
 print("user       :", facts["user"], "   command:", " ".join(facts["cmd"]))
+print("base       :", o.base_image_versions(facts["base"]), "  pinned torch:", o.pinned_version("torch"),
+      "  PYTORCH_VERSION:", facts["env"]["PYTORCH_VERSION"])
+print(f"driver     : CUDA {o.PINNED_TORCH_CUDA} needs branch >= {o.min_driver(o.PINNED_TORCH_CUDA)}")
 print("problems   :", o.dockerfile_problems(facts))
 print("hadolint   :", o.hadolint())
 
 # %% [markdown]
 # ## The manifests, validated offline
 # Core objects go to Kubernetes' own schemas (kubernetes-validate, strict: an unknown field is an
-# error); a custom resource's pod templates go there too, as PodTemplates, and the rest to the
-# JSON schema kept in `schemas/`. Each broken copy must be rejected.
+# error); a custom resource's pod templates go there too, as PodTemplates, the rest to the
+# operator's CRD schema (cut into `schemas/`), then through the operator's admission webhook
+# (transcribed) and the course's lints. Each broken copy must be rejected.
 
 # %%
 manifests = o.load_manifests()
@@ -58,8 +63,13 @@ for fname, obj in manifests:
     rejected = sum(bool(o.validate_object(b)) for _, b in broken)
     print(f"{fname:24} {obj['kind']:14} errors {len(o.validate_object(obj))}   "
           f"broken copies rejected {rejected}/{len(broken)}")
-what, bad = o.broken_variants(manifests[2][1])[1]
-print(f"\n{manifests[2][0]}, {what}:", o.validate_object(bad))
+by_name = {obj["metadata"]["name"]: obj for _, obj in manifests}
+for name, what in (("ch23-ddp", "PyTorchJob container not named pytorch"),
+                   ("ch23-ddp", "PyTorchJob port not named pytorchjob-port"),
+                   ("ch23-gang", "Volcano pods restarted in place (OnFailure)")):
+    print(f"\n{name}, {what}:")
+    for error in o.validate_object(dict(o.broken_variants(by_name[name]))[what]):
+        print("   ", error)
 
 # %% [markdown]
 # ## What each launcher gives a pod
@@ -68,7 +78,6 @@ print(f"\n{manifests[2][0]}, {what}:", o.validate_object(bad))
 # `read_launch_env` makes of each.
 
 # %%
-by_name = {obj["metadata"]["name"]: obj for _, obj in manifests}
 examples = {"PyTorchJob": o.pytorchjob_pods(by_name["ch23-ddp"])[2],
             "Volcano": o.volcano_pods(by_name["ch23-gang"])[2],
             "indexed Job": o.indexed_job_pods(by_name["ch23-indexed"])[1],

@@ -3,8 +3,11 @@
 No cluster is needed for any of it:
 - `validate_object` checks a Kubernetes object offline: core objects (Job, Service,
   ResourceQuota) against Kubernetes' own schemas (`kubernetes-validate`); custom resources
-  (PyTorchJob, Volcano Job) with their pod templates against Kubernetes' PodTemplate schema and
-  the rest against a JSON schema kept in `schemas/` (`jsonschema`).
+  (PyTorchJob, Volcano Job) with their pod templates against Kubernetes' PodTemplate schema, the
+  rest against the operator's own CRD schema (`schemas/`, cut from the CRD by `schema_from_crd`),
+  then through the operator's admission checks (`admission_errors`, transcribed from its webhook)
+  and the course's lints of settings the operator accepts but that break the job
+  (`lint_errors`: a Volcano pod restarted in place, a PyTorchJob port under another name).
 - `pytorchjob_env`, `volcano_env`, `indexed_job_env`, `slurm_env` give the environment each
   launcher hands a pod or task, written from the operators' own code (Kubeflow training-operator
   `pkg/controller.v1/pytorch/envvar.go`, `master.go`, `elastic.go`; Volcano
@@ -37,6 +40,18 @@ K8S = CHAPTER / "k8s"
 SCHEMAS = CHAPTER / "schemas"
 DOCKERFILE = CHAPTER / "Dockerfile"
 K8S_VERSION = "1.37.0"  # the newest schemas kubernetes-validate 1.37.0 ships
+# Where the schemas in schemas/ come from (schema_from_crd cut them from these CRD files).
+CRD_SOURCES = {
+    "pytorchjob.schema.json": ("kubeflow/training-operator", "v1.9.0",
+                               "6f74c7f6b2ed6c27aabd82d0a316b23f0646059c",
+                               "manifests/base/crds/kubeflow.org_pytorchjobs.yaml"),
+    "volcano-job.schema.json": ("volcano-sh/volcano", "v1.15.1",
+                                "0a56ed331897f5455916a44d3075671376d731d6",
+                                "config/crd/volcano/bases/batch.volcano.sh_jobs.yaml"),
+}
+# Kubeflow training-operator v1.9.0, pkg/apis/kubeflow.org/v1/pytorch_types.go: the container the
+# operator configures, the port it reads MASTER_PORT from, and that port's default.
+PYTORCH_CONTAINER, PYTORCH_PORT_NAME, PYTORCH_DEFAULT_PORT = "pytorch", "pytorchjob-port", 23456
 CUSTOM = {("kubeflow.org/v1", "PyTorchJob"): "pytorchjob.schema.json",
           ("batch.volcano.sh/v1alpha1", "Job"): "volcano-job.schema.json"}
 SCRIPT_RE = re.compile(r"chapters/(ch\d\d_\w+)/(\w+)\.py")
@@ -92,27 +107,229 @@ def _k8s_errors(obj: dict) -> list[str]:
     return []
 
 
+def _dns1035(name: str) -> bool:
+    return bool(re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name or "")) and len(name) <= 63
+
+
+def pytorchjob_admission_errors(job: dict) -> list[str]:
+    """What the training operator's validating webhook refuses (v1.9.0,
+    pkg/webhooks/pytorch/pytorchjob_webhook.go: validatePyTorchJob, validateSpec,
+    validatePyTorchReplicaSpecs), transcribed."""
+    errors, spec = [], job.get("spec") or {}
+    if not _dns1035((job.get("metadata") or {}).get("name", "")):
+        errors.append("metadata.name: should match a DNS-1035 label")
+    replicas = spec.get("pytorchReplicaSpecs")
+    elastic = spec.get("elasticPolicy")
+    if elastic is not None:
+        if "Worker" not in (replicas or {}):
+            errors.append("spec.pytorchReplicaSpecs[Worker]: must be configured if elastic policy is used")
+        if "nProcPerNode" in elastic and "nprocPerNode" in spec:
+            errors.append("spec.elasticPolicy.nProcPerNode: must not be used with spec.nprocPerNode")
+    if replicas is None:
+        return errors + ["spec.pytorchReplicaSpecs: must be required"]
+    for rtype, rspec in replicas.items():
+        where = f"spec.pytorchReplicaSpecs[{rtype}]"
+        if rtype not in ("Master", "Worker"):
+            errors.append(f"{where}: Unsupported value, supported values: Master, Worker")
+        containers = (((rspec or {}).get("template") or {}).get("spec") or {}).get("containers") or []
+        if not containers:
+            errors.append(f"{where}.template.spec.containers: must be specified")
+        for i, c in enumerate(containers):
+            if not c.get("image"):
+                errors.append(f"{where}.template.spec.containers[{i}].image: must be required")
+        if not any(c.get("name") == PYTORCH_CONTAINER for c in containers):
+            errors.append(f"{where}.template.spec.containers: must have at least one container "
+                          f"with name {PYTORCH_CONTAINER}")
+        count = (rspec or {}).get("replicas")
+        if rtype == "Master" and count != 1:
+            errors.append(f"{where}.replicas: must be 1")
+        elif count is not None and isinstance(count, int) and count < 1:
+            errors.append(f"{where}.replicas: must be at least 1")
+    return errors
+
+
+# Volcano v1.15.1 pkg/webhooks/admission/jobs/validate/util.go (policyEventMap, policyActionMap:
+# the allowed ones) and pkg/controllers/job/plugins/factory.go (the plugin names).
+VOLCANO_EVENTS = {"*", "PodFailed", "PodEvicted", "PodPending", "Unknown", "TaskCompleted",
+                  "TaskFailed", "JobUpdated"}
+VOLCANO_ACTIONS = {"AbortJob", "RestartJob", "RestartTask", "RestartPod", "RestartPartition",
+                   "TerminateJob", "CompleteJob", "ResumeJob"}
+VOLCANO_PLUGINS = {"ssh", "env", "svc", "tensorflow", "mpi", "pytorch", "hcclrank", "ray"}
+
+
+def _policy_errors(policies: list, where: str) -> list[str]:
+    errors, seen = [], set()
+    for p in policies or []:
+        events = set(p.get("events") or []) | ({p["event"]} if p.get("event") else set())
+        if not events:
+            if p.get("exitCode") in (None, 0):
+                errors.append(f"{where}: either event and exitCode should be specified (exitCode != 0)")
+            continue
+        for e in events:
+            if e not in VOLCANO_EVENTS:
+                errors.append(f"{where}: invalid policy event {e!r}")
+            elif p.get("action") not in VOLCANO_ACTIONS:
+                errors.append(f"{where}: invalid policy action {p.get('action')!r}")
+            elif e in seen:
+                errors.append(f"{where}: duplicate event {e} across different policy")
+            seen.add(e)
+    if "*" in seen and len(seen) > 1:
+        errors.append(f"{where}: if there's * here, no other policy should be here")
+    return errors
+
+
+def volcano_admission_errors(job: dict) -> list[str]:
+    """What Volcano's job admission webhook refuses without asking the cluster (v1.15.1,
+    pkg/webhooks/admission/jobs/validate/admit_job.go: validateJobCreate; queue checks need a
+    cluster and are left out), transcribed."""
+    spec = job.get("spec") or {}
+    tasks = spec.get("tasks") or []
+    if not tasks:
+        return ["No task specified in job spec"]
+    errors, names = [], set()
+    for t in tasks:
+        if t.get("name") in names:
+            errors.append(f"duplicated task name {t.get('name')}")
+        names.add(t.get("name"))
+        if isinstance(t.get("minAvailable"), int) and isinstance(t.get("replicas"), int) \
+                and t["minAvailable"] > t["replicas"]:
+            errors.append(f"'minAvailable' is greater than 'replicas' in task: {t.get('name')}")
+        errors += _policy_errors(t.get("policies"), "spec.tasks.policies")
+    total = sum(t.get("replicas", 0) for t in tasks if isinstance(t.get("replicas"), int))
+    if isinstance(spec.get("minAvailable"), int) and total < spec["minAvailable"]:
+        errors.append("job 'minAvailable' should not be greater than total replicas in tasks")
+    errors += _policy_errors(spec.get("policies"), "spec.policies")
+    errors += [f"unable to find job plugin: {p}" for p in spec.get("plugins") or {} if p not in VOLCANO_PLUGINS]
+    return errors
+
+
+def admission_errors(obj: dict) -> list[str]:
+    """The operator's own admission checks (its validating webhook), for a custom resource."""
+    if obj.get("kind") == "PyTorchJob":
+        return pytorchjob_admission_errors(obj)
+    return volcano_admission_errors(obj)
+
+
+def lint_errors(obj: dict) -> list[str]:
+    """Settings the operator accepts but that break the job, each with its reason.
+
+    Volcano: a task whose pods are restarted in place (`restartPolicy` OnFailure or Always, the
+    pod default) never has a pod in phase Failed, and the job controller raises PodFailed only on
+    that transition (v1.15.1 pkg/controllers/job/job_controller_handler.go, updatePod), so a
+    `PodFailed` policy (RestartJob) and `maxRetry` never act; `Never` lets them.
+    PyTorchJob: a `pytorch` container whose ports do not include one named `pytorchjob-port`
+    gets that port added with 23456 by the defaulter (setPyTorchDefaultPort), and MASTER_PORT is
+    23456, not the port the manifest declared."""
+    errors = []
+    if obj.get("kind") == "Job" and is_custom(obj):
+        spec = obj.get("spec") or {}
+        job_events = {e for p in spec.get("policies") or [] for e in [p.get("event"), *(p.get("events") or [])]}
+        for t in spec.get("tasks") or []:
+            events = job_events | {e for p in t.get("policies") or []
+                                   for e in [p.get("event"), *(p.get("events") or [])]}
+            restart = ((t.get("template") or {}).get("spec") or {}).get("restartPolicy", "Always")
+            if events & {"PodFailed", "*"} and restart != "Never":
+                errors.append(f"task {t.get('name')}: restartPolicy {restart} restarts the container in "
+                              "its pod, which never becomes Failed: the PodFailed policy and maxRetry "
+                              "never act (use Never)")
+    if obj.get("kind") == "PyTorchJob":
+        for rtype, rspec in ((obj.get("spec") or {}).get("pytorchReplicaSpecs") or {}).items():
+            for c in (((rspec or {}).get("template") or {}).get("spec") or {}).get("containers") or []:
+                ports = [p.get("name") for p in c.get("ports") or []]
+                if c.get("name") == PYTORCH_CONTAINER and ports and PYTORCH_PORT_NAME not in ports:
+                    errors.append(f"{rtype}: container {PYTORCH_CONTAINER} declares ports {ports} but none "
+                                  f"named {PYTORCH_PORT_NAME}: the operator adds {PYTORCH_PORT_NAME}: "
+                                  f"{PYTORCH_DEFAULT_PORT} and sets MASTER_PORT={PYTORCH_DEFAULT_PORT}")
+    return errors
+
+
 def validate_object(obj: dict) -> list[str]:
     """Every problem found in one object (empty: valid). Core objects against Kubernetes'
     schema for version K8S_VERSION (strict: unknown fields are errors); custom resources
-    against the repository's schema, and each pod template as a Kubernetes PodTemplate."""
+    against the operator's CRD schema (schemas/), each pod template as a Kubernetes PodTemplate,
+    the operator's admission webhook (transcribed) and the course's lints."""
     if not is_custom(obj):
         return _k8s_errors(obj)
     schema = json.loads((SCHEMAS / CUSTOM[(obj["apiVersion"], obj["kind"])]).read_text())
-    errors = _schema_errors(obj, schema)
+    errors = [f"CRD schema: {e}" for e in _schema_errors(obj, schema)]
     for role, template, _ in pod_templates(obj):
         as_core = {"apiVersion": "v1", "kind": "PodTemplate",
                    "metadata": {"name": f"{obj.get('metadata', {}).get('name', 'x')}-{role}".lower()},
                    "template": template}
         errors += [f"{role} pod template: {e}" for e in _k8s_errors(as_core)]
-    return errors
+    errors += [f"admission webhook: {e}" for e in admission_errors(obj)]
+    return errors + [f"lint: {e}" for e in lint_errors(obj)]
+
+
+def schema_from_crd(crd: dict, source: str) -> dict:
+    """A JSON schema (Draft 2020-12) from a CustomResourceDefinition's openAPIV3Schema (its
+    storage version): descriptions dropped; every pod `template` replaced by {"type": "object"}
+    (those are validated against Kubernetes' own PodTemplate schema instead); an object with
+    `properties` and neither `additionalProperties` nor x-kubernetes-preserve-unknown-fields gets
+    `additionalProperties: false`, as the API server's strict field validation (kubectl's
+    default, --validate=strict) refuses unknown fields of a structural schema."""
+    version = next(v for v in crd["spec"]["versions"] if v.get("storage", True))
+
+    def convert(node, key=None):
+        if isinstance(node, list):
+            return [convert(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        if key == "template" and "spec" in node.get("properties", {}):
+            return {"type": "object"}
+        out = {}
+        for k, v in node.items():
+            if k == "description":
+                continue
+            out[k] = ({pk: convert(pv, pk) for pk, pv in v.items()} if k == "properties"
+                      else convert(v))
+        if "properties" in out and "additionalProperties" not in out \
+                and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+        return out
+
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema",
+            "$comment": source,
+            **convert(version["schema"]["openAPIV3Schema"])}
+
+
+def write_schema_from_crd(crd_yaml: Path, name: str) -> Path:
+    """Regenerate schemas/<name> from a CRD file checked out at the commit CRD_SOURCES names."""
+    import yaml
+
+    repo, tag, commit, path = CRD_SOURCES[name]
+    source = (f"Cut by chapters/ch23_containers/orchestration.py:schema_from_crd from {repo} {tag} "
+              f"(commit {commit}), {path}. Pod templates are validated separately, against "
+              "Kubernetes' PodTemplate schema.")
+    out = SCHEMAS / name
+    out.write_text(json.dumps(schema_from_crd(yaml.safe_load(Path(crd_yaml).read_text()), source),
+                              indent=1, sort_keys=True) + "\n")
+    return out
 
 
 def broken_variants(obj: dict) -> list[tuple[str, dict]]:
-    """Negative controls: the object with a required field removed, and with a wrong type.
-    Each validator must reject both (a custom resource's are broken in the part the repository's
-    schema checks and in a pod template, which Kubernetes' schema checks)."""
+    """Negative controls: the object with a required field removed, and with a wrong type, each
+    of which a validator must reject (a custom resource's are broken in the part the CRD schema
+    checks and in a pod template, which Kubernetes' schema checks); for a custom resource also
+    the pitfalls the admission webhook and the lints catch: a PyTorchJob whose container is not
+    named `pytorch` or whose port is not named `pytorchjob-port`, a Volcano Job whose pods
+    restart in place (`restartPolicy: OnFailure`)."""
     out = []
+    if obj.get("kind") == "PyTorchJob":
+        b = copy.deepcopy(obj)
+        for rspec in b["spec"]["pytorchReplicaSpecs"].values():
+            rspec["template"]["spec"]["containers"][0]["name"] = "trainer"
+        out.append(("PyTorchJob container not named pytorch", b))
+        b = copy.deepcopy(obj)
+        for rspec in b["spec"]["pytorchReplicaSpecs"].values():
+            for port in rspec["template"]["spec"]["containers"][0].get("ports", []):
+                port.update(name="rendezvous", containerPort=29500)
+        out.append(("PyTorchJob port not named pytorchjob-port", b))
+    elif is_custom(obj):
+        b = copy.deepcopy(obj)
+        for t in b["spec"]["tasks"]:
+            t["template"]["spec"]["restartPolicy"] = "OnFailure"
+        out.append(("Volcano pods restarted in place (OnFailure)", b))
     if is_custom(obj):
         b = copy.deepcopy(obj)
         if obj["kind"] == "PyTorchJob":
@@ -159,6 +376,15 @@ def _own_env(container: dict) -> dict:
     return {e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e}
 
 
+def pytorch_master_port(template: dict) -> int:
+    """The port the operator reads MASTER_PORT from (v1.9.0 envvar.go, getPortFromPyTorchJob):
+    the one named pytorchjob-port of the container named pytorch, which the defaulter
+    (pytorch_defaults.go, setPyTorchDefaultPort) adds with 23456 when that container has none."""
+    container = next(c for c in template["spec"]["containers"] if c.get("name") == PYTORCH_CONTAINER)
+    return next((p["containerPort"] for p in container.get("ports") or []
+                 if p.get("name") == PYTORCH_PORT_NAME), PYTORCH_DEFAULT_PORT)
+
+
 def pytorchjob_env(job: dict, rtype: str, index: int) -> dict:
     """What Kubeflow's training operator (v1, envvar.go/master.go/elastic.go) adds to the
     container `pytorch` of replica `rtype` number `index`, plus the container's own env."""
@@ -175,8 +401,7 @@ def pytorchjob_env(job: dict, rtype: str, index: int) -> dict:
         nproc = "auto"
     world = total * (int(nproc) if nproc is not None and nproc.isdigit() else 1)
     if "Master" in replicas:
-        port = next(p["containerPort"] for p in _container(replicas["Master"]["template"], "pytorch")["ports"]
-                    if p.get("name") == "pytorchjob-port")
+        port = pytorch_master_port(replicas["Master"]["template"])
         rank = index + 1 if rtype == "Worker" else index
         env.update(MASTER_PORT=str(port), PET_MASTER_PORT=str(port), MASTER_ADDR=f"{name}-master-0",
                    PET_MASTER_ADDR=f"{name}-master-0", WORLD_SIZE=str(world), RANK=str(rank),
@@ -186,9 +411,7 @@ def pytorchjob_env(job: dict, rtype: str, index: int) -> dict:
     if elastic is None:
         env["PET_NNODES"] = str(total)
         return env
-    port = elastic.get("rdzvPort") or next(
-        p["containerPort"] for p in _container(replicas["Worker"]["template"], "pytorch")["ports"]
-        if p.get("name") == "pytorchjob-port")
+    port = elastic.get("rdzvPort") or pytorch_master_port(replicas["Worker"]["template"])
     env["PET_RDZV_ENDPOINT"] = f"{elastic.get('rdzvHost', f'{name}-worker-0')}:{port}"
     env["PET_RDZV_BACKEND"] = elastic.get("rdzvBackend", "c10d")
     if "minReplicas" in elastic or "maxReplicas" in elastic:
@@ -398,15 +621,40 @@ def validate_command(argv: list[str], world: int) -> None:
 
 # --- the Dockerfile -----------------------------------------------------------------------------
 
+# torch.version.cuda of the pinned torch (2.14.1) wheel on PyPI for Linux x86_64 ("13.0"; the
+# course's test reads it live from the environment when that is the pinned CUDA build).
+PINNED_TORCH_CUDA = "13.0"
+# The oldest NVIDIA driver branch each CUDA major release runs on (minor version compatibility):
+# NVIDIA's CUDA Compatibility guide, "Minor Version Compatibility", Table 1
+# (docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html).
+MIN_DRIVER_BRANCH = {"11": 450, "12": 525, "13": 580}
+
+
+def pinned_version(package: str, requirements: Path = REPO / "requirements.txt") -> str | None:
+    """The version requirements.txt pins a package to (`package==X`), or None."""
+    for line in requirements.read_text().splitlines():
+        name, _, version = line.split("#")[0].strip().partition("==")
+        if name.strip().lower() == package.lower() and version:
+            return version.strip()
+    return None
+
+
+def base_image_versions(base: str) -> dict:
+    """torch and CUDA versions named by a pytorch/pytorch tag: 2.14.1-cuda13.0-cudnn9-runtime."""
+    m = re.fullmatch(r"(?:docker\.io/)?pytorch/pytorch:(\d+\.\d+\.\d+)-cuda(\d+\.\d+)-\w+-\w+", base or "")
+    return {"torch": m.group(1), "cuda": m.group(2)} if m else {}
+
+
 def dockerfile_facts(path: Path = DOCKERFILE) -> dict:
     """What the Dockerfile does, read by dockerfile-parse: base image, files copied, pip
-    installs, the final USER, the command."""
+    installs, the final USER, the command, the ENV of the last stage."""
     from dockerfile_parse import DockerfileParser
 
     with open(path, "rb") as f:
         parser = DockerfileParser(fileobj=f)
         parsed = parser.structure
         base = parser.baseimage
+        env = dict(parser.envs)
     copies = [i["value"].split() for i in parsed if i["instruction"] == "COPY"]
     users = [i["value"].strip() for i in parsed if i["instruction"] == "USER"]
     cmd = [i["value"] for i in parsed if i["instruction"] == "CMD"]
@@ -414,16 +662,30 @@ def dockerfile_facts(path: Path = DOCKERFILE) -> dict:
             "copied": [w for c in copies for w in c[:-1] if not w.startswith("--")],
             "runs": [i["value"] for i in parsed if i["instruction"] == "RUN"],
             "user": users[-1] if users else None,
-            "cmd": json.loads(cmd[-1]) if cmd else None}
+            "cmd": json.loads(cmd[-1]) if cmd else None,
+            "env": env}
 
 
-def dockerfile_problems(facts: dict) -> list[str]:
-    """What the lesson says the Dockerfile does, checked: a pinned CUDA + PyTorch base; the
-    pinned requirements copied and installed; the last USER is not root."""
+def dockerfile_problems(facts: dict, torch_pin: str | None = None) -> list[str]:
+    """What the lesson says the Dockerfile does, checked: a pinned CUDA + PyTorch base whose
+    torch is the pinned one, built for the pinned wheel's CUDA; the pinned requirements copied
+    and installed; PYTORCH_VERSION (what enroot's pytorch hook reads) equal to the pin; the last
+    USER is not root; a torchrun command starts one rank per GPU (`--nproc_per_node=gpu`)."""
+    torch_pin = torch_pin or pinned_version("torch")
     problems = []
     base = facts["base"] or ""
     if ":" not in base or base.endswith(":latest") or not ("cuda" in base and "pytorch" in base):
         problems.append(f"base image {base!r} is not a pinned CUDA + PyTorch image")
+    versions = base_image_versions(base)
+    if versions and versions["torch"] != torch_pin:
+        problems.append(f"the base's torch {versions['torch']} is not the pinned {torch_pin}: pip "
+                        "installs a second torch over it")
+    if versions and versions["cuda"] != PINNED_TORCH_CUDA:
+        problems.append(f"the base is built for CUDA {versions['cuda']}, the pinned torch wheel for "
+                        f"{PINNED_TORCH_CUDA}")
+    if facts.get("env", {}).get("PYTORCH_VERSION") != torch_pin:
+        problems.append(f"PYTORCH_VERSION={facts.get('env', {}).get('PYTORCH_VERSION')} is not the "
+                        f"pinned torch {torch_pin}")
     if "requirements.txt" not in facts["copied"]:
         problems.append("requirements.txt is not copied into the image")
     if not any("pip install" in r and "requirements.txt" in r for r in facts["runs"]):
@@ -431,7 +693,18 @@ def dockerfile_problems(facts: dict) -> list[str]:
     user = (facts["user"] or "root").split(":")[0]
     if user in ("root", "0"):
         problems.append(f"the container runs as root (USER {facts['user']})")
+    cmd = facts["cmd"] or []
+    if cmd and "torchrun" in cmd[0]:
+        nproc = next((w.split("=", 1)[1] for w in cmd if w.startswith(("--nproc_per_node=", "--nproc-per-node="))),
+                     None)
+        if nproc != "gpu":
+            problems.append(f"the command starts {nproc} ranks, not one per GPU (--nproc_per_node=gpu)")
     return problems
+
+
+def min_driver(cuda_version: str) -> int:
+    """The oldest driver branch a CUDA version runs on (MIN_DRIVER_BRANCH)."""
+    return MIN_DRIVER_BRANCH[cuda_version.split(".")[0]]
 
 
 def hadolint(path: Path = DOCKERFILE) -> tuple[int, str]:

@@ -5,8 +5,9 @@ Every rank reports what `common.distributed.read_launch_env` made of its environ
 a PyTorchJob or Volcano pod running `python`, an indexed Job, srun); the ranks must form one world
 (ranks 0..W-1 once each, one rendezvous address). It then trains chapter 03's model with DDP and
 checks it against one process. Rank 0 also checks, offline, the chapter's Kubernetes manifests
-(Kubernetes' schemas and the repository's), that every launcher's environment is read right,
-that every command in them starts a course script with valid options, and the Dockerfile.
+(Kubernetes' schemas, the operators' CRD schemas and webhooks, the course's lints), that every
+launcher's environment is read right, that every command in them starts a course script with
+valid options, and the Dockerfile.
 
 Run:
     python chapters/ch23_containers/train.py                                  # one process
@@ -14,7 +15,7 @@ Run:
     torchrun --standalone --nproc_per_node=4 chapters/ch23_containers/train.py --steps 40
     docker run --rm --gpus all --shm-size=8g distributed-course:ch23          # the image's CMD
     kubectl apply -f chapters/ch23_containers/k8s/pytorchjob.yaml             # 4 pods, 4 GPUs
-    srun --nodes=2 --ntasks-per-node=4 --gpus-per-task=1 --container-image=distributed-course:ch23 \\
+    srun --nodes=2 --ntasks-per-node=4 --gpus-per-node=4 --container-image=distributed-course:ch23 \\
         python chapters/ch23_containers/train.py                              # Slurm + pyxis
 The defaults (chapter 03's global batch of 96) are valid at 1, 2, 3, 4, 8 and 16 ranks.
 """
@@ -102,7 +103,7 @@ def check_manifests(rec: RunRecorder) -> None:
     except (ImportError, FileNotFoundError) as e:
         rec.figure("manifest checks", f"n/a: {e}")
         return
-    rec.check("manifests valid (k8s + repo schemas)", "count", valid, len(manifests))
+    rec.check("manifests valid (schemas, webhooks, lints)", "count", valid, len(manifests))
     rec.check("broken manifests rejected", "count", rejected, len(controls))
     by_name = {obj["metadata"]["name"]: obj for _, obj in manifests}
     launchers = {"PyTorchJob": o.pytorchjob_pods(by_name["ch23-ddp"]),
@@ -127,7 +128,7 @@ def check_manifests(rec: RunRecorder) -> None:
         except (ValueError, SystemExit):
             pass
     rec.check("manifest commands valid at their worlds", "count", ok, len(commands))
-    rec.check("Dockerfile: base, pins, non-root", "count", len(o.dockerfile_problems(facts)), 0)
+    rec.check("Dockerfile: base = pins, non-root, gpu", "count", len(o.dockerfile_problems(facts)), 0)
     rec.check("Dockerfile: hadolint exit code", "count", lint_rc, 0)
 
 
