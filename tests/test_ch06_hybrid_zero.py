@@ -401,6 +401,71 @@ def _cnn_and_optimizer_api(rank: int, world: int) -> dict:
     return out
 
 
+class _Line(torch.nn.Module):
+    """y = w·x + b with 3 inputs: Ψ = 4 numbers, so at 3 ranks S = 2 and rank 2's slice is all
+    padding; FSDP2 shards the single row, so ranks 1 and 2 hold nothing of either tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1, dtype=torch.float64)
+
+    def forward(self, x, y):
+        out = self.lin(x)
+        return out, torch.nn.functional.mse_loss(out, y)
+
+
+def _ranks_that_hold_nothing(rank: int, world: int) -> dict:
+    """Every way to shard, on a model smaller than the world: 3 Adam steps against one process
+    on the whole batch, and ZeRO-1 stepping on its own rank's gradient (the reduction dropped: a
+    bug the check must catch even where a rank holds only padding)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    gen = torch.Generator().manual_seed(7)
+    X = torch.randn(3, 4 * world, 3, generator=gen, dtype=torch.float64)
+    Y = torch.randn(3, 4 * world, 1, generator=gen, dtype=torch.float64)
+
+    def fresh():
+        torch.manual_seed(1)
+        return _Line()
+
+    ref = fresh()
+    opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    for x, y in zip(X, Y):
+        opt.zero_grad()
+        ref(x, y)[1].backward()
+        opt.step()
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    diff = {}
+    def local_slice(grads, layout):  # this rank's slice of its own gradients: nothing reduced
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.nn.functional.pad(flat, (0, layout.world_size * layout.shard - flat.numel()))
+        return flat[layout.rank * layout.shard:(layout.rank + 1) * layout.shard].clone()
+
+    for name in ("ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2", "ZeRO-1 unreduced"):
+        m = fresh()
+        if name.startswith("ZeRO-1"):
+            model, opt = m, zero.ZeroOneOptimizer(m.parameters(), torch.optim.Adam, lr=0.1)
+        elif name == "FSDP2":
+            model = fully_shard(m, mesh=init_device_mesh("cpu", (world,)))
+            opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        else:
+            model = (zero.ZeroTwo if name == "ZeRO-2" else zero.ZeroThree)(m)
+            opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        original = zero.reduce_scatter_flat
+        if name == "ZeRO-1 unreduced":
+            zero.reduce_scatter_flat = local_slice
+        try:
+            train.train_steps(model, opt, X, Y, rank, world)
+        finally:
+            zero.reduce_scatter_flat = original
+        got = {n.removeprefix("module."): t for n, t in train.full_parameters(model).items()}
+        diff[name] = max_diff(got, want)
+    layout = zero.FlatLayout(list(_Line().parameters()), world, rank)
+    return {"diff": diff, "my numbers": sum(hi - lo for lo, hi in
+                                            (layout.my_range(i) for i in range(2)))}
+
+
 def _three_ranks() -> dict:
     """On 3 gloo ranks (Ψ is not a multiple of 3: padded shards): every way to train, bytes
     held and moved, mixed precision against FSDP2, the wrappers' API, and the broken variants."""
@@ -498,6 +563,7 @@ def _three_ranks() -> dict:
     finally:
         zero.reduce_scatter_param_grad = original
     out["api"] = _cnn_and_optimizer_api(rank, world)
+    out["nothing"] = _ranks_that_hold_nothing(rank, world)
 
     # qwZ on uneven, padded shards: the gathered error stays within half a step everywhere,
     # and the all-gather carries int8 codes and fp32 scales, counted from its tensors.
@@ -577,6 +643,13 @@ def test_three_ranks_uneven_shards_wrappers_and_negative_controls():
     assert rest == fsdp2_rest_over_ranks(ref, 3, 4)
     rest = [sum(r["rest"]["FSDP2"][k] for r in res) for k in ("params", "grads", "optim")]
     assert rest == fsdp2_rest_over_ranks(ref, 3, B)
+    # a model smaller than the world: rank 2's ZeRO slice is padding only, FSDP2 gives ranks 1
+    # and 2 nothing; every way still ends where one process ends, and a dropped reduction does not
+    assert [r["nothing"]["my numbers"] for r in res] == [2, 2, 0]
+    for r in res:
+        d = r["nothing"]["diff"]
+        assert max(d[k] for k in ("ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2")) < TOL, d
+        assert d["ZeRO-1 unreduced"] > 1e-3, d
     # the wrappers as a learner uses them
     for r in res:
         api = r["api"]
