@@ -14,9 +14,11 @@ Nothing here is new theory; every term is imported from the chapter that taught 
 - activations: chapter 05's Korthikanti et al. count (`layer_activation_bytes`), times the
   micro-batches a 1F1B stage holds at once (min(m, p), chapter 17).
 
-What is missing from those chapters and written here: which link a group of ranks uses (tp
-innermost, then pp, then dp, as Megatron-LM orders its groups), the activation count of a layer
-without attention (the MLP rows of Korthikanti's table with any d_ff), and the search itself.
+What is missing from those chapters and written here: which link a group of ranks uses (ranks
+numbered tp innermost, then dp, then pp: Megatron-Core's default order `tp-cp-ep-dp-pp` without
+its cp and ep axes; its other supported order, tp-pp-dp, is `Cluster(order="tp-pp-dp")`), the
+activation count of a layer without attention (the MLP rows of Korthikanti's table with any
+d_ff), and the search itself.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from chapters.ch20_memory.train import recompute_flop_ratio
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")  # Korthikanti et al.'s selective; chapter 20's full
 TERMS = ("compute", "tp_comm", "pp_comm", "dp_comm")
+ORDERS = ("tp-dp-pp", "tp-pp-dp")  # rank numbering, innermost first (Megatron-Core supports both)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,15 @@ class Cluster:
     """False: each micro-batch slot waits for its two pipeline messages (Megatron's blocking
     sends). True: sends are asynchronous (chapter 04's `isend`), so only the 2(p − 1) messages of
     the fill and the drain are on the critical path."""
+    order: str = "tp-dp-pp"
+    """How ranks are numbered, innermost axis first: "tp-dp-pp" (Megatron-Core's default,
+    `initialize_model_parallel(order="tp-cp-ep-dp-pp")` without cp and ep: a dp group's ranks are
+    tp apart, a pp group's tp·dp apart) or "tp-pp-dp" (its other order: pp groups tp apart, dp
+    groups tp·pp apart)."""
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, not {self.order!r}")
 
 
 @dataclass(frozen=True, order=True)
@@ -120,6 +132,13 @@ def link(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
     return cluster.alpha_inter, 1 / cluster.bw_inter
 
 
+def strides(cluster: Cluster, lay: Layout) -> dict[str, int]:
+    """How far apart the ranks of one group of each axis are, from the cluster's rank order:
+    tp innermost (stride 1), then the middle axis (stride tp), then the outer one."""
+    middle, outer = ("dp", "pp") if cluster.order == "tp-dp-pp" else ("pp", "dp")
+    return {"tp": 1, middle: lay.tp, outer: lay.tp * getattr(lay, middle)}
+
+
 def step_terms(spec: ModelSpec, cluster: Cluster, lay: Layout) -> dict[str, float]:
     """Seconds per optimizer step, by term. compute, tp_comm and pp_comm are per micro-batch
     slot and stretched by the pipeline's (m + p − 1) slots; dp_comm follows once (not overlapped)."""
@@ -128,12 +147,13 @@ def step_terms(spec: ModelSpec, cluster: Cluster, lay: Layout) -> dict[str, floa
     compute = spec.flops_per_step(lay.recompute) / n / m / (cluster.peak_flops * cluster.efficiency)
     act = lay.micro_batch_size * spec.seq_len * spec.d_model * spec.act_bytes
     per_layer = 4 if spec.attention else 2  # Megatron: (attention, MLP) × (forward, backward)
-    a, b = link(cluster, lay.tp, 1)
+    apart = strides(cluster, lay)
+    a, b = link(cluster, lay.tp, apart["tp"])
     tp = spec.n_layers // lay.pp * per_layer * predicted_time("ring", act, lay.tp, a, b)
-    a, b = link(cluster, 2, lay.tp)
+    a, b = link(cluster, lay.pp, apart["pp"])  # the slowest hop paces every slot
     pp = 2 * (a + act * b) if lay.pp > 1 else 0.0  # activation forward, its gradient back
     pp *= (lay.pp - 1) if cluster.async_p2p else stretch
-    a, b = link(cluster, lay.dp, lay.tp * lay.pp)
+    a, b = link(cluster, lay.dp, apart["dp"])
     grads = math.ceil(spec.params() / (lay.tp * lay.pp)) * spec.grad_bytes
     dp = paper_volume(lay.zero) / 2 * predicted_time("ring", grads, lay.dp, a, b)
     return {"compute": stretch * compute, "tp_comm": stretch * tp, "pp_comm": pp, "dp_comm": dp}
