@@ -148,8 +148,9 @@ def choose_device_and_backend(
     - GPUs asked for (`--device cuda`, or Slurm allocated them) but none visible: an error, not a
       silent run on the CPU.
     - Fewer GPUs than local ranks: an error under `auto`; with `--device cuda --backend gloo` the
-      ranks share the GPUs (gloo runs some collectives on CUDA tensors: all-reduce, broadcast,
-      all-gather, not send/recv or reduce-scatter; NCCL refuses two ranks on one GPU).
+      ranks share the GPUs (by torch's source, gloo stages CUDA tensors through host memory for
+      all-reduce, broadcast, all-gather and reduce-scatter, the last as an all-reduce of the whole
+      input; send/recv have no CUDA path; NCCL refuses two ranks on one GPU).
     `gpu_count` and `env` default to this machine's; tests pass their own.
     """
     gpus = torch.cuda.device_count() if gpu_count is None else gpu_count

@@ -127,8 +127,9 @@ def choose_device(local_rank: int, local_world_size: int, device: str = "auto",
     - GPUs asked for (`--device cuda`, or Slurm allocated some) but none visible: an error, never
       a silent run on the CPU;
     - fewer GPUs than local ranks: an error, unless `--device cuda --backend gloo` shares them
-      (gloo runs all-reduce, broadcast and all-gather on CUDA tensors, not send/recv or
-      reduce-scatter; NCCL refuses two ranks on one GPU).
+      (by torch's source, gloo stages CUDA tensors through host memory for all-reduce,
+      broadcast, all-gather and reduce-scatter, the last as an all-reduce of the whole input;
+      send/recv have no CUDA path; NCCL refuses two ranks on one GPU).
     From chapter 03 on, `common.distributed.choose_device_and_backend` decides the same way
     (a test checks that the two agree)."""
     gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
