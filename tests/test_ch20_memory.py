@@ -184,9 +184,14 @@ def test_offload_script_on_two_ranks(tmp_path):
     psi = cfg.n_layers * (2 * cfg.d_model * cfg.d_ff + cfg.d_ff + cfg.d_model)
     check = res.check("FSDP2 + offload: state bytes summed over ranks = 4 x params x bytes")
     assert check["measured"] == 4 * psi * 8
-    for way in ("to host", "to device"):
-        assert res.check(f"hand offload: bytes copied {way} per step = params x bytes")["measured"] \
-            == psi * 8
+    steps = cfg.steps  # the masters go host-ward once, then gradients down and weights back
+    assert res.check("hand offload: bytes copied to host = (steps + 1) x params x bytes")[
+        "measured"] == (steps + 1) * psi * 8
+    assert res.check("hand offload: bytes copied to device = steps x params x bytes")[
+        "measured"] == steps * psi * 8
+    assert res.check("hand offload: bytes the device model holds = params x bytes (no grads)")[
+        "measured"] == psi * 8
+    assert res.check("hand offload: bytes of host state = 4 x params x bytes")["measured"] == 4 * psi * 8
     assert res.check("FSDP2 + CPU offload == FSDP2 on device (max |dparam|)")["measured"] < 1e-12
     assert res.check("hand offload: master weights sharing the working weights' memory")["measured"] == 0
     assert "offload moves nothing" in res.output
@@ -196,14 +201,43 @@ def test_offload_script_on_two_ranks(tmp_path):
                       "hand offload: working weights not on device",
                       "FSDP2 on device: state not on device",
                       "FSDP2 + offload: params, grads, Adam state not on host",
-                      "FSDP2 + offload: parameter shards not pinned"):
+                      "FSDP2 + offload: parameter shards not pinned",
+                      "hand offload: copies that did not cross host<->device"):
         assert placement not in names
         assert res.summary["figures"][placement]["measured"] == "n/a on CPU"
 
 
+def aliasing_offload(model, X, Y, cfg, info):
+    """Broken on purpose: an 'offload' that skips the copies (the host gradient is the device
+    tensor itself, the master weights are the device weights) but keeps a counter of what it
+    meant to copy, as the chapter's loop once did. On a CPU it even trains correctly."""
+    master = [p.detach() for p in model.parameters()]  # no copy
+    opt = torch.optim.Adam(master, lr=cfg.lr)
+    claimed = {"to host": 0, "to device": 0}
+    for step in range(cfg.steps):
+        model.zero_grad()
+        F.mse_loss(model(offload.shard(X[step], info)), offload.shard(Y[step], info)).backward()
+        for p, m in zip(model.parameters(), master):
+            m.grad = p.grad  # no copy
+            claimed["to host"] += p.numel() * p.element_size()
+        opt.step()
+        for p in model.parameters():
+            claimed["to device"] += p.numel() * p.element_size()
+    return model, {k: v // cfg.steps for k, v in claimed.items()}
+
+
+def tapped(train_fn, model, *args, **kwargs):
+    """Run `train_fn` under the chapter's CopyTap: bytes copied each way over the whole run."""
+    with offload.CopyTap(offload.working_tensors(model)) as tap:
+        out = train_fn(model, *args, **kwargs)
+    return out, {way: tap.nbytes(way) for way in ("to host", "to device")}, tap
+
+
 def test_offload_negative_control_and_placement(monkeypatch):
-    """In-process, a world of one: the hand offload equals on-device Adam; forgetting the
-    host→device copy-back leaves the device model untrained, and the same check rejects it."""
+    """In-process, a world of one: the hand offload equals on-device Adam and copies Ψ·b bytes
+    each way per step, counted at the copy operations; forgetting the host→device copy-back
+    leaves the device model untrained (parity and the count reject it); an offload that skips
+    the copies but counts them itself trains the same numbers here and is caught by the count."""
     for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
     info = setup_distributed("cpu", "gloo", 30)
@@ -213,13 +247,22 @@ def test_offload_negative_control_and_placement(monkeypatch):
         base = recompute.ResidualMLP(8, 16, 2).double()
         X, Y = torch.randn(3, 8, 8, dtype=torch.float64), torch.randn(3, 8, 8, dtype=torch.float64)
         ref, _ = offload.train_on_device(copy.deepcopy(base), X, Y, cfg, info)
-        hand, opt, moved = offload.train_zero_offload(copy.deepcopy(base), X, Y, cfg, info)
-        stale, _, stale_moved = offload.train_zero_offload(copy.deepcopy(base), X, Y, cfg, info,
-                                                           copy_back=False)
-        # ZeRO-Offload's traffic, computed here: psi parameters of 8 bytes, down and back.
+        (hand, opt), moved, tap = tapped(offload.train_zero_offload, copy.deepcopy(base), X, Y, cfg, info)
+        (stale, _), stale_moved, _ = tapped(offload.train_zero_offload, copy.deepcopy(base), X, Y,
+                                            cfg, info, copy_back=False)
+        (alias, claimed), alias_moved, _ = tapped(aliasing_offload, copy.deepcopy(base), X, Y, cfg, info)
+        # ZeRO-Offload's traffic, computed here: psi parameters of 8 bytes; the master weights
+        # host-ward once, then 3 steps of gradients down and weights back.
         psi = 2 * (8 * 16 + 16 + 16 * 8 + 8)
-        assert moved == {"to host": psi * 8, "to device": psi * 8}
-        assert stale_moved == {"to host": psi * 8, "to device": 0}  # the control sends nothing back
+        assert moved == {"to host": 4 * psi * 8, "to device": 3 * psi * 8}
+        assert {(c.src, c.dst) for c in tap.copies} == {("cpu", "cpu")}  # one memory here
+        assert stale_moved == {"to host": 4 * psi * 8, "to device": 0}  # nothing sent back
+        assert claimed == {"to host": psi * 8, "to device": psi * 8}  # per step, its own counter
+        assert alias_moved == {"to host": 0, "to device": 0}  # what the copy operations say
+        assert offload.max_diff(offload.full_params(alias), offload.full_params(ref)) < 1e-12
+        # what each side holds: the device model its weights only, the host 4 x psi x 8 bytes
+        assert offload.nbytes(offload.working_tensors(hand)()) == psi * 8
+        assert offload.nbytes(offload.training_state(hand, opt)) == 4 * psi * 8
         good = offload.max_diff(offload.full_params(hand), offload.full_params(ref))
         bad = offload.max_diff(offload.full_params(stale), offload.full_params(ref))
         state = offload.training_state(hand, opt)
@@ -265,7 +308,7 @@ def test_offloaded_shards_are_gathered_on_the_mesh_device():
 def test_memory_formula_and_bad_input():
     table = offload.per_rank_bytes(psi=1000, elem=4, world=4)
     assert table["DDP on device"] == (16000, 0)
-    assert table["ZeRO-Offload by hand"] == (8000, 16000)
+    assert table["ZeRO-Offload by hand"] == (4000, 16000)  # device: the weights only
     assert table["FSDP2 + CPUOffloadPolicy"] == (0, 4000)
     assert train.recompute_flop_ratio("full") == pytest.approx(4 / 3)
     for module, argv in ((train, ["--dtype", "float16"]), (train, ["--d-ff", "0"]),

@@ -4,9 +4,10 @@ ZeRO-Offload keeps the optimizer's master weights and Adam moments on the host a
 optimizer step there; FSDP2's CPUOffloadPolicy keeps the parameter shards, their gradients and
 so the optimizer state on the host too. This script trains the same model on device, with a
 hand-written optimizer offload and with FSDP2 with and without CPU offload, checks the trained
-parameters agree, counts the bytes the hand offload copies each way per step, checks every
-tensor sits where its policy says (on a GPU) and records the per-rank memory formula. On a
-machine without CUDA host and device are the same memory: nothing moves.
+parameters agree, counts the bytes the hand offload copies each way per step where they are
+copied (`CopyTap`, a TorchDispatchMode that sees every copy operation), checks every tensor sits
+where its policy says (on a GPU) and records the per-rank memory formula. On a machine without
+CUDA host and device are the same memory: nothing moves.
 
 Run:
     python chapters/ch20_memory/offload.py                                      # one process
@@ -20,12 +21,14 @@ Run:
 
 import copy
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from chapters.ch03_data_parallel.train import all_reduce_gradients
 from chapters.ch20_memory.recompute import ResidualMLP
@@ -80,27 +83,78 @@ def train_on_device(model, X, Y, cfg: Config, info):
 
 
 def train_zero_offload(model, X, Y, cfg: Config, info, copy_back: bool = True):
-    """ZeRO-Offload by hand: master weights and Adam moments live on the host; each step
-    copies gradients device→host, steps there, copies the weights host→device. Returns the
-    model, the host optimizer and the bytes copied each way per step, counted from the tensors
-    copied (what crosses PCIe on a GPU; a copy within the same memory on a CPU)."""
+    """ZeRO-Offload by hand: the device keeps the weights only; master weights, gradients and
+    Adam moments live on the host. Each step copies the gradients device→host (and drops them
+    from the device), steps there, copies the weights host→device. Returns the model and the
+    host optimizer; what was copied is counted outside, by `CopyTap`."""
     master = [p.detach().to(HOST, copy=True) for p in model.parameters()]  # copy: even on CPU
     opt = torch.optim.Adam(master, lr=cfg.lr)
-    moved = {"to host": 0, "to device": 0}
     for step in range(cfg.steps):
         model.zero_grad()
         F.mse_loss(model(shard(X[step], info)), shard(Y[step], info)).backward()
         all_reduce_gradients(model, info.world_size)
         for p, m in zip(model.parameters(), master):
             m.grad = p.grad.to(HOST, copy=True)
-            moved["to host"] += m.grad.numel() * m.grad.element_size()
+            p.grad = None  # the device keeps the weights only (ZeRO-Offload's layout)
         opt.step()
         if copy_back:  # the negative control forgets this: the device model never learns
             with torch.no_grad():
                 for p, m in zip(model.parameters(), master):
                     p.copy_(m)
-                    moved["to device"] += m.numel() * m.element_size()
-    return model, opt, {k: v // cfg.steps for k, v in moved.items()}
+    return model, opt
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy operation between the working model and anything else."""
+
+    way: str  # "to host" (out of the working model) or "to device" (into it)
+    nbytes: int
+    src: str  # device types
+    dst: str
+
+
+class CopyTap(TorchDispatchMode):
+    """`with CopyTap(working) as tap: ...`: every copy operation PyTorch runs in the block
+    (`aten._to_copy`, what `.to()`/`.cpu()` call, and `aten.copy_`), kept when it reads from or
+    writes into the working model: `working()` returns the device model's parameters and
+    gradients at that moment. Out of them is "to host", into them "to device"; the bytes are
+    the destination's, the devices those of the tensors themselves. A copy that is skipped, or
+    a host "copy" that aliases the device tensor, is not an operation and counts nothing."""
+
+    def __init__(self, working: Callable[[], list[torch.Tensor]]):
+        super().__init__()
+        self.working = working
+        self.copies: list[Copy] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if name in ("_to_copy", "copy_"):
+            src, dst = (args[0], out) if name == "_to_copy" else (args[1], args[0])
+            mine = {_storage(t) for t in self.working()}
+            out_of, into = _storage(src) in mine, _storage(dst) in mine
+            if out_of != into:
+                self.copies.append(Copy("to host" if out_of else "to device",
+                                        dst.numel() * dst.element_size(), src.device.type,
+                                        dst.device.type))
+        return out
+
+    def nbytes(self, way: str) -> int:
+        return sum(c.nbytes for c in self.copies if c.way == way)
+
+
+def working_tensors(model) -> Callable[[], list[torch.Tensor]]:
+    """What the device model holds now: its parameters and the gradients it still has."""
+    return lambda: [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+
+
+def nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def shard_model(model, info, offload: bool):
@@ -159,7 +213,7 @@ def per_rank_bytes(psi: int, elem: int, world: int) -> dict[str, tuple[int, int]
     elements of `elem` bytes). FSDP2 also all-gathers one unit at a time on the device."""
     full = 4 * psi * elem
     return {"DDP on device": (full, 0),
-            "ZeRO-Offload by hand": (2 * psi * elem, full),  # device: weights+grads; host: all 4
+            "ZeRO-Offload by hand": (psi * elem, full),  # device: the weights; host: all 4
             "FSDP2 on device": (full // world, 0),
             "FSDP2 + CPUOffloadPolicy": (0, full // world)}
 
@@ -172,6 +226,29 @@ def shared_storage(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
     """How many tensors of `a` share their memory with the matching tensor of `b` (a "copy"
     that is not one)."""
     return sum(p.untyped_storage().data_ptr() == q.untyped_storage().data_ptr() for p, q in zip(a, b))
+
+
+def record_hand_offload(rec, tap: CopyTap, hand, hand_opt, model_bytes: int, steps: int,
+                        dev: str, cuda_held: int) -> None:
+    """ZeRO-Offload's traffic as the copy operations counted it: the master weights host-ward
+    once, then each step the gradients down and the updated weights back, Ψ·b bytes each way;
+    and what each side holds after training, read from the tensors (the device: the weights
+    only; the host: master weights, gradients, 2 moments)."""
+    rec.check("hand offload: bytes copied to host = (steps + 1) x params x bytes", "formula",
+              tap.nbytes("to host"), (steps + 1) * model_bytes)
+    rec.check("hand offload: bytes copied to device = steps x params x bytes", "formula",
+              tap.nbytes("to device"), steps * model_bytes)
+    rec.check("hand offload: bytes the device model holds = params x bytes (no grads)", "formula",
+              nbytes(working_tensors(hand)()), model_bytes)
+    rec.check("hand offload: bytes of host state = 4 x params x bytes", "formula",
+              nbytes(training_state(hand, hand_opt)), 4 * model_bytes)
+    if dev == "cuda":  # a copy that stays on one device moved nothing over PCIe
+        rec.check("hand offload: copies that did not cross host<->device", "count",
+                  sum(c.src == c.dst for c in tap.copies), 0)
+        rec.figure("hand offload: CUDA bytes allocated by the trained model (allocator)",
+                   cuda_held, model_bytes, unit="bytes")  # plus the allocator's block rounding
+    else:
+        rec.figure("hand offload: copies that did not cross host<->device", "n/a on CPU")
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -202,7 +279,11 @@ def run(cfg: Config, info) -> int:
         log.info("below test the bookkeeping and the numbers, the savings are GPU figures")
 
     ref, ref_opt = train_on_device(copy.deepcopy(base), X, Y, cfg, info)
-    hand, hand_opt, moved = train_zero_offload(copy.deepcopy(base), X, Y, cfg, info)
+    cuda_before = torch.cuda.memory_allocated() if info.device.type == "cuda" else 0
+    hand = copy.deepcopy(base)
+    with CopyTap(working_tensors(hand)) as tap:  # counts the copies where they happen
+        hand, hand_opt = train_zero_offload(hand, X, Y, cfg, info)
+    cuda_held = torch.cuda.memory_allocated() - cuda_before if info.device.type == "cuda" else 0
     fsdp, fsdp_opt = train_fsdp(shard_model(copy.deepcopy(base), info, False), X, Y, cfg, info)
     off, off_opt = train_fsdp(shard_model(copy.deepcopy(base), info, True), X, Y, cfg, info)
 
@@ -244,10 +325,7 @@ def run(cfg: Config, info) -> int:
         rec.figure("FSDP2 + offload: parameter shards not pinned", "n/a on CPU")
 
     psi, elem = sum(p.numel() for p in base.parameters()), torch.finfo(dtype).bits // 8
-    # ZeRO-Offload's traffic: the gradients down, the updated weights back, Ψ·b bytes each way.
-    for way, counted in moved.items():
-        rec.check(f"hand offload: bytes copied {way} per step = params x bytes", "formula",
-                  counted, psi * elem)
+    record_hand_offload(rec, tap, hand, hand_opt, psi * elem, cfg.steps, dev, cuda_held)
     state = training_state(off, off_opt)
     held = sum(t.numel() * t.element_size() for t in state)  # what this rank holds
     rec.figure("FSDP2 + offload: state bytes, this rank", held,

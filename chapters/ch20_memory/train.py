@@ -170,7 +170,10 @@ def recompute_flop_ratio(strategy: str) -> float:
 
 
 def cuda_peak_bytes(model: ResidualMLP, x, y, strategy: str) -> int:
-    """Peak bytes the CUDA caching allocator handed out during one forward+backward."""
+    """Peak bytes the CUDA caching allocator handed out during one forward+backward, above
+    what it held before: the weights and the data are in that baseline; the gradients are
+    set to None first, so the ones this backward creates count in the peak."""
+    model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
