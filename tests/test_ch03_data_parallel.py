@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from chapters.ch03_data_parallel import token_loss, train
 from common.checkpoint import load_checkpoint
@@ -66,6 +68,23 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+class C10dCalls(TorchDispatchMode):
+    """Every c10d operator this process dispatches while active (a second counter, below the
+    chapter's AllReduceTap: it also sees what DDP's C++ reducer sends without a Python hook)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.ops.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+    def all_reduces(self) -> int:
+        return self.ops.count("allreduce_")
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nproc", [1, 2, 3])
 def test_runs_match_an_independent_one_process_reference(nproc, tmp_path, quiet_console):
@@ -86,7 +105,13 @@ def test_runs_match_an_independent_one_process_reference(nproc, tmp_path, quiet_
     assert res.check("DDP all-reduces inside no_sync")["measured"] == 0
     assert res.check("DDP all-reduces on the k-th micro-batch >= steps")["measured"] == cfg.steps  # one bucket
     n_params = sum(t.numel() for t in expected.values())
-    assert res.check("DDP bytes all-reduced = steps x params x bytes")["measured"] == cfg.steps * n_params * 8
+    for loop in ("hand DP", "DDP"):  # the bytes handed to torch.distributed.all_reduce
+        assert res.check(f"{loop} bytes all-reduced = steps x params x bytes")["measured"] == \
+            cfg.steps * n_params * 8
+    assert res.check("hand DP all-reduce calls = steps x tensors")["measured"] == cfg.steps * 6
+    assert res.check("token DDP all-reduces inside no_sync")["measured"] == 0
+    assert res.check("token DDP all-reduces, k-th micro-batch >= steps")["measured"] == cfg.steps
+    assert res.check("lr schedule == linear scaling x warm-up")["measured"] < 1e-15
     for name in ("hand DP time per step", "DDP time per step"):  # per-step medians with min-max
         fig = res.summary["figures"][name]
         assert 0 < fig["spread"][0] <= fig["measured"] <= fig["spread"][1], name
@@ -105,7 +130,7 @@ def _controls() -> dict:
     out = {}
 
     good = copy.deepcopy(model)
-    train.train_hand_dp(good, X, Y, cfg, rank, world)
+    out["hand_calls"] = train.train_hand_dp(good, X, Y, cfg, rank, world)["all_reduce_calls"]
     out["hand"] = train.max_param_diff(good, single)
 
     # Broken 1: one gradient tensor is never all-reduced (a layer left out of the sync).
@@ -116,14 +141,22 @@ def _controls() -> dict:
             g /= world_size
         return len(grads)
 
+    # Broken 1b, the hollow counter's mutant: no collective at all, the division kept (a loop
+    # that counted its own calls would still report them; the tap sees none).
+    def skip_all(m, world_size):
+        for p in m.parameters():
+            p.grad /= world_size
+
     original = train.all_reduce_gradients
-    train.all_reduce_gradients = skip_first
     try:
-        broken = copy.deepcopy(model)
-        train.train_hand_dp(broken, X, Y, cfg, rank, world)
+        for name, broken_sync in (("skip_one_grad", skip_first), ("skip_all", skip_all)):
+            train.all_reduce_gradients = broken_sync
+            broken = copy.deepcopy(model)
+            log = train.train_hand_dp(broken, X, Y, cfg, rank, world)
+            out[name] = train.max_param_diff(broken, single)
+            out[f"{name}_calls"] = log["all_reduce_calls"]
     finally:
         train.all_reduce_gradients = original
-    out["skip_one_grad"] = train.max_param_diff(broken, single)
 
     # Broken 2: accumulate k micro-batches without dividing the loss by k.
     broken = copy.deepcopy(model)
@@ -151,11 +184,29 @@ def _controls() -> dict:
     train.train_hand_dp(broken, X, Y, cfg, 0, world)
     out["same_shard"] = train.max_param_diff(broken, single)
 
-    # The collective counter sees all-reduces when no_sync is left out.
-    with_sync = train.train_ddp(copy.deepcopy(model), X, Y, cfg, fake)
+    # The collective counter sees all-reduces when no_sync is left out; a second counter, the
+    # dispatcher's view of c10d operators, sees the same all-reduces.
+    with C10dCalls() as c10d:
+        with_sync = train.train_ddp(copy.deepcopy(model), X, Y, cfg, fake)
+    out["c10d_all_reduces"] = c10d.all_reduces()
     without = train.train_ddp(copy.deepcopy(model), X, Y, cfg, fake, use_no_sync=False)
     out["calls_no_sync"], out["calls_without"] = with_sync["calls"], without["calls"]
     out["per_micro_no_sync"] = with_sync["calls_per_micro"]
+    # DDP as most code uses it, no hook: its C++ reducer all-reduces, which only the dispatcher
+    # sees. Three steps (DDP rebuilds its buckets after the first), k = 2 micro-batches each.
+    ddp = DDP(copy.deepcopy(model))
+    per_micro = []
+    for step in range(3):
+        for i, (x, y) in enumerate(zip(train.micro_batches(X[step], rank, world, 2),
+                                       train.micro_batches(Y[step], rank, world, 2))):
+            with C10dCalls() as c10d:
+                if i == 0:
+                    with ddp.no_sync():
+                        F.mse_loss(ddp(x), y).backward()
+                else:
+                    F.mse_loss(ddp(x), y).backward()
+            per_micro.append(c10d.all_reduces())
+    out["cpp_ddp_per_micro"] = per_micro
 
     # Tokens: the fix matches one process; the naive mean does not.
     out["tokens"] = token_loss.compare(cfg, fake, modes=("global", "naive", "local"))
@@ -178,6 +229,16 @@ def test_negative_controls_are_rejected():
     steps, k = 6, train.Config().grad_accum_steps
     assert res["per_micro_no_sync"] == [0, 1] * steps  # one bucket, only on the last micro-batch
     assert res["calls_without"] == k * res["calls_no_sync"] == k * steps
+    assert res["c10d_all_reduces"] == res["calls_no_sync"]  # the tap and the dispatcher agree
+    assert res["cpp_ddp_per_micro"] == [0, 1] * 3  # no_sync skips in DDP's C++ path too
+    # The count check "hand DP all-reduce calls = steps x tensors" (6 tensors) passes the right
+    # loop and rejects a loop that skips one gradient, or every collective (while a counter the
+    # loop kept itself would have said 36).
+    assert res["hand_calls"] == steps * 6
+    assert (res["skip_one_grad_calls"], res["skip_all_calls"]) == (steps * 5, 0)
+    assert not check_ok(res["skip_all"], 0.0, TOL)
+    # The token loop accumulates under no_sync: no all-reduce inside, one bucket after.
+    assert res["tokens"]["calls_inside_no_sync"] == 0 and res["tokens"]["calls_last_micro"] == steps
     assert check_ok(res["tokens"]["global"], 0.0, TOL)
     assert not check_ok(res["tokens"]["naive"], 0.0, TOL)
     assert res["tokens"]["naive"] == pytest.approx(1.43e-3, rel=0.01)
@@ -201,8 +262,23 @@ def test_micro_batches_partition_the_global_batch():
 
 
 def test_scaled_lr_formula():
-    cfg = train.Config(base_lr=0.1, base_batch_size=32, global_batch_size=128, warmup_steps=4)
-    assert [round(train.scaled_lr(s, cfg), 12) for s in range(6)] == [0.1, 0.2, 0.3, 0.4, 0.4, 0.4]
+    cfg = train.Config(base_lr=0.1, base_batch_size=32, global_batch_size=128, warmup_steps=4,
+                       steps=6)
+    literal = [0.1, 0.2, 0.3, 0.4, 0.4, 0.4]  # 0.1 x 128/32 = 0.4, reached in 4 equal steps
+    assert [round(train.scaled_lr(s, cfg), 12) for s in range(6)] == literal
+    assert [round(lr, 12) for lr in train.warmup_ramp(cfg).tolist()] == literal
+    # The script's check compares the optimizer's rates (LambdaLR over scaled_lr) with
+    # warmup_ramp; a ramp that starts one step late (s / warmup instead of (s + 1) / warmup)
+    # misses it by a full ramp step.
+    late = [0.4 * min(1.0, s / 4) for s in range(6)]
+    err = (torch.tensor(late, dtype=torch.float64) - train.warmup_ramp(cfg)).abs().max().item()
+    assert not check_ok(err, 0.0, 1e-12) and err == pytest.approx(0.1)
+    default = train.Config()  # exercise 5: the lesson's defaults miss by 0.1 / 5 = 0.02
+    late = [0.1 * min(1.0, s / 5) for s in range(default.steps)]
+    err = (torch.tensor(late, dtype=torch.float64) - train.warmup_ramp(default)).abs().max().item()
+    assert err == pytest.approx(0.02)
+    assert train.warmup_ramp(train.Config(warmup_steps=30, steps=20)).tolist() == pytest.approx(
+        [0.1 * (s + 1) / 30 for s in range(20)])  # warm-up longer than the run
 
 
 def test_impossible_layout_is_refused_in_one_sentence(monkeypatch, capsys):

@@ -26,7 +26,7 @@ import json
 import matplotlib.pyplot as plt
 import torch
 
-from chapters.ch03_data_parallel import plots, token_loss, train
+from chapters.ch03_data_parallel import plots, tap, token_loss, train
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
 
@@ -57,6 +57,14 @@ for rank in range(3):
 print(inspect.getsource(train.train_hand_dp))
 
 # %% [markdown]
+# The loop does not count its own all-reduces: a loop that skipped the collective but kept a
+# `calls += 1` would still report them. `AllReduceTap` counts where the call is made, by
+# replacing `torch.distributed.all_reduce` with a recording wrapper while the loop runs:
+
+# %%
+print(inspect.getsource(tap.AllReduceTap.__enter__))
+
+# %% [markdown]
 # ## Uneven token counts: the silent bug
 # With padded sequences, micro-batches hold different numbers of real tokens. A per-batch mean,
 # averaged by DDP, gives a token in a short micro-batch more weight than one in a long
@@ -72,9 +80,21 @@ for label, n, w in zip(labels, counts, naive):
 print(inspect.getsource(token_loss.train_tokens_ddp))
 
 # %% [markdown]
+# The first k-1 micro-batches run under `no_sync`, as in `train_ddp`: their gradients add up
+# locally and the last backward all-reduces the sums, which is still exactly the global-token
+# mean.
+
+# %% [markdown]
 # ## The linear scaling rule
 # Growing the global batch by a factor g, grow the learning rate by g, reached after a warm-up
-# (Goyal et al., 2017). The script checks that the optimizer's learning rate follows the formula.
+# (Goyal et al., 2017). The script checks the rates the optimizer actually used against the
+# ramp written out another way (`warmup_ramp`: evenly spaced rates up to the peak, not
+# `scaled_lr` itself, which would agree with anything `scaled_lr` does):
+
+# %%
+cfg = train.Config()
+print("optimizer (LambdaLR over scaled_lr):", [round(train.scaled_lr(s, cfg), 4) for s in range(7)])
+print("warmup_ramp (the expected value):   ", [round(x, 4) for x in train.warmup_ramp(cfg)[:7].tolist()])
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3))
@@ -119,3 +139,5 @@ plt.show()
 #    time with DDP's.
 # 4. Normalise the token loss by the rank's *local* token count
 #    (`token_loss.train_tokens_ddp(..., "local")`). When does that match one process?
+# 5. Make the warm-up start one step late (`step` instead of `step + 1` in `scaled_lr`). Which
+#    checks fail, and why do the parity checks not notice?

@@ -5,18 +5,21 @@ process would compute is the mean over *all* tokens of the global batch. Taking 
 micro-batch and letting DDP average over ranks weights every micro-batch equally instead, so
 tokens in short micro-batches count more: a silent bug that still trains, just wrongly.
 The fix: divide each micro-batch's summed loss by the global token count (one all-reduce of an
-integer per step), times world_size because DDP averages gradients over the ranks.
+integer per step), times world_size because DDP averages gradients over the ranks. The
+micro-batches accumulate under `no_sync`, as in train.py: the gradients add up locally and only
+the last micro-batch's backward all-reduces them, which changes nothing in the sum.
 """
 
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from chapters.ch03_data_parallel.train import DTYPES, max_param_diff, micro_batches
+from chapters.ch03_data_parallel.tap import AllReduceTap
+from chapters.ch03_data_parallel.train import DTYPES, max_param_diff, micro_batches, wrap_ddp
 from common.models import MLP
 
 SEQ_LEN = 8
@@ -49,32 +52,42 @@ def train_tokens_single(model, x, y, mask, cfg) -> None:
         opt.step()
 
 
-def train_tokens_ddp(model, x, y, mask, cfg, info, normalise: str) -> list[int]:
-    """DDP over micro-batches; `normalise` is "global" (the fix: the global token count),
-    "naive" (a mean per micro-batch) or "local" (the rank's own token count, exercise 4).
-    Returns this rank's token count at each step."""
-    ddp = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+def micro_batch_loss(ddp, xb, yb, mb, normalise: str, local_tokens, global_tokens, k: int,
+                     world_size: int) -> torch.Tensor:
+    """One micro-batch's share of the step's loss, by the chosen normalisation."""
+    if normalise == "global":  # the fix: x W, because DDP divides the summed gradients by W
+        return summed_token_loss(ddp, xb, yb, mb) * world_size / global_tokens
+    if normalise == "local":
+        return summed_token_loss(ddp, xb, yb, mb) / local_tokens
+    if normalise == "naive":
+        return summed_token_loss(ddp, xb, yb, mb) / mb.sum() / k
+    raise ValueError(f"normalise must be global, local or naive, not {normalise!r}")
+
+
+def train_tokens_ddp(model, x, y, mask, cfg, info, normalise: str) -> dict:
+    """DDP over micro-batches, the first k-1 under `no_sync`; `normalise` is "global" (the fix:
+    the global token count), "naive" (a mean per micro-batch) or "local" (the rank's own token
+    count, exercise 4). Returns this rank's token count at each step and the all-reduces the
+    tap saw during each micro-batch."""
+    ddp = wrap_ddp(model, info)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.base_lr)
-    k, counts = cfg.grad_accum_steps, []
-    for step in range(cfg.steps):
-        parts = [micro_batches(t[step], info.rank, info.world_size, k) for t in (x, y, mask)]
-        local_tokens = sum(m.sum() for m in parts[2])
-        global_tokens = local_tokens.clone()
-        dist.all_reduce(global_tokens)  # every rank needs the same denominator
-        counts.append(int(local_tokens))
-        opt.zero_grad()
-        for xb, yb, mb in zip(*parts):
-            if normalise == "global":
-                loss = summed_token_loss(ddp, xb, yb, mb) * info.world_size / global_tokens
-            elif normalise == "local":
-                loss = summed_token_loss(ddp, xb, yb, mb) / local_tokens
-            elif normalise == "naive":
-                loss = summed_token_loss(ddp, xb, yb, mb) / mb.sum() / k
-            else:
-                raise ValueError(f"normalise must be global, local or naive, not {normalise!r}")
-            loss.backward()
-        opt.step()
-    return counts
+    k, counts, calls_per_micro = cfg.grad_accum_steps, [], []
+    with AllReduceTap() as tap:
+        for step in range(cfg.steps):
+            parts = [micro_batches(t[step], info.rank, info.world_size, k) for t in (x, y, mask)]
+            local_tokens = sum(m.sum() for m in parts[2])
+            global_tokens = local_tokens.clone()
+            dist.all_reduce(global_tokens)  # every rank needs the same denominator
+            counts.append(int(local_tokens))
+            opt.zero_grad()
+            for j, (xb, yb, mb) in enumerate(zip(*parts)):
+                before = tap.calls
+                with nullcontext() if j == k - 1 else ddp.no_sync():  # accumulate locally
+                    micro_batch_loss(ddp, xb, yb, mb, normalise, local_tokens, global_tokens, k,
+                                     info.world_size).backward()
+                calls_per_micro.append(tap.calls - before)
+            opt.step()
+    return {"tokens": counts, "calls_per_micro": calls_per_micro}
 
 
 def compare(cfg, info, modes=("global", "naive")) -> dict:
@@ -86,14 +99,18 @@ def compare(cfg, info, modes=("global", "naive")) -> dict:
     model = MLP(cfg.d_in, 16, 1, n_layers=2).to(info.device, DTYPES[cfg.dtype])
     reference = copy.deepcopy(model)
     train_tokens_single(reference, x, y, mask, cfg)
-    result, states = {}, {}
+    result, states, k = {}, {}, cfg.grad_accum_steps
     for normalise in modes:
         replica = copy.deepcopy(model)
-        counts = train_tokens_ddp(replica, x, y, mask, cfg, info, normalise)
+        log = train_tokens_ddp(replica, x, y, mask, cfg, info, normalise)
         result[normalise] = max_param_diff(replica, reference)
-        states[normalise] = {k: v.detach().cpu() for k, v in replica.state_dict().items()}
+        states[normalise] = {n: v.detach().cpu() for n, v in replica.state_dict().items()}
+        if normalise == "global":  # the fix's collectives: none inside no_sync, a bucket after
+            calls = log["calls_per_micro"]
+            result["calls_inside_no_sync"] = sum(c for i, c in enumerate(calls) if i % k != k - 1)
+            result["calls_last_micro"] = sum(c for i, c in enumerate(calls) if i % k == k - 1)
     result["states"] = states
     gathered = [None] * info.world_size
-    dist.all_gather_object(gathered, counts)
+    dist.all_gather_object(gathered, log["tokens"])
     result["tokens_per_rank"] = gathered  # [rank][step]
     return result

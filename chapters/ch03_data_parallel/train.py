@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from chapters.ch03_data_parallel.tap import AllReduceTap
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, check_global_batch, parse_config, require_at_least_one
 from common.data import regression_data
@@ -96,22 +97,28 @@ def micro_batches(x: torch.Tensor, rank: int, world_size: int, k: int) -> list[t
     return list(shard.chunk(k))
 
 
-def all_reduce_gradients(model: nn.Module, world_size: int) -> int:
-    """The whole of data parallelism: average every gradient over the ranks.
-    Returns the number of all-reduce calls made (one per parameter tensor)."""
-    calls = 0
+def all_reduce_gradients(model: nn.Module, world_size: int) -> None:
+    """The whole of data parallelism: average every gradient over the ranks (one all-reduce
+    per parameter tensor; `AllReduceTap` counts them where they are made)."""
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
             p.grad /= world_size
-            calls += 1
-    return calls
 
 
 def make_optimizer(model: nn.Module, cfg: Config):
     opt = torch.optim.SGD(model.parameters(), lr=cfg.base_lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: scaled_lr(s, cfg) / cfg.base_lr)
     return opt, sched
+
+
+def warmup_ramp(cfg: Config) -> torch.Tensor:
+    """The schedule the lesson states, built without `scaled_lr`: `warmup_steps` evenly spaced
+    rates from peak / warmup_steps up to the peak base_lr · B / B_base, then the peak."""
+    peak = cfg.base_lr * cfg.global_batch_size / cfg.base_batch_size
+    ramp = torch.linspace(peak / cfg.warmup_steps, peak, cfg.warmup_steps, dtype=torch.float64)
+    return torch.cat([ramp, torch.full((max(0, cfg.steps - cfg.warmup_steps),), peak,
+                                       dtype=torch.float64)])[:cfg.steps]
 
 
 def train_single(model: nn.Module, X, Y, cfg: Config) -> list[float]:
@@ -130,28 +137,31 @@ def train_single(model: nn.Module, X, Y, cfg: Config) -> list[float]:
 
 def train_hand_dp(model: nn.Module, X, Y, cfg: Config, rank: int, world_size: int) -> dict:
     """Accumulate k micro-batches locally, then one all-reduce per gradient, then step.
-    Returns the all-reduce calls, the learning rate and the wall time of every step."""
+    Returns the all-reduce calls and bytes the tap saw, the learning rate and the wall time of
+    every step."""
     opt, sched = make_optimizer(model, cfg)
-    k, calls, lrs, times = cfg.grad_accum_steps, 0, [], []
-    for step in range(cfg.steps):
-        with Timer(X.device) as timer:  # synchronises CUDA before reading the clock
-            opt.zero_grad()
-            for x, y in zip(micro_batches(X[step], rank, world_size, k),
-                            micro_batches(Y[step], rank, world_size, k)):
-                (F.mse_loss(model(x), y) / k).backward()  # / k: the mean over all k micro-batches
-            calls += all_reduce_gradients(model, world_size)
-            lrs.append(opt.param_groups[0]["lr"])
-            opt.step()
-            sched.step()
-        times.append(timer.elapsed)
-    return {"all_reduce_calls": calls, "lrs": lrs, "step_times": times}
+    k, lrs, times = cfg.grad_accum_steps, [], []
+    with AllReduceTap() as tap:
+        for step in range(cfg.steps):
+            with Timer(X.device) as timer:  # synchronises CUDA before reading the clock
+                opt.zero_grad()
+                for x, y in zip(micro_batches(X[step], rank, world_size, k),
+                                micro_batches(Y[step], rank, world_size, k)):
+                    (F.mse_loss(model(x), y) / k).backward()  # / k: mean over the k micro-batches
+                all_reduce_gradients(model, world_size)
+                lrs.append(opt.param_groups[0]["lr"])
+                opt.step()
+                sched.step()
+            times.append(timer.elapsed)
+    return {"all_reduce_calls": tap.calls, "bytes": tap.nbytes, "lrs": lrs, "step_times": times}
 
 
-def counting_allreduce_hook(state: dict, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's default all-reduce, counting the buckets (collectives) and bytes it sends."""
-    state["calls"] += 1
-    state["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
-    return default_hooks.allreduce_hook(None, bucket)
+def wrap_ddp(model: nn.Module, info) -> DDP:
+    """DDP, with its default all-reduce registered as a Python communication hook (the same
+    division by W and SUM that its C++ reducer does) so that `AllReduceTap` sees it."""
+    ddp = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    return ddp
 
 
 def train_ddp(model: nn.Module, X, Y, cfg: Config, info, use_no_sync: bool = True,
@@ -159,31 +169,31 @@ def train_ddp(model: nn.Module, X, Y, cfg: Config, info, use_no_sync: bool = Tru
     """DDP with gradient accumulation: `no_sync` on the first k-1 micro-batches skips their
     all-reduce; the k-th backward all-reduces the accumulated gradients. Each micro-batch's
     mean loss is divided by k (`divide_by_k=False` is the classic bug, kept as the negative
-    control: DDP averages over ranks, never over micro-batches)."""
-    ddp = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
-    counter = {"calls": 0, "bytes": 0}
-    ddp.register_comm_hook(counter, counting_allreduce_hook)
+    control: DDP averages over ranks, never over micro-batches). Returns the all-reduces the tap
+    saw in all (`calls`, `bytes`) and during each micro-batch, and every step's wall time."""
+    ddp = wrap_ddp(model, info)
     opt, sched = make_optimizer(ddp, cfg)
     k, calls_per_micro, times = cfg.grad_accum_steps, [], []
-    for step in range(cfg.steps):
-        with Timer(X.device) as timer:  # the step only: DDP's construction is not timed
-            opt.zero_grad()
-            pairs = list(zip(micro_batches(X[step], info.rank, info.world_size, k),
-                             micro_batches(Y[step], info.rank, info.world_size, k)))
-            scale = k if divide_by_k else 1
-            for i, (x, y) in enumerate(pairs):
-                before = counter["calls"]
-                last = i == k - 1
-                if last or not use_no_sync:
-                    (F.mse_loss(ddp(x), y) / scale).backward()
-                else:
-                    with ddp.no_sync():  # forward and backward inside: no all-reduce this time
+    with AllReduceTap() as tap:
+        for step in range(cfg.steps):
+            with Timer(X.device) as timer:  # the step only: DDP's construction is not timed
+                opt.zero_grad()
+                pairs = list(zip(micro_batches(X[step], info.rank, info.world_size, k),
+                                 micro_batches(Y[step], info.rank, info.world_size, k)))
+                scale = k if divide_by_k else 1
+                for i, (x, y) in enumerate(pairs):
+                    before = tap.calls
+                    if i == k - 1 or not use_no_sync:
                         (F.mse_loss(ddp(x), y) / scale).backward()
-                calls_per_micro.append(counter["calls"] - before)
-            opt.step()
-            sched.step()
-        times.append(timer.elapsed)
-    return {**counter, "calls_per_micro": calls_per_micro, "step_times": times}
+                    else:
+                        with ddp.no_sync():  # forward and backward inside: no all-reduce now
+                            (F.mse_loss(ddp(x), y) / scale).backward()
+                    calls_per_micro.append(tap.calls - before)
+                opt.step()
+                sched.step()
+            times.append(timer.elapsed)
+    return {"calls": tap.calls, "bytes": tap.nbytes, "calls_per_micro": calls_per_micro,
+            "step_times": times}
 
 
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
@@ -237,6 +247,7 @@ def main(cfg: Config) -> int:
                   max_param_diff(ddp_model, single), 0.0, tol)
         rec.check("hand DP == DDP (max |dparam|)", "parity", max_param_diff(hand, ddp_model), 0.0, tol)
 
+        # Counted by AllReduceTap where torch.distributed is called, not by the loops themselves.
         n_tensors = len(list(model.parameters()))
         rec.check("hand DP all-reduce calls = steps x tensors", "count",
                   hand_log["all_reduce_calls"], cfg.steps * n_tensors)
@@ -249,10 +260,13 @@ def main(cfg: Config) -> int:
                   cfg.steps, compare=">=")
         n_params = sum(p.numel() for p in model.parameters())
         elem = torch.finfo(DTYPES[cfg.dtype]).bits // 8
+        rec.check("hand DP bytes all-reduced = steps x params x bytes", "formula",
+                  hand_log["bytes"], cfg.steps * n_params * elem)
         rec.check("DDP bytes all-reduced = steps x params x bytes", "formula",
                   ddp_log["bytes"], cfg.steps * n_params * elem)
-        lr_err = max(abs(lr - scaled_lr(s, cfg)) for s, lr in enumerate(hand_log["lrs"]))
-        rec.check("lr schedule == linear scaling x warm-up", "formula", lr_err, 0.0, 1e-12)
+        # The optimizer's rates against the ramp the lesson states, built without scaled_lr.
+        lr_err = (torch.tensor(hand_log["lrs"], dtype=torch.float64) - warmup_ramp(cfg)).abs().max()
+        rec.check("lr schedule == linear scaling x warm-up", "formula", lr_err.item(), 0.0, 1e-12)
 
         from chapters.ch03_data_parallel import token_loss  # imports this module's helpers
 
@@ -261,6 +275,9 @@ def main(cfg: Config) -> int:
         # The negative control of the same parity check: the naive mean must fail it.
         rec.check("naive per-batch mean differs from one process", "parity", tok["naive"],
                   tol, compare=">")
+        rec.check("token DDP all-reduces inside no_sync", "count", tok["calls_inside_no_sync"], 0)
+        rec.check("token DDP all-reduces, k-th micro-batch >= steps", "count",
+                  tok["calls_last_micro"], cfg.steps, compare=">=")
 
         rec.figure("final loss", losses[-1])
         rec.figure("DDP buckets per step", ddp_log["calls"] / cfg.steps)
