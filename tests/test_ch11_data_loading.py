@@ -82,6 +82,46 @@ def test_shards_are_disjoint_and_cover_the_data(world, drop_last, n):
             [len(s) for s in shards]
 
 
+@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_fewer_samples_than_ranks(world, drop_last):
+    """3 samples on 4 or 8 ranks, as torch's DistributedSampler really shards them. Padding:
+    one sample per rank, ranks 0-2 read the permutation and every later rank reads only padding
+    (the permutation again, cyclically). drop_last: num_samples = ceil((n - W) / W) = 0, so every
+    rank gets nothing and the epoch is empty (train.py refuses --drop-last there). The hand
+    sampler and check_shards agree with torch in both cases."""
+    n = 3
+    for epoch in (0, 1):
+        shards = torch_shards(n, world, drop_last, epoch)
+        perm, listed = documented(n, world, drop_last, epoch)
+        if drop_last:
+            assert shards == [[]] * world and listed == []
+            assert len(DistributedSampler(range(n), num_replicas=world, rank=0, drop_last=True)) == 0
+        else:
+            assert shards == [[perm[r % n]] for r in range(world)]
+            padding_only = [s for r, s in enumerate(shards) if r >= n]
+            assert len(padding_only) == world - n and all(s[0] in perm for s in padding_only)
+            assert Counter(i for s in shards for i in s) == Counter(perm * (world // n) +
+                                                                    perm[:world % n])
+        verdict = check_shards(shards, n, drop_last)
+        assert verdict["ok"] and verdict["per_rank"] == (0 if drop_last else 1)
+        assert (verdict["repeats"], verdict["missing"]) == ((0, n) if drop_last else (world - n, 0))
+        hand = epoch_shards(lambda r: ShardSampler(n, world, r, seed=SEED, drop_last=drop_last),
+                            world, epoch)
+        assert hand == shards
+        expected = [[p] for p in listed[:world]] if not drop_last else [[]] * world
+        assert train.shard_mismatches(shards, expected, len(expected[0])) == 0
+    # Negative control: the node-local stride on 4 ranks misses a sample at this size too.
+    if not drop_last:
+        wrong = epoch_shards(lambda r: WrongStrideSampler(n, world, r, seed=SEED), world, 0)
+        assert not check_shards(wrong, n, False)["ok"]
+    if drop_last:
+        with pytest.raises(ValueError, match=f"--windows 3 cannot be split over {world} ranks"):
+            train.validate(train.Config(windows=n, drop_last=True), world)
+    else:
+        train.validate(train.Config(windows=n), world)  # padding gives every rank one window
+
+
 def test_set_epoch_reshuffles_and_the_same_epoch_reproduces():
     n, world = 203, 2
     e0, e1 = torch_shards(n, world, False, 0), torch_shards(n, world, False, 1)
