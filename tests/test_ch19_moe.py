@@ -3,9 +3,12 @@
 The torchrun runs check themselves (summary.json). This module also computes the one-process MoE
 layer with its own code (a loop over tokens and choices for the capacity rule, its own softmax,
 gates, combine, balancing loss and z-loss), and checks the expert-parallel layer's outputs,
-gradients, per-expert counts, drops and all-to-all bytes against it on 2, 4 and 3 ranks (3 ranks
-hold 6 experts), then the expert-parallel training against one process. Negative controls: the
-combine in the wrong order, and shared parameters not all-reduced, are rejected by the same checks.
+gradients, per-expert counts, drops and all-to-all bytes (read where torch's all_to_all_single
+receives them) against it on 2, 3 (6 experts), 4 and 8 ranks, including a routing that sends
+every token to rank 0's experts, so that every other rank receives nothing and sends nothing
+back; then the expert-parallel training against one process. Negative controls: the combine in
+the wrong order, dropped choices dispatched anyway, shared parameters not all-reduced, and
+expert gradients not divided by N, are each rejected by the same checks.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 
 from chapters.ch19_moe import deepspeed_moe, train
 from chapters.ch19_moe.moe import (
-    COMM,
+    AllToAllTap,
     ExpertParallelMoE,
     MoELayer,
     route,
@@ -72,16 +75,22 @@ def reference_layer(X, W_router, experts, k, factor, groups):
     return torch.cat(ys), kept, dropped, torch.stack(aux).mean(), torch.stack(z).mean()
 
 
-def _layer(k: int, epr: int) -> dict:
+def _layer(k: int, epr: int, skew: bool = False) -> dict:
+    """skew: every token's top-k experts are rank 0's (a large first feature, and router weights
+    that favour rank 0's experts on it), so the other ranks receive no rows and send none back."""
     rank, world = dist.get_rank(), dist.get_world_size()
     E = epr * world
     torch.manual_seed(100 + k)
     full = MoELayer(D, DFF, E, k, CF, groups=world).double()
-    ep = ExpertParallelMoE(D, DFF, E, k, CF, rank, world).double()
-    ep.load_state_dict(shard_moe_state(full.state_dict(), rank, world, E))
     g = torch.Generator().manual_seed(7 + k)
     X = torch.randn(world * N_TOK, D, generator=g, dtype=torch.float64)
     G = torch.randn(world * N_TOK, D, generator=g, dtype=torch.float64)
+    if skew:
+        X[:, 0] = X[:, 0].abs() + 2
+        with torch.no_grad():
+            full.router.weight[:, 0] = torch.where(torch.arange(E) < epr, 4.0, -4.0)
+    ep = ExpertParallelMoE(D, DFF, E, k, CF, rank, world).double()
+    ep.load_state_dict(shard_moe_state(full.state_dict(), rank, world, E))
     mine = slice(rank * N_TOK, (rank + 1) * N_TOK)
     Xr = X.clone().requires_grad_()
     Wr = full.router.weight.detach().clone().requires_grad_()
@@ -90,14 +99,13 @@ def _layer(k: int, epr: int) -> dict:
     y_ref, kept, dropped, aux, z = reference_layer(Xr, Wr, experts, k, CF, world)
     ((y_ref * G).sum() + world * (ALPHA * aux + BETA * z)).backward()
     x = X[mine].clone().requires_grad_()
-    COMM.reset()
-    y = ep(x)
-    ((y * G[mine]).sum() + ALPHA * ep.aux_loss + BETA * ep.z_loss).backward()
+    with AllToAllTap() as tap:
+        y = ep(x)
+        ((y * G[mine]).sum() + ALPHA * ep.aux_loss + BETA * ep.z_loss).backward()
     dist.all_reduce(ep.router.weight.grad)
-    sent = dict(COMM.bytes)
     local = range(rank * epr, (rank + 1) * epr)
-    expert_diff = max((p.grad - q.grad).abs().max().item() for j, e in enumerate(local)
-                      for p, q in zip(ep.experts[j].parameters(), experts[e]))
+    expert_diff = max((p.grad - (torch.zeros_like(q) if q.grad is None else q.grad)).abs().max().item()
+                      for j, e in enumerate(local) for p, q in zip(ep.experts[j].parameters(), experts[e]))
     out = {"output": (y - y_ref[mine]).abs().max().item(),
            "input grad": (x.grad - Xr.grad[mine]).abs().max().item(),
            "router grad": (ep.router.weight.grad - Wr.grad).abs().max().item(),
@@ -106,11 +114,16 @@ def _layer(k: int, epr: int) -> dict:
            "expected received": [sum(kept[s][e] for s in range(world)) for e in local],
            "dropped": int((~ep.stats.routings[0].keep).sum()), "expected dropped total": dropped,
            "aux": ep.aux_loss.item(), "z": ep.z_loss.item(), "aux ref": aux.item(), "z ref": z.item(),
-           "bytes": sent, "kept": kept}
+           "bytes": tap.total("nbytes"), "off rank": tap.total("off_rank"),
+           "count bytes": tap.total("nbytes", floating=False), "calls": len(tap.calls), "kept": kept}
     with torch.no_grad():
         ep.wrong_combine_order = True
         out["wrong order output"] = (ep(x) - y_ref[mine]).abs().max().item()
     return out
+
+
+LAYER_CONTROLS = ("none", "wrong_combine_order", "send_dropped")
+TRAIN_CONTROLS = ("none", "shared_not_reduced", "experts_undivided")
 
 
 def _script_checks(epr: int, steps: int) -> dict:
@@ -123,9 +136,10 @@ def _script_checks(epr: int, steps: int) -> dict:
     Info.rank, Info.world_size = rank, world
     cfg = train.Config(steps=steps, experts_per_rank=epr, n_layers=1, seq_len=16, micro_batch_size=2)
     out = {}
-    for name, fn in (("layer", lambda rec, broken: train.layer_check(rec, cfg, Info, 2, wrong_combine_order=broken)),
-                     ("train", lambda rec, broken: train.training_check(rec, cfg, Info, sync_shared=not broken))):
-        for broken in (False, True):
+    for name, fn, controls in (
+            ("layer", lambda rec, broken: train.layer_check(rec, cfg, Info, 2, broken=broken), LAYER_CONTROLS),
+            ("train", lambda rec, broken: train.training_check(rec, cfg, Info, broken=broken), TRAIN_CONTROLS)):
+        for broken in controls:
             rec = Verdicts()
             fn(rec, broken)
             out[(name, broken)] = {"failed": rec.failed(), "measured": rec.measured}
@@ -133,39 +147,65 @@ def _script_checks(epr: int, steps: int) -> dict:
 
 
 def _ranks(epr: int, steps: int) -> dict:
-    return {"top-1": _layer(1, epr), "top-2": _layer(2, epr), "script": _script_checks(epr, steps)}
+    """One start of the ranks: both routings, the skewed one, and (steps > 0) the script's checks."""
+    out = {"top-1": _layer(1, epr), "top-2": _layer(2, epr), "skewed": _layer(min(2, epr), epr, skew=True)}
+    if steps:
+        out["script"] = _script_checks(epr, steps)
+    return out
+
+
+def _assert_layer(results: list[dict], case: str, k: int, epr: int) -> None:
+    world = len(results)
+    for rank, res in enumerate(results):
+        r = res[case]
+        for what in ("output", "input grad", "router grad", "expert grads"):
+            assert r[what] < TOL, (case, rank, what, r[what])
+        assert r["received"] == r["expected received"], (case, rank)
+        assert sum(x[case]["dropped"] for x in results) == r["expected dropped total"]
+        # at the all_to_all_single call: kept rows out and back, forward and backward, d float64s
+        # each (K rows this rank keeps, R rows its experts receive), and the part to other ranks
+        K = sum(r["kept"][rank])
+        R = sum(r["kept"][s][e] for s in range(world) for e in range(rank * epr, (rank + 1) * epr))
+        mine = sum(r["kept"][rank][e] for e in range(rank * epr, (rank + 1) * epr))
+        assert r["bytes"] == 2 * (K + R) * D * 8, (case, rank)
+        assert r["off rank"] == 2 * (K + R - 2 * mine) * D * 8, (case, rank)
+        assert r["count bytes"] == epr * world * 8 and r["calls"] == 5, (case, rank)
+        assert r["wrong order output"] > 1e-3 or (case == "skewed" and k == 1)  # the control bites
+    r0 = results[0][case]
+    assert abs(sum(r[case]["aux"] for r in results) / world - r0["aux ref"]) < TOL
+    assert abs(sum(r[case]["z"] for r in results) / world - r0["z ref"]) < TOL
+    assert r0["expected dropped total"] > 0  # the capacity rule dropped choices: counts are tested
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world,epr", [(2, 2), (4, 1), (3, 2)], ids=["2 ranks", "4 ranks", "3 ranks 6 experts"])
-def test_expert_parallel_equals_one_process(world, epr):
-    results = run_on_ranks(_ranks, world, epr, 3, timeout=110)
-    for rank, res in enumerate(results):
-        for k in (1, 2):
-            r = res[f"top-{k}"]
-            for what in ("output", "input grad", "router grad", "expert grads"):
-                assert r[what] < TOL, (rank, k, what, r[what])
-            assert r["received"] == r["expected received"]
-            assert sum(x[f"top-{k}"]["dropped"] for x in results) == r["expected dropped total"]
-            # bytes handed to all_to_all: kept rows out and back, forward and backward, d float64s each
-            K = sum(r["kept"][rank])
-            R = sum(r["kept"][s][e] for s in range(world) for e in range(rank * epr, (rank + 1) * epr))
-            assert r["bytes"]["forward"] == r["bytes"]["backward"] == (K + R) * D * 8
-            assert r["bytes"]["counts"] == epr * world * 8
-            assert r["wrong order output"] > 1e-3  # the negative control is rejected
+@pytest.mark.parametrize("world,epr,steps", [(2, 2, 3), (3, 2, 3), (4, 2, 3), (8, 1, 0)],
+                         ids=["2 ranks", "3 ranks 6 experts", "4 ranks", "8 ranks 1 expert each"])
+def test_expert_parallel_equals_one_process(world, epr, steps):
+    results = run_on_ranks(_ranks, world, epr, steps, timeout=110)
+    for k in (1, 2):
+        _assert_layer(results, f"top-{k}", k, epr)
+    # every token to rank 0's experts: the other ranks receive nothing and send nothing back, and
+    # still take part in every all-to-all, forward and backward (a skipped one hangs the rest)
+    _assert_layer(results, "skewed", min(2, epr), epr)
+    assert all(r["skewed"]["received"] == [0] * epr for r in results[1:])
+    if not steps:
+        return
     script = results[0]["script"]  # verdicts are agreed over the ranks (reduce_number)
-    assert script[("layer", False)]["failed"] == [] and script[("train", False)]["failed"] == []
+    assert script[("layer", "none")]["failed"] == [] and script[("train", "none")]["failed"] == []
     # negative controls: the same checks reject them, and only the checks they should fail
-    assert script[("layer", True)]["failed"] == [f"top-2 layer: EP {w} == one process" for w in
-                                                 ("expert gradients", "input gradient", "output", "router gradient")]
-    bad = script[("train", True)]
-    assert bad["failed"] == ["MoE TinyGPT: EP losses == one process", "MoE TinyGPT: EP trained parameters == one process"]
-    assert bad["measured"]["MoE TinyGPT: EP trained parameters == one process"] > 1e3 * TOL
-    for k in (1, 2):  # each rank's balancing and z losses: their mean is the reference's
-        r0 = results[0][f"top-{k}"]
-        assert abs(sum(r[f"top-{k}"]["aux"] for r in results) / world - r0["aux ref"]) < TOL
-        assert abs(sum(r[f"top-{k}"]["z"] for r in results) / world - r0["z ref"]) < TOL
-        assert r0["expected dropped total"] > 0  # the capacity rule dropped choices: counts are tested
+    assert script[("layer", "wrong_combine_order")]["failed"] == [
+        f"top-2 layer: EP {w} == one process" for w in ("expert gradients", "input gradient", "output", "router gradient")]
+    # dropped choices sent anyway, their outputs thrown away: the numbers are right, the traffic
+    # and the experts' work are not what capacity allows
+    assert script[("layer", "send_dropped")]["failed"] == [
+        "top-2 layer: bytes handed to all_to_all, fwd+bwd = 2(K_r + R_r)·d·b",
+        "top-2 layer: bytes leaving this rank, fwd+bwd = 2(rows to and from other ranks)·d·b",
+        "top-2 layer: tokens each local expert processed = Σ_g min(routed, C)"]
+    for broken in ("shared_not_reduced", "experts_undivided"):
+        bad = script[("train", broken)]
+        assert bad["failed"] == ["MoE TinyGPT: EP losses == one process",
+                                 "MoE TinyGPT: EP trained parameters == one process"], broken
+        assert bad["measured"]["MoE TinyGPT: EP trained parameters == one process"] > 1e3 * TOL, broken
 
 
 def test_balancing_loss_and_z_loss_formulas():
@@ -195,9 +235,11 @@ def test_two_ranks_under_torchrun(tmp_path, quiet_console):
     assert res.summary["world_size"] == 2
     cfg = train.Config()  # what the defaults imply, computed here: 2 experts per rank of 2 linears
     per_expert = 2 * cfg.d_model * cfg.d_ff + cfg.d_ff + cfg.d_model
-    assert res.check("expert parameters held per rank = all experts' / world")["measured"] == \
+    figures = res.summary["figures"]
+    assert figures["expert parameters held per rank (all experts' / world, by construction)"]["measured"] == \
         cfg.n_layers * cfg.experts_per_rank * per_expert
-    assert res.check("top-2 layer: bytes of the counts exchange = E·8")["measured"] == 2 * cfg.experts_per_rank * 8
+    assert figures["top-2 layer: bytes of the counts exchange (E int64s, fixed by the code)"]["measured"] == \
+        2 * cfg.experts_per_rank * 8
     calls = res.check("MoE TinyGPT: all_to_all calls = steps x layers x (1 counts + 2 fwd + 2 bwd)")
     assert calls["measured"] == cfg.steps * cfg.n_layers * 5
 

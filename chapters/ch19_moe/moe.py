@@ -7,6 +7,8 @@
 - `ExpertParallelMoE`: this rank holds `n_experts / world` experts; kept tokens travel to the rank
   of their expert and back with `all_to_all_single` of uneven splits, the counts exchanged first.
   Its router is replicated (data-parallel); its experts are not.
+- `AllToAllTap`: what torch's `all_to_all_single` was handed (bytes, bytes leaving the rank),
+  recorded at the call, for the byte checks.
 """
 
 from __future__ import annotations
@@ -102,10 +104,9 @@ class MoELayer(nn.Module):
         for g in xt.chunk(self.groups):
             r = route(self.router(g), self.k, self.capacity_factor)
             slot_out = g.new_zeros(g.shape[0], self.k, g.shape[1])
-            for e, expert in enumerate(self.experts):
+            for e, expert in enumerate(self.experts):  # on zero rows too, as ExpertParallelMoE must
                 tok, choice = torch.nonzero((r.experts == e) & r.keep, as_tuple=True)
-                if len(tok):
-                    slot_out = slot_out.index_put((tok, choice), expert(g[tok]))
+                slot_out = slot_out.index_put((tok, choice), expert(g[tok]))
             outs.append(combine(r.gates, slot_out))
             self.stats.routings.append(r)
         self.aux_loss = torch.stack([r.aux_loss for r in self.stats.routings]).mean()
@@ -113,34 +114,62 @@ class MoELayer(nn.Module):
         return torch.cat(outs).view(shape)
 
 
-class CommCounter:
-    """Every all_to_all_single this chapter makes: calls and bytes handed in, by phase; bytes that
-    leave the rank (the splits not addressed to itself)."""
+@dataclass(frozen=True)
+class Handed:
+    """One all_to_all_single call as torch received it: the bytes of its input, the part of them
+    addressed to other ranks (by its input_split_sizes), the bytes of its output, the dtype."""
+
+    dtype: torch.dtype
+    nbytes: int
+    off_rank: int
+    received: int
+
+
+class AllToAllTap:
+    """Every `torch.distributed.all_to_all_single` call made while the block runs, whoever makes
+    it, recorded where torch receives it (chapter 09's `WireTap` does the same for every
+    collective; this one also reads the splits, to count what leaves the rank). A counter kept by
+    the layer itself would count what the layer meant to send, and would still pass if the
+    layer sent something else."""
 
     def __init__(self):
-        self.reset()
+        self.calls: list[Handed] = []
 
-    def reset(self) -> None:
-        self.calls = {"counts": 0, "forward": 0, "backward": 0}
-        self.bytes = {"counts": 0, "forward": 0, "backward": 0}
-        self.bytes_off_rank = 0
+    def __enter__(self) -> AllToAllTap:
+        import torch.distributed.distributed_c10d as c10d
 
-    def add(self, phase: str, x: torch.Tensor, send_splits: list[int], rank: int) -> None:
-        row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
-        self.calls[phase] += 1
-        self.bytes[phase] += x.numel() * x.element_size()
-        self.bytes_off_rank += row * (sum(send_splits) - send_splits[rank]) if phase != "counts" else 0
+        self._original = original = dist.all_to_all_single
+
+        def tapped(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                   async_op=False):
+            world, rank = dist.get_world_size(group), dist.get_rank(group)
+            splits = input_split_sizes or [input.shape[0] // world] * world
+            row = input.shape[1:].numel() * input.element_size()  # 0 rows is legal: no input[0]
+            self.calls.append(Handed(input.dtype, input.numel() * input.element_size(),
+                                     row * (sum(splits) - splits[rank]),
+                                     output.numel() * output.element_size()))
+            return original(output, input, output_split_sizes, input_split_sizes, group, async_op)
+
+        self._modules = [m for m in (dist, c10d) if m.all_to_all_single is original]
+        for m in self._modules:
+            m.all_to_all_single = tapped
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m in self._modules:
+            m.all_to_all_single = self._original
+
+    def total(self, field: str, floating: bool = True) -> int:
+        """Sum of one field over the calls that carried rows (floating) or counts (integers)."""
+        return sum(getattr(c, field) for c in self.calls if c.dtype.is_floating_point == floating)
 
 
-COMM = CommCounter()
-
-
-def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], phase: str,
+def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int],
                group=None) -> torch.Tensor:
     """Rows [offset_q, offset_q + send_splits[q]) of x go to rank q; rank s's rows arrive in
-    block s of the output (recv_splits[s] rows). Uneven splits, counted in COMM."""
+    block s of the output (recv_splits[s] rows). Uneven splits; a split may be 0, and so may
+    every split of a rank that has nothing to send: it still takes part in the call."""
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-    COMM.add(phase, x, send_splits, dist.get_rank(group))
     dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_splits,
                            input_split_sizes=send_splits, group=group)
     return out
@@ -153,12 +182,12 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send_splits, recv_splits, group):
         ctx.splits, ctx.group = (send_splits, recv_splits), group
-        return all_to_all(x, send_splits, recv_splits, "forward", group)
+        return all_to_all(x, send_splits, recv_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
-        return all_to_all(grad, recv_splits, send_splits, "backward", ctx.group), None, None, None
+        return all_to_all(grad, recv_splits, send_splits, ctx.group), None, None, None
 
 
 def exchange_counts(per_expert: torch.Tensor, world: int, group=None) -> torch.Tensor:
@@ -166,7 +195,7 @@ def exchange_counts(per_expert: torch.Tensor, world: int, group=None) -> torch.T
     rank q the counts for q's experts; returns (world, experts per rank): row s = from rank s."""
     mine = per_expert.view(world, -1)
     return all_to_all(mine.flatten(), [mine.shape[1]] * world, [mine.shape[1]] * world,
-                      "counts", group).view(world, -1)
+                      group).view(world, -1)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -181,19 +210,22 @@ class ExpertParallelMoE(nn.Module):
         self.n_experts, self.per_rank = n_experts, n_experts // world
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(d_model, d_ff) for _ in range(self.per_rank))
-        self.wrong_combine_order = False  # a negative control: see `forward`
+        self.wrong_combine_order = False  # negative controls: see `forward`
+        self.send_dropped = False
         self.stats = LayerStats()
         self.received = torch.zeros(self.per_rank, dtype=torch.long)
 
     def run_local_experts(self, rows: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
-        """Rows arrive by source rank, then by expert; apply each local expert to its rows."""
+        """Rows arrive by source rank, then by expert; apply each local expert to its rows.
+        Every expert runs, on zero rows if none arrived: skipping it would leave the output
+        without a gradient path to `rows` on a rank that received nothing, autograd would then
+        skip this rank's backward all-to-alls, and the other ranks' would wait for it forever."""
         expert_of_row = torch.arange(self.per_rank, device=rows.device).repeat(self.world)
         expert_of_row = expert_of_row.repeat_interleave(recv.flatten())
         out = torch.zeros_like(rows)
         for j, expert in enumerate(self.experts):
             idx = torch.nonzero(expert_of_row == j, as_tuple=True)[0]
-            if len(idx):
-                out = out.index_put((idx,), expert(rows[idx]))
+            out = out.index_put((idx,), expert(rows[idx]))
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,7 +233,8 @@ class ExpertParallelMoE(nn.Module):
         n = xt.shape[0]
         r = route(self.router(xt), self.k, self.capacity_factor)
         # 1. this rank's kept choices, sorted by destination expert (stable: slot order inside)
-        tok, choice = torch.nonzero(r.keep, as_tuple=True)
+        sent = torch.ones_like(r.keep) if self.send_dropped else r.keep  # control: every choice
+        tok, choice = torch.nonzero(sent, as_tuple=True)
         dest = r.experts[tok, choice]
         order = torch.argsort(dest * (self.k * n) + choice * n + tok)
         tok, choice, dest = tok[order], choice[order], dest[order]
@@ -218,6 +251,8 @@ class ExpertParallelMoE(nn.Module):
         if self.wrong_combine_order:  # each row returned to a slot in token order, not send order
             tok, choice = torch.nonzero(r.keep, as_tuple=True)
         slot_out = xt.new_zeros(n, self.k, xt.shape[1]).index_put((tok, choice), back)
+        if self.send_dropped:  # ... and the dropped ones' outputs thrown away: same numbers, more rows
+            slot_out = slot_out * r.keep.unsqueeze(-1)
         self.stats = LayerStats([r])
         self.aux_loss, self.z_loss = r.aux_loss, r.z_loss
         return combine(r.gates, slot_out).view(shape)

@@ -28,7 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-from chapters.ch19_moe.moe import COMM, ExpertParallelMoE, MoELayer, capacity, shard_moe_state
+from chapters.ch19_moe.moe import (
+    AllToAllTap,
+    ExpertParallelMoE,
+    MoELayer,
+    capacity,
+    shard_moe_state,
+)
 from chapters.ch19_moe.moe_gpt import MoEGPT, is_expert_param
 from common.config import RunConfig, parse_config, require_at_least_one
 from common.data import CharTokenizer, text_corpus, token_windows
@@ -134,38 +140,47 @@ def kept_per_group(experts: torch.Tensor, n_experts: int, cap: int) -> torch.Ten
     return torch.tensor([min(t, cap) for t in taken])
 
 
-def ep_grad_sync(model: torch.nn.Module, world: int, sync_shared: bool = True) -> None:
+BROKEN_SYNC = ("none", "shared_not_reduced", "experts_undivided")
+
+
+def ep_grad_sync(model: torch.nn.Module, world: int, broken: str = "none") -> None:
     """Replicated parameters: all-reduce, then average. Expert parameters: no all-reduce (each
     lives on one rank), but their gradients already hold every rank's loss (the all-to-all
-    brought them), so they are divided by the world too. `sync_shared=False` is a broken control."""
+    brought them), so they are divided by the world too. `broken` names a negative control:
+    "shared_not_reduced" (replicated gradients left local), "experts_undivided" (no 1/N on the
+    expert gradients: experts learn N times faster than the rest)."""
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        if not is_expert_param(name) and sync_shared:
+        expert = is_expert_param(name)
+        if not expert and broken != "shared_not_reduced":
             torch.distributed.all_reduce(p.grad)
-        p.grad /= world
+        if not (expert and broken == "experts_undivided"):
+            p.grad /= world
 
 
-def layer_check(rec: RunRecorder, cfg: Config, info, k: int, wrong_combine_order: bool = False) -> None:
+def layer_check(rec: RunRecorder, cfg: Config, info, k: int, broken: str = "none") -> None:
     """The expert-parallel layer against the one-process layer (every expert, one routing group
-    per rank) on the same tokens: outputs, gradients, counts, drops, losses and bytes.
-    `wrong_combine_order` is a broken variant (the tests check that these checks reject it)."""
+    per rank) on the same tokens: outputs, gradients, counts, drops, losses and bytes (read where
+    torch's all_to_all_single receives them). `broken` names a negative control (the tests check
+    that these checks reject it): "wrong_combine_order" (rows returned to the wrong slots),
+    "send_dropped" (dropped choices dispatched too, their outputs thrown away: same numbers)."""
     rank, world, dev, dtype = info.rank, info.world_size, info.device, DTYPES[cfg.dtype]
     E, n, tol, cf = cfg.experts_per_rank * world, cfg.layer_tokens, TOLERANCE[cfg.dtype], cfg.layer_capacity_factor
     torch.manual_seed(cfg.seed + k)
     ref = MoELayer(cfg.d_model, cfg.d_ff, E, k, cf, groups=world).to(dev, dtype)
     ep = ExpertParallelMoE(cfg.d_model, cfg.d_ff, E, k, cf, rank, world).to(dev, dtype)
     ep.load_state_dict(shard_moe_state(ref.state_dict(), rank, world, E))
-    ep.wrong_combine_order = wrong_combine_order
+    ep.wrong_combine_order, ep.send_dropped = broken == "wrong_combine_order", broken == "send_dropped"
     g = torch.Generator().manual_seed(cfg.seed + 10 + k)
     X = torch.randn(world * n, cfg.d_model, generator=g, dtype=torch.float64).to(dev, dtype)
     G = torch.randn(world * n, cfg.d_model, generator=g, dtype=torch.float64).to(dev, dtype)
     X_ref, x = X.clone().requires_grad_(), X[rank * n:(rank + 1) * n].clone().requires_grad_()
     y_ref = ref(X_ref)
     (y_ref * G).sum().add(world * (cfg.aux_weight * ref.aux_loss + cfg.z_weight * ref.z_loss)).backward()
-    COMM.reset()
-    y = ep(x)
-    (y * G[rank * n:(rank + 1) * n]).sum().add(cfg.aux_weight * ep.aux_loss + cfg.z_weight * ep.z_loss).backward()
+    with AllToAllTap() as tap:
+        y = ep(x)
+        (y * G[rank * n:(rank + 1) * n]).sum().add(cfg.aux_weight * ep.aux_loss + cfg.z_weight * ep.z_loss).backward()
     torch.distributed.all_reduce(ep.router.weight.grad)  # the router is replicated
     experts = [p.grad for name, p in ref.named_parameters() if name.startswith("experts.")]
     per = len(experts) // E
@@ -193,11 +208,12 @@ def layer_check(rec: RunRecorder, cfg: Config, info, k: int, wrong_combine_order
     b, d = x.element_size(), cfg.d_model
     K_r, R_r = int(kept[rank].sum()), int(kept[:, local].sum())
     rec.check(f"{tag}: bytes handed to all_to_all, fwd+bwd = 2(K_r + R_r)·d·b", "formula",
-              COMM.bytes["forward"] + COMM.bytes["backward"], 2 * (K_r + R_r) * d * b)
+              tap.total("nbytes"), 2 * (K_r + R_r) * d * b)
     off = int(kept[rank].sum() - kept[rank, local].sum()) + int(kept[:, local].sum() - kept[rank, local].sum())
     rec.check(f"{tag}: bytes leaving this rank, fwd+bwd = 2(rows to and from other ranks)·d·b",
-              "formula", COMM.bytes_off_rank, 2 * off * d * b)
-    rec.check(f"{tag}: bytes of the counts exchange = E·8", "formula", COMM.bytes["counts"], E * 8)
+              "formula", tap.total("off_rank"), 2 * off * d * b)
+    rec.figure(f"{tag}: bytes of the counts exchange (E int64s, fixed by the code)",
+               tap.total("nbytes", floating=False), unit="B")
     rec.figure(f"{tag}: capacity C per expert per rank", cap, expected=None, unit="tokens")
     rec.figure(f"{tag}: dropped fraction (all ranks)", round(dropped / (world * n * k), 4))
 
@@ -211,13 +227,13 @@ def layer_counts(model) -> torch.Tensor:
                         for layer in model.moe_layers()], dim=1)
 
 
-def train(model, batches, cfg: Config, info, expert_parallel: bool, sync_shared: bool = True) -> dict:
+def train(model, batches, cfg: Config, info, expert_parallel: bool, broken: str = "none") -> dict:
     """SGD on CE + α·aux + β·z. Expert-parallel: this rank's micro-batch, then `ep_grad_sync`;
     one process: the whole global batch, routed in one group per rank."""
     X, Y, _ = batches
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     rank, world, m = info.rank, info.world_size, cfg.micro_batch_size
-    out = {"loss": [], "ce": [], "imbalance": [], "dropped": [], "ms": []}
+    out = {"loss": [], "ce": [], "imbalance": [], "dropped": [], "ms": [], "idle": 0}
     for step in progress(range(cfg.steps), total=cfg.steps, desc="steps", enabled=info.is_main and expert_parallel):
         x, y = X[step].to(info.device), Y[step].to(info.device)
         if expert_parallel:
@@ -226,7 +242,7 @@ def train(model, batches, cfg: Config, info, expert_parallel: bool, sync_shared:
             loss, ce = model(x, y, cfg.aux_weight, cfg.z_weight)
             loss.backward()
             if expert_parallel:
-                ep_grad_sync(model, world, sync_shared)
+                ep_grad_sync(model, world, broken)
             opt.step()
             opt.zero_grad()
         out["ms"].append(timer.elapsed * 1e3)
@@ -234,6 +250,7 @@ def train(model, batches, cfg: Config, info, expert_parallel: bool, sync_shared:
         if expert_parallel:  # the global view: every rank's routing, summed (one all-reduce)
             loss, ce = reduce_number(loss.detach()) / world, reduce_number(ce.detach()) / world
             torch.distributed.all_reduce(counts)
+            out["idle"] += reduce_number(sum(int(layer.received.sum() == 0) for layer in model.moe_layers()))
         else:
             loss, ce = loss.item(), ce.item()
         routed, kept = counts.double()
@@ -251,9 +268,10 @@ def compare_params(ep_model, ref_model, rank: int, world: int, n_experts: int) -
     return max((mine[k] - ref[k]).abs().max().item() for k in mine)
 
 
-def training_check(rec: RunRecorder, cfg: Config, info, sync_shared: bool = True):
+def training_check(rec: RunRecorder, cfg: Config, info, broken: str = "none"):
     """The MoE TinyGPT trained expert-parallel and on one process from the same weights; checks
-    losses, trained parameters and all-to-all calls. `sync_shared=False` is a broken variant."""
+    losses, trained parameters and all-to-all calls. `broken` is one of `ep_grad_sync`'s negative
+    controls."""
     world, dtype, E = info.world_size, DTYPES[cfg.dtype], cfg.experts_per_rank * info.world_size
     batches = make_batches(cfg, world)
     seed_everything(cfg.seed)
@@ -263,15 +281,15 @@ def training_check(rec: RunRecorder, cfg: Config, info, sync_shared: bool = True
                 world=world).to(info.device, dtype)
     ep.load_state_dict(shard_moe_state(ref.state_dict(), info.rank, world, E))
     ref_run = train(ref, batches, cfg, info, expert_parallel=False)
-    COMM.reset()
-    ep_run = train(ep, batches, cfg, info, expert_parallel=True, sync_shared=sync_shared)
+    with AllToAllTap() as tap:
+        ep_run = train(ep, batches, cfg, info, expert_parallel=True, broken=broken)
     tol = TOLERANCE[cfg.dtype]
     rec.check("MoE TinyGPT: EP losses == one process", "parity",
               max(abs(a - b) for a, b in zip(ep_run["loss"], ref_run["loss"])), 0.0, tolerance=tol)
     rec.check("MoE TinyGPT: EP trained parameters == one process", "parity",
               reduce_number(compare_params(ep, ref, info.rank, world, E), "max"), 0.0, tolerance=tol)
     rec.check("MoE TinyGPT: all_to_all calls = steps x layers x (1 counts + 2 fwd + 2 bwd)", "count",
-              sum(COMM.calls.values()), cfg.steps * cfg.n_layers * 5)
+              len(tap.calls), cfg.steps * cfg.n_layers * 5)
     return ep_run, ep, ref
 
 
@@ -295,7 +313,10 @@ def main(cfg: Config) -> int:
                      ep_run["loss"][step], ep_run["ce"][step], ep_run["imbalance"][step], ep_run["dropped"][step])
         n_expert = sum(p.numel() for name, p in ref.named_parameters() if is_expert_param(name))
         held = sum(p.numel() for name, p in ep.named_parameters() if is_expert_param(name))
-        rec.check("expert parameters held per rank = all experts' / world", "formula", held, n_expert // world)
+        rec.figure("expert parameters held per rank (all experts' / world, by construction)", held,
+                   n_expert // world)
+        rec.figure("layer passes in which a rank's experts received no rows (all ranks, steps)",
+                   int(ep_run["idle"]))
         rec.figure("final cross-entropy", round(ep_run["ce"][-1], 5), unit="nats")
         rec.figure("max/mean choices per expert (mean over layers), first and last step",
                    [round(ep_run["imbalance"][0], 3), round(ep_run["imbalance"][-1], 3)])
