@@ -62,8 +62,10 @@ INSTANCES = [
              "nextplatform.com (2023-07-27); $55.04 in a price list read 2026-11-09; 3200 Gbit/s EFA; "
              "spot = on-demand × (1 − SPOT_DISCOUNT), assumed"),
     Instance("aws-p5-capacity-block", "H100", 8, 450, 3200 / 8 / 8, 39.33, None,
-             "EC2 Capacity Blocks pricing page, us-east-1, rates valid until 2025-01-01 "
-             "(reserved ahead, not preemptible)"),
+             "EC2 Capacity Blocks pricing page, US East (N. Virginia): effective instance hourly "
+             "rate $39.33 ($4.916 per accelerator-hour), a reservation fee paid up front, the OS "
+             "billed on top; prices announced to be updated on 2025-01-01 (reserved ahead, not "
+             "preemptible; equal to the assumed spot price 0.4 x $98.32 only by coincidence)"),
     Instance("aws-p4d.24xlarge", "A100", 8, 300, 400 / 8 / 8, 32.77, 32.77 * (1 - SPOT_DISCOUNT),
              "on-demand us-east-1 before AWS's June 2025 cut, as listed 2023-2024 (not re-read; "
              "$21.96 = 0.67 × $32.77 in a price list read 2026-11-09); 400 Gbit/s EFA; spot assumed "
@@ -286,6 +288,48 @@ def simulate_waste(work_s: float, tau: float, save_s: float, restart_s: float, m
         waste = simulate_run(work_s, tau, save_s, restart_s, mtbf_s, seed) - work_s
         s, s2, n = s + waste, s2 + waste * waste, n + 1
     return s, s2, n
+
+
+def interval_grid(save_s: float, mtbf_s: float, per_doubling: int = 2) -> list[float]:
+    """Checkpoint intervals from δ to M, log-spaced (`per_doubling` per factor 2): where the
+    best interval lies whenever δ is well below M, chosen without any formula for it."""
+    n = int(math.floor(per_doubling * math.log2(mtbf_s / save_s) + 1e-9))
+    return [save_s * 2 ** (k / per_doubling) for k in range(n + 1)]
+
+
+def simulate_rate(tau: float, save_s: float, restart_s: float, mtbf_s: float,
+                  segments_per_run: int, seeds) -> tuple[float, float, int]:
+    """Σ, Σ² and count of the waste per useful second of runs of `segments_per_run` whole
+    intervals of τ (no short last segment: the long-run rate, which Young and Daly minimise),
+    simulated event by event (`simulate_run`)."""
+    work = segments_per_run * tau
+    s = s2 = 0.0
+    n = 0
+    for seed in seeds:
+        rate = (simulate_run(work, tau, save_s, restart_s, mtbf_s, seed) - work) / work
+        s, s2, n = s + rate, s2 + rate * rate, n + 1
+    return s, s2, n
+
+
+def fit_optimum(taus: list[float], means: list[float], ses: list[float],
+                half_width: int = 2) -> tuple[float, float]:
+    """The measured optimum: around the smallest simulated mean (`half_width` grid points each
+    side), the weighted least-squares curve a/τ + b·τ + c (saving costs a/τ, failures b·τ: the
+    shape of any first-order model, with no δ, M or factor 2 in it) and its minimum sqrt(a/b),
+    with a standard error from the fit's covariance (delta method). (nan, nan) if the fitted
+    curve has no minimum."""
+    i = min(range(len(means)), key=means.__getitem__)
+    lo, hi = max(0, i - half_width), min(len(means), i + half_width + 1)
+    t = torch.tensor(taus[lo:hi], dtype=torch.float64)
+    X = torch.stack([1 / t, t, torch.ones_like(t)], dim=1)
+    w = 1 / torch.tensor(ses[lo:hi], dtype=torch.float64) ** 2
+    cov = torch.linalg.inv(X.T @ (w[:, None] * X))
+    a, b, _ = (cov @ (X.T @ (w * torch.tensor(means[lo:hi], dtype=torch.float64)))).tolist()
+    if a <= 0 or b <= 0:
+        return math.nan, math.nan
+    opt = math.sqrt(a / b)
+    grad = torch.tensor([opt / (2 * a), -opt / (2 * b), 0.0], dtype=torch.float64)
+    return opt, math.sqrt(float(grad @ cov @ grad))
 
 
 def mean_and_se(s: float, s2: float, n: int) -> tuple[float, float]:
