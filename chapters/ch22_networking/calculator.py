@@ -38,6 +38,20 @@ FABRICS = {
                           "(NCCL's socket transport, gloo)"),
     "eth_25_tcp": Fabric("Ethernet 25 GbE, TCP sockets", 3.125e9, 30e-6,
                          "IEEE 802.3by 25 GbE line rate; α assumed as for 100 GbE"),
+    # Cloud GPU fabrics, per GPU (the node's GPU NICs' total / 8 GPUs); NCCL reaches them through
+    # a network plugin, not its own IB transport.
+    "efa_p5": Fabric("AWS EFA, p5.48xlarge", 50e9, 10e-6,
+                     "AWS EC2 accelerated computing instances: p5.48xlarge, 3,200 Gb/s EFA per "
+                     "instance = 400 Gb/s per GPU; NCCL through the aws-ofi-nccl plugin (libfabric); "
+                     "α assumed"),
+    "tcpxo_a3mega": Fabric("Google Cloud A3 Mega, GPUDirect-TCPXO", 25e9, 20e-6,
+                           "Google Cloud 'Networking and GPU machines': a3-megagpu-8g, 8 GPU NICs "
+                           "of 200 Gb/s (1,600 Gb/s; up to 1,800 with the host NIC); NCCL through "
+                           "Google's TCPXO plugin and receive daemon; α assumed"),
+    "tcpx_a3high": Fabric("Google Cloud A3 High, GPUDirect-TCPX", 12.5e9, 30e-6,
+                          "Google Cloud 'Networking and GPU machines': a3-highgpu-8g, 4 GPU NICs of "
+                          "200 Gb/s shared by 8 GPUs (800 Gb/s; up to 1,000 with the host NIC); NCCL "
+                          "through Google's TCPX plugin and receive daemon; α assumed"),
 }
 
 
@@ -52,11 +66,45 @@ def flat_time(algorithm: str, size: float, n: int, fabric: Fabric) -> float:
     return predicted_time(algorithm, size, n, fabric.alpha, beta(fabric))
 
 
-def rail_time(size: float, g: int, m: int, intra: Fabric, inter: Fabric) -> float:
+def rail_time(size: float, g: int, m: int, intra: Fabric, inter: Fabric, nics: int | None = None) -> float:
     """Hierarchical all-reduce as NCCL does it on rails (ch07's `hierarchical_time`): ring
     reduce-scatter in the node, ring all-reduce of S/g across m nodes by each of the g local
-    ranks on its own NIC, ring all-gather in the node."""
-    return hierarchical_time(size, g, m, intra.alpha, beta(intra), inter.alpha, beta(inter))
+    ranks on its own NIC, ring all-gather in the node. `nics` < g: only that many NICs carry the
+    g rails (say NCCL_IB_HCA names 2 of 8), each shared by g/nics of them, at inter/(g/nics)."""
+    share = g / min(nics or g, g)
+    return hierarchical_time(size, g, m, intra.alpha, beta(intra), inter.alpha, share * beta(inter))
+
+
+def nccl_ib_hca_selected(value: str | None, devices: list[str]) -> list[str]:
+    """The HCAs (device names, optionally `name:port`) NCCL uses given NCCL_IB_HCA, transcribed from
+    NCCL (src/transport/net_ib/init.cc with matchIfList in src/misc/utils.cc; NCCL docs,
+    Environment Variables, NCCL_IB_HCA): unset, every device; a list of prefixes (`mlx5` takes
+    mlx5_0 … mlx5_11; `mlx5_1` takes mlx5_1, mlx5_10 and mlx5_11); `=` exact names; `^` excludes;
+    `name:port` restricts the port (devices given without a port match any)."""
+    if not value:
+        return list(devices)
+    exclude = value.startswith("^")
+    value = value[1:] if exclude else value
+    exact = value.startswith("=")
+    value = value[1:] if exact else value
+    wanted = [(w.split(":")[0], w.split(":")[1] if ":" in w else None) for w in value.split(",") if w]
+
+    def match(device: str) -> bool:
+        name, _, port = device.partition(":")
+        return any((name == w if exact else name.startswith(w)) and (p is None or not port or port == p)
+                   for w, p in wanted)
+
+    return [d for d in devices if match(d) != exclude]
+
+
+def bus_bandwidth(size: float, seconds: float, n: int, collective: str = "all_reduce") -> float:
+    """nccl-tests' bus bandwidth (NVIDIA/nccl-tests doc/PERFORMANCE.md): algbw = S/t times a
+    factor that makes it comparable with one link's bandwidth whatever n: all_reduce 2(n−1)/n;
+    reduce_scatter, all_gather, all_to_all (n−1)/n; broadcast, reduce 1. A ring all-reduce
+    limited by links of bandwidth B has busbw = B."""
+    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+              "all_gather": (n - 1) / n, "all_to_all": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}
+    return size / seconds * factor[collective]
 
 
 def leader_time(size: float, g: int, m: int, intra: Fabric, inter: Fabric) -> float:
@@ -130,4 +178,10 @@ def worked_examples() -> dict:
         "bisection k=64, 400G, 1:1 (TB/s)": bisection_bandwidth(fat_tree_hosts(64), 50e9) / 1e12,
         "bisection k=64, 400G, 2:1 (TB/s)": bisection_bandwidth(fat_tree_hosts(64), 50e9, 2) / 1e12,
         "16 MiB ring, 2 nodes, 100 Mbit/s (s)": shaped_time(16 * 2**20, 2, 100e6),
+        # NCCL_IB_HCA=mlx5_0,mlx5_1 on a node with one NIC per GPU: 2 NICs carry the 8 rails
+        "rails on 2 of 8 NICs, NVLink+IB (s)": rail_time(size, g, m, nv, ib, nics=2),
+        # the same 16 nodes in the clouds, rails on each machine's GPU NICs
+        "rails, 16 x p5.48xlarge, EFA (s)": rail_time(size, g, m, nv, FABRICS["efa_p5"]),
+        "rails, 16 x a3-megagpu-8g, TCPXO (s)": rail_time(size, g, m, nv, FABRICS["tcpxo_a3mega"]),
+        "rails, 16 x a3-highgpu-8g, TCPX (s)": rail_time(size, g, m, nv, FABRICS["tcpx_a3high"]),
     }

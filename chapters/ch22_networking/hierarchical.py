@@ -28,14 +28,12 @@ class Nodes:
     local: int
     node_group: object
     leader_comm: P2P | None  # the leaders' ring, counting bytes (None on non-leaders)
-    intra_bytes: int = 0  # bytes this rank handed to the intra-node reduce and broadcast
 
     @property
     def leader(self) -> int:
         return self.node * self.g
 
     def reset(self) -> None:
-        self.intra_bytes = 0
         if self.leader_comm:
             self.leader_comm.bytes_sent = self.leader_comm.messages = 0
             self.leader_comm.bytes_to = {}
@@ -62,7 +60,6 @@ def leader_all_reduce(x: torch.Tensor, nodes: Nodes, skip_inter: bool = False) -
     """Sum of x over every rank, in three phases. `skip_inter=True` is the negative control:
     without the leaders' all-reduce every rank ends with its own node's sum only."""
     buf = x.detach().clone()
-    nodes.intra_bytes += 2 * buf.numel() * buf.element_size()  # handed to reduce and broadcast
     dist.reduce(buf, dst=nodes.leader, group=nodes.node_group)  # 1: into the node's leader
     if nodes.leader_comm is not None and not skip_inter:
         buf = ring_all_reduce(buf, nodes.leader_comm)  # 2: across the nodes, leaders only

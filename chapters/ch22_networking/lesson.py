@@ -42,6 +42,19 @@ for f in calculator.FABRICS.values():
     print(f"{f.name:32s} {f.bandwidth / 1e9:7.3g} GB/s  α {f.alpha * 1e6:g} µs  ({f.source})")
 
 # %% [markdown]
+# `NCCL_IB_HCA` is a list of prefixes (NCCL's `matchIfList`), and leaving it unset uses every
+# adapter. What three settings select on a node with twelve adapters, and what 2 of 8 NICs cost
+# the rails of the worked example:
+
+# %%
+devices = [f"mlx5_{i}" for i in range(12)]
+for value in (None, "mlx5_0,mlx5_1", "mlx5_1", "=mlx5_1", "^=mlx5_10,mlx5_11"):
+    print(f"NCCL_IB_HCA={value!s:20} -> {calculator.nccl_ib_hca_selected(value, devices)}")
+nv, ib = calculator.FABRICS["nvlink4"], calculator.FABRICS["ib_ndr"]
+for nics in (8, 2):
+    print(f"rails on {nics} NICs: {calculator.rail_time(14e9, 8, 16, nv, ib, nics=nics):.3f} s")
+
+# %% [markdown]
 # Time against the number of nodes, per scheme: a flat ring and the leader hierarchy push the
 # data through one NIC per node; rails use one NIC per GPU.
 
@@ -74,8 +87,10 @@ live = os.geteuid() == 0 and os.environ.get("COURSE_SYSTEM_TESTS") == "1" and ne
 print("command on node 0:", data["command"])
 if live:
     result = plots.namespace_run(2, 1, 200)
-    runs = [{"nodes": 2, "ranks_per_node": 1, "rate_mbit": 200, "times": {
-        k: v for k, v in result["summary"]["figures"].items() if k.endswith("MiB")}}]
+    figs = result["summary"]["figures"]
+    runs = [{"nodes": 2, "ranks_per_node": 1, "rate_mbit": 200,
+             "times": {k: v for k, v in figs.items() if k.endswith("MiB")},
+             "wire": {k: v for k, v in figs.items() if k.endswith("bytes on the wire")}}]
     print("live run, exit codes", result["codes"])
 else:
     runs = data["runs"]
@@ -86,6 +101,9 @@ for r in runs:
             print(f"{r['nodes']} nodes x {r['ranks_per_node']} @ {r['rate_mbit']:g} Mbit/s  {name:38s} "
                   f"measured {f['measured']:.3f} s, predicted {f['expected']:.3f} s, "
                   f"ratio {f['measured'] / f['expected']:.2f}")
+    for name, f in r.get("wire", {}).items():  # the kernel's tx_bytes of the nodes' interfaces
+        print(f"    {name:44s} {f['measured']:,} bytes, formula {f['expected']:,.0f} "
+              f"({f['measured'] / f['expected']:.3f}x)")
 
 # %% [markdown]
 # The recorded failure of a launch without `GLOO_SOCKET_IFNAME` (each namespace's hostname

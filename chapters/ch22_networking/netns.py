@@ -5,7 +5,8 @@ ports and routing table) but the same processes, files and CPUs as the host. A v
 each namespace to one Linux bridge (the "switch"); the namespace's end gets 10.22.0.(k+1)/24 and
 a `tc tbf` queue that limits what the node sends to --rate-mbit. One torchrun per namespace with
 c10d rendezvous on node 0's address then trains across the nodes exactly as across real
-machines: every byte between nodes crosses a shaped veth link. `tc netem` (added latency, loss)
+machines: every byte between nodes crosses a shaped veth link, and the kernel counts it
+(`/sys/class/net/<veth>/statistics/tx_bytes`, which train.py's --wire-bytes reads). `tc netem` (added latency, loss)
 is not in this machine's kernel: latency comes from the calculator, not from the links.
 
 Needs root and iproute2 (`ip`, `tc`). Everything created is named with this process's id and
@@ -19,7 +20,7 @@ Run (as root):
 What it runs on every node k (here for 2 nodes; node 0 hosts the rendezvous):
     ip netns exec c22PIDn0 env GLOO_SOCKET_IFNAME=c22PIDv0 torchrun --nnodes=2 --nproc_per_node=1 \\
         --local-addr=10.22.0.1 --rdzv-backend=c10d --rdzv-endpoint=10.22.0.1:29500 \\
-        --rdzv-conf=is_host=1 chapters/ch22_networking/train.py --rate-mbit 200
+        --rdzv-conf=is_host=1 chapters/ch22_networking/train.py --rate-mbit 200 --wire-bytes
 (c10d rendezvous numbers the nodes itself: --node-rank is for the static rendezvous only.)
 """
 
@@ -211,7 +212,8 @@ def main(cfg: Config) -> int:
         return 2
     script = REPO_ROOT / "chapters" / "ch22_networking" / "train.py"
     args = ["--steps", cfg.steps, "--seed", cfg.seed, "--timeout", min(cfg.timeout, 60),
-            "--rate-mbit", cfg.rate_mbit, "--device", "cpu"] + (["--out", cfg.out] if cfg.out else [])
+            "--rate-mbit", cfg.rate_mbit, "--device", "cpu", "--wire-bytes"] \
+        + (["--out", cfg.out] if cfg.out else [])
     with namespaces(cfg.nodes, cfg.rate_mbit or None) as topo:
         print(f"{cfg.nodes} nodes on bridge {topo.bridge}: " + ", ".join(
             f"{ns} {a} ({i})" for ns, a, i in zip(topo.netns, topo.addr, topo.ifname)))

@@ -2,8 +2,10 @@
 as root: it brings up network namespaces and runs train.py across them).
 
 `measure()` records, in figures/data.json: all-reduce times across namespace "nodes" with links
-shaped by tc, beside bytes ÷ bandwidth; and the output of a launch whose GLOO_SOCKET_IFNAME is
-missing (the wrong-interface failure the lesson shows). The notebook reads the same file when it
+shaped by tc, beside bytes ÷ bandwidth, and the bytes the nodes' interfaces sent beside the
+formula's; two controls of the timing band (links shaped to twice and to half the rate the
+prediction assumes); and the output of a launch whose GLOO_SOCKET_IFNAME is missing (the
+wrong-interface failure the lesson shows). The notebook reads the same file when it
 cannot run namespaces itself.
 """
 
@@ -20,7 +22,10 @@ from chapters.ch22_networking import calculator, netns
 
 MEASURE_S = 120
 SCRIPT = Path(__file__).with_name("train.py")
-RUNS = [(2, 1, 100), (2, 1, 200), (2, 1, 400), (4, 1, 200), (2, 2, 200)]  # nodes, ranks/node, Mbit/s
+RUNS = [(2, 1, 100), (2, 1, 200), (2, 1, 400), (4, 1, 100), (4, 1, 200), (2, 2, 200)]  # nodes, ranks/node, Mbit/s
+# Controls of train.TIME_BAND: 4 nodes whose links are shaped to `shaped` while train.py predicts
+# for `predicted` (Mbit/s): a prediction 2x off either way must leave the band.
+CONTROLS = [(4, 1, 200, 100), (4, 1, 50, 100)]
 
 
 def namespace_run(nodes: int, nproc: int, rate: float, extra: list[str] = (), set_ifname: bool = True,
@@ -29,7 +34,7 @@ def namespace_run(nodes: int, nproc: int, rate: float, extra: list[str] = (), se
     with tempfile.TemporaryDirectory(prefix="ch22-") as tmp:  # removed afterwards
         out = Path(tmp)
         args = ["--steps", "6", "--rate-mbit", rate, "--timeout", 30, "--device", "cpu", "--out", out,
-                *extra]
+                "--wire-bytes", *extra]
         with netns.namespaces(nodes, rate) as topo:
             cmds = netns.torchrun_commands(topo, SCRIPT, args, nproc, set_ifname=set_ifname)
             t0 = time.monotonic()
@@ -60,16 +65,24 @@ def measure() -> dict:
         runs.append({"nodes": nodes, "ranks_per_node": nproc, "rate_mbit": rate, "codes": r["codes"],
                      "wall_s": round(r["wall_s"], 1),
                      "times": {k: v for k, v in figs.items() if k.endswith("MiB")},
+                     "wire": {k: v for k, v in figs.items() if k.endswith("bytes on the wire")},
                      "checks": [{k: c[k] for k in ("name", "kind", "measured", "expected", "ok")}
                                 for c in r["summary"]["checks"]]})
+    controls = []
+    for nodes, nproc, shaped, predicted in CONTROLS:  # links shaped to `shaped`, told `predicted`
+        r = namespace_run(nodes, nproc, shaped, ["--rate-mbit", predicted])
+        fig = r["summary"]["figures"]["library all_reduce time, 2.00 MiB"]
+        controls.append({"nodes": nodes, "shaped_mbit": shaped, "predicted_mbit": predicted,
+                         "measured": fig["measured"], "expected": fig["expected"],
+                         "ratio": fig["measured"] / fig["expected"]})
     bad = namespace_run(2, 1, 200, ["--timeout", 10], set_ifname=False, timeout=60)
     wrong = {"codes": bad["codes"], "wall_s": round(bad["wall_s"], 1),
              "lines": [key_lines(o) for o in bad["outputs"]]}
-    return {"runs": runs, "wrong_interface": wrong,
+    return {"runs": runs, "band_controls": controls, "wrong_interface": wrong,
             "command": " ".join(map(str, netns.torchrun_commands(
                 netns.Topology("c22PID", 2, 200, netns=["c22PIDn0", "c22PIDn1"],
                                ifname=["c22PIDv0", "c22PIDv1"], addr=["10.22.0.1", "10.22.0.2"]),
-                "chapters/ch22_networking/train.py", ["--rate-mbit", 200])[0]))}
+                "chapters/ch22_networking/train.py", ["--rate-mbit", 200, "--wire-bytes"])[0]))}
 
 
 def make_figures(fig_dir: Path, data: dict) -> list[Path]:

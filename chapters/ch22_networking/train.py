@@ -5,8 +5,11 @@ network namespaces on one machine (netns.py starts one torchrun per namespace), 
 It trains a float64 MLP with data parallelism and checks the result against one process on the
 whole batch; checks the leader hierarchy (intra-node reduce, inter-node all-reduce among the
 leaders, intra-node broadcast) against `all_reduce` and counts the bytes that cross between
-nodes against the formula; and times all-reduces beside the calculator's prediction for links
-shaped to --rate-mbit (0: not shaped, nothing predicted).
+nodes against the formula (counted where the tensors reach torch.distributed, with chapter 09's
+WireTap); times all-reduces beside the calculator's prediction for links shaped to --rate-mbit
+(0: not shaped, nothing predicted) and reports nccl-tests' bus bandwidth; and, with --wire-bytes
+(netns.py sets it), reads the bytes each node's network interface really sent, from the
+kernel's counters, against the formula.
 
 Run:
     python chapters/ch22_networking/train.py                                      # one process
@@ -18,8 +21,10 @@ The default global batch, 48, divides over 1, 2, 3, 4, 8 and 16 ranks.
 """
 
 import copy
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,7 +37,8 @@ from chapters.ch07_communication.collectives import (
     ring_all_reduce,
 )
 from chapters.ch07_communication.train import max_abs_diff, rank_data, sum_tolerance
-from chapters.ch22_networking.calculator import bytes_leaving_node, shaped_time
+from chapters.ch09_compression.wire import WireTap
+from chapters.ch22_networking.calculator import bus_bandwidth, bytes_leaving_node, shaped_time
 from chapters.ch22_networking.hierarchical import inter_node_bytes, leader_all_reduce, make_nodes
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, check_global_batch, parse_config
@@ -56,6 +62,14 @@ from common.timing import benchmark
 # Upper side: CPU time on a loaded 2-core machine (gloo's all_reduce: 1.10–1.49 and 1.10–1.21 in
 # two recordings; the hand rings 1.09–1.34 since chapter 07's P2P posts its receive first).
 TIME_BAND = (0.95, 1.8)
+# Bytes a node's interface sends (its tx_bytes) / payload bytes the formula says leave the node.
+# Lower side 1: TCP delivers every payload byte, once or more. Upper side: per TCP segment of at
+# most 1448 payload bytes (MTU 1500 less IPv4 20, TCP 20 and timestamps 12) the counter adds
+# Ethernet 14 + IPv4 20 + TCP 32 = 66 header bytes (4.6 %), and the node also sends the ACKs of
+# what it receives (in a ring as much as it sends: at most one 66-byte ACK per segment, 4.6 %);
+# WIRE_SLACK bytes per measurement cover the barriers around it and the rendezvous' keep-alives.
+WIRE_OVERHEAD = 2 * 66 / 1448
+WIRE_SLACK = 64 * 1024
 
 
 @dataclass
@@ -74,6 +88,8 @@ class Config(RunConfig):
     """Size of the timed all-reduces, MiB."""
     repeats: int = 3
     """Timed repeats of each all-reduce (after one warm-up); the median is reported."""
+    wire_bytes: bool = False
+    """Read the bytes each node's interface (GLOO_SOCKET_IFNAME) sent during the timed all-reduces from /sys/class/net/IF/statistics/tx_bytes and check them against the formula: only where nothing else uses that interface (netns.py turns it on)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -146,38 +162,60 @@ def check_training(rec: RunRecorder, cfg: Config, info) -> dict:
 
 
 def check_hierarchy(rec: RunRecorder, cfg: Config, info, g: int) -> None:
-    """Leader all-reduce == all_reduce; bytes crossing between nodes, counted, == formula."""
+    """Leader all-reduce == all_reduce; the bytes handed to torch.distributed (WireTap: counted
+    where they reach `dist`, not by the code under test) and those crossing between nodes == formula."""
     n, rank, dev = info.world_size, info.rank, info.device
     nodes = make_nodes(g)
     m, elem = nodes.m, 8
+    size = cfg.hier_numel * elem
     x = rank_data(cfg.hier_numel, torch.float64, rank, cfg.seed, dev)
     lib = x.clone()
     dist.all_reduce(lib)
     tol = sum_tolerance(n, torch.float64, reduce_number(x.abs().max().item(), "max"))
-    hier = leader_all_reduce(x, nodes)
+    with WireTap() as tap:
+        hier = leader_all_reduce(x, nodes)
     rec.check(f"leader all-reduce == all_reduce ({m} nodes x {g})", "parity",
               reduce_number(max_abs_diff(hier, lib), "max"), 0.0, tol)
-    inter = reduce_number(inter_node_bytes(nodes, rank), "sum")
-    want = m * bytes_leaving_node("leader", cfg.hier_numel * elem, g, m)
-    rec.check("inter-node bytes, leaders = 2(m-1)S", "formula", inter, want)
+    # every leader's sends go to another node's leader: the tap's sends are inter-node bytes
+    inter = reduce_number(tap.nbytes("send"), "sum")
+    rec.check("inter-node bytes, leaders = 2(m-1)S", "formula", inter,
+              m * bytes_leaving_node("leader", size, g, m))
     mine = expected_bytes_sent("ring", cfg.hier_numel, m, nodes.node, elem) if nodes.local == 0 else 0
     rec.check("inter-node bytes of this rank = ch07's ring formula", "formula",
               inter_node_bytes(nodes, rank), mine)
-    rec.check("intra-node bytes handed to reduce + broadcast = 2S", "count", nodes.intra_bytes,
-              2 * cfg.hier_numel * elem)
+    # intra-node: every rank hands S to its node's reduce, every leader S to the broadcast
+    intra = reduce_number(tap.nbytes("reduce") + tap.nbytes("broadcast"), "sum")
+    rec.check("bytes to the nodes' reduce + broadcast = (n+m)S", "formula", intra, (n + m) * size)
     flat = P2P()
     ring_all_reduce(x, flat)
     flat_inter = reduce_number(off_node_bytes(flat.bytes_to, rank, g), "sum")
     rec.check("inter-node bytes, flat ring = 2m(n-1)/n S", "formula", flat_inter,
-              m * bytes_leaving_node("flat_ring", cfg.hier_numel * elem, g, m))
+              m * bytes_leaving_node("flat_ring", size, g, m))
     if m > 1:
+        with WireTap() as skipped:
+            broken = leader_all_reduce(x, nodes, skip_inter=True)
         rec.check("control: no inter-node step differs from all_reduce", "parity",
-                  reduce_number(max_abs_diff(leader_all_reduce(x, nodes, skip_inter=True), lib), "max"),
-                  tol, compare=">")
+                  reduce_number(max_abs_diff(broken, lib), "max"), tol, compare=">")
+        rec.check("control: skipped inter-node step sends 0 bytes", "count",
+                  reduce_number(skipped.nbytes("send"), "sum"), 0)
         if g > 1:
             rec.check("leaders send fewer inter-node bytes than a flat ring", "count", inter,
                       flat_inter, compare="<")
     rec.figure("nodes x ranks per node", f"{m} x {g}")
+
+
+def interface_tx_bytes() -> int | None:
+    """Bytes this node's interface has sent, as the kernel counts them (every frame, headers
+    included): /sys/class/net/<GLOO_SOCKET_IFNAME>/statistics/tx_bytes, as seen from this
+    process's network namespace. None when the variable names no interface here."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    path = Path("/sys/class/net") / ifname / "statistics" / "tx_bytes"
+    return int(path.read_text()) if ifname and path.exists() else None
+
+
+def wire_band(payload: float) -> list[float]:
+    """The range measured / payload may take (WIRE_OVERHEAD, WIRE_SLACK above)."""
+    return [1.0, 1.0 + WIRE_OVERHEAD + WIRE_SLACK / payload]
 
 
 def slowest_time(fn, device, repeats: int) -> tuple[float, float, float]:
@@ -189,7 +227,9 @@ def slowest_time(fn, device, repeats: int) -> tuple[float, float, float]:
 
 def time_all_reduces(rec: RunRecorder, cfg: Config, info, g: int) -> None:
     """Library all-reduce (one rank per node only: its traffic pattern is then a ring of nodes),
-    the leader hierarchy and the flat hand ring, each beside bytes ÷ shaped bandwidth."""
+    the leader hierarchy and the flat hand ring, each beside bytes ÷ shaped bandwidth; their bus
+    bandwidth (nccl-tests) beside the shaped rate; with --wire-bytes, the bytes the nodes'
+    interfaces sent during the timed calls beside the formula's."""
     n, dev = info.world_size, info.device
     if n == 1:
         rec.figure("all-reduce time", "n/a: one rank")
@@ -199,19 +239,36 @@ def time_all_reduces(rec: RunRecorder, cfg: Config, info, g: int) -> None:
     x = torch.ones(numel, dtype=torch.float64, device=dev)
     nodes, flat, m = make_nodes(g), P2P(), n // g
     rate = cfg.rate_mbit * 1e6 or float("inf")  # unshaped: nothing predicted
-    runs = {"leader all-reduce": (lambda: leader_all_reduce(x, nodes), shaped_time(size, m, rate)),
-            "hand flat ring": (lambda: ring_all_reduce(x, flat),
+    # name: (the call, the scheme whose bytes leave each node, the calculator's predicted time)
+    runs = {"leader all-reduce": (lambda: leader_all_reduce(x, nodes), "leader", shaped_time(size, m, rate)),
+            "hand flat ring": (lambda: ring_all_reduce(x, flat), "flat_ring",
                                bytes_leaving_node("flat_ring", size, g, m) * 8 / rate)}
     if g == 1:
-        runs["library all_reduce"] = (lambda: dist.all_reduce(x.clone()), shaped_time(size, n, rate))
+        runs["library all_reduce"] = (lambda: dist.all_reduce(x.clone()), "flat_ring", shaped_time(size, n, rate))
     shaped = cfg.rate_mbit > 0 and m > 1
-    for name, (fn, predicted) in runs.items():
+    wire = cfg.wire_bytes and m > 1 and interface_tx_bytes() is not None
+    if cfg.wire_bytes and not wire:
+        rec.figure("bytes on the wire", "n/a: one node, or GLOO_SOCKET_IFNAME names no interface here")
+    for name, (fn, scheme, predicted) in runs.items():
+        leaving = bytes_leaving_node(scheme, size, g, m)  # per node, per call
+        before = interface_tx_bytes() if wire and nodes.local == 0 else 0
         med, lo, hi = slowest_time(fn, dev, cfg.repeats)
         rec.figure(f"{name} time, {size / 2**20:.2f} MiB", med, expected=predicted if shaped else None,
                    unit="s", spread=(lo, hi))
         if shaped:
             rec.check(f"{name}: measured / (bytes / rate)", "timing", med / predicted,
                       list(TIME_BAND), compare="between")
+            # nccl-tests' busbw, over nodes: leaving / t is what one node's link carried
+            rec.figure(f"{name} bus bandwidth (link)", leaving / med, expected=rate / 8, unit="B/s")
+        if name == "library all_reduce":
+            rec.figure("library all_reduce busbw (nccl-tests)", bus_bandwidth(size, med, n), unit="B/s")
+        if wire:
+            dist.barrier()
+            sent = reduce_number(interface_tx_bytes() - before if nodes.local == 0 else 0, "sum")
+            payload = (1 + cfg.repeats) * m * leaving  # warm-up + repeats, every node
+            rec.figure(f"{name}: bytes on the wire", sent, expected=payload, unit="B")
+            rec.check(f"{name}: wire bytes / formula bytes", "formula", sent / payload,
+                      wire_band(payload), compare="between")
 
 
 def main(cfg: Config) -> int:
