@@ -82,14 +82,22 @@ def test_1f1b_step_is_at_most_the_slowest_stage_bound():
     """The lesson's bound: with forward C_s and backward 2C_s, a 1F1B step lasts at most
     3((m-1) max C + sum C), with equality when the slowest stage is the last one."""
     rng = random.Random(1)
+    exact_cases = 0
     for _ in range(300):
         p, m = rng.randint(2, 5), rng.randint(5, 10)
         costs = [rng.choice([1, 2, 3, 5, 8]) for _ in range(p)]
         span = max(e.end for e in simulate(one_f_one_b_order(p, m), costs, [2 * c for c in costs]))
         bound = 3 * ((m - 1) * max(costs) + sum(costs))
+        formula, exact = schedules.one_f_one_b_step(costs, m)  # the script's expected value
+        assert formula == bound and exact == (costs[-1] == max(costs))
         assert span <= bound, (p, m, costs)
-        if costs[-1] == max(costs):
+        if exact:
+            exact_cases += 1
             assert span == bound, (p, m, costs)
+            # negative control: a timeline whose backward costs what its forward does is off
+            half = max(e.end for e in simulate(one_f_one_b_order(p, m), costs, costs))
+            assert half != bound, (p, m, costs)
+    assert exact_cases > 50
 
 
 def test_exercise_answers_partitions():
@@ -204,6 +212,19 @@ def test_two_rank_run_counts_and_matches_an_independent_reference(tmp_path):
     figs = res.summary["figures"]
     assert figs["slowest stage, balanced (FLOPs, counted)"]["measured"] < \
         figs["slowest stage, uniform (FLOPs, counted)"]["measured"]
+    # The simulated 1F1B steps against their closed form, recomputed here from the widths: the
+    # optimum by brute force (not the script's DP), the slowest stage last in both cuts.
+    flops = train.block_flops(train.model_widths(cfg, p), cfg.d_model)
+    for label, bounds in (("uniform", [0, 4, 8]), ("balanced", partition.brute_force_partition(flops, p)[1])):
+        c = partition.stage_costs(flops, bounds)
+        assert c[-1] == max(c)
+        check = res.check(f"simulated 1F1B step, {label} (FLOPs) == 3((m-1) max C + sum C)")
+        assert check["measured"] == check["expected"] == 3 * ((m - 1) * max(c) + sum(c)), label
+    # The bubbles, each counted on its own schedule's timeline (GPipe's on GPipe's).
+    for kind, v in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", cfg.chunks)):
+        assert figs[f"{kind} bubble (counted)"]["measured"] == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    assert res.check("GPipe bubble (counted) == (p-1)/(m+p-1)")["ok"]
+    assert res.check("GPipe timeline: live activations per rank == m")["measured"] == [m, m]
     for kind in train.SCHEDULES:  # wall clock: reported beside the simulator's lower bound, never asserted
         assert figs[f"{kind} step, balanced"]["measured"] > 0 and figs[f"{kind} step, balanced"]["expected"] > 0
     # the reference, computed here: unsplit blocks, plain autograd

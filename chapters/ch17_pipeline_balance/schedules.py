@@ -46,6 +46,14 @@ def interleaved_bubble_formula(n_ranks: int, n_micro: int, n_chunks: int) -> Fra
     return Fraction(n_ranks - 1, n_chunks * n_micro + n_ranks - 1)
 
 
+def one_f_one_b_step(stage_costs: list[float], n_micro: int) -> tuple[float, bool]:
+    """The 1F1B step in closed form, stage s costing C_s forward and 2C_s backward, free messages:
+    3((m−1)·max C + ΣC), exact when the slowest stage is the last (it paces the m−1 steady-state
+    steps and every other stage only adds its fill and drain), an upper bound otherwise.
+    Returns (the formula, whether it is exact)."""
+    return 3 * ((n_micro - 1) * max(stage_costs) + sum(stage_costs)), stage_costs[-1] == max(stage_costs)
+
+
 def one_f_one_b_peak(n_ranks: int, n_micro: int, rank: int) -> int:
     """Micro-batches whose activations rank r holds at most under 1F1B: its p−r−1 warm-up
     forwards plus the one whose backward comes next, p−r (never more than m)."""

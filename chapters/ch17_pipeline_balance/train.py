@@ -54,6 +54,8 @@ from chapters.ch17_pipeline_balance.schedules import (
     interleaved_order,
     interleaved_peak,
     one_f_one_b_peak,
+    one_f_one_b_step,
+    peak_in_flight,
     torch_order,
 )
 from common.checkpoint import save_checkpoint
@@ -102,7 +104,8 @@ class Config(RunConfig):
             raise ValueError("--widths must all be at least 1")
         if self.device == "cuda" and self.backend == "gloo":
             raise ValueError("the stages send CUDA tensors point to point, which gloo cannot carry "
-                             "(its CUDA support is all-reduce and broadcast): use NCCL, one GPU per rank")
+                             "(its send/recv have no CUDA path, unlike its collectives): use NCCL, "
+                             "one GPU per rank")
 
 
 def n_micro_batches(cfg: Config, world_size: int) -> int:
@@ -256,12 +259,14 @@ def main(cfg: Config) -> int:
             for label, bounds in (("uniform", uniform), ("balanced", balanced_partition(costs, p))):
                 rec.figure(f"slowest stage, {label} ({name})", max(stage_costs(costs, bounds)),
                            expected=sum(costs) / p, unit=unit)
-        sim = {label: simulate(one_f_one_b_order(p, m), f_cost=stage_costs(flops, b),
-                               b_cost=[2 * c for c in stage_costs(flops, b)])
-               for label, b in (("uniform", uniform), ("balanced", balanced_partition(flops, p)))}
-        span = {k: max(e.end for e in ev) for k, ev in sim.items()}
-        rec.check("simulated 1F1B step: balanced < uniform (FLOPs)", "count",
-                  span["balanced"], span["uniform"], compare="<")
+        # the 1F1B step each cut gives on a simulated timeline, against its closed form (exact when
+        # the slowest stage is the last, as in the default model; a bound otherwise)
+        for label, b in (("uniform", uniform), ("balanced", balanced_partition(flops, p))):
+            c = stage_costs(flops, b)
+            span = max(e.end for e in simulate(one_f_one_b_order(p, m), c, [2 * x for x in c]))
+            formula, exact = one_f_one_b_step(c, m)
+            rec.check(f"simulated 1F1B step, {label} (FLOPs) == 3((m-1) max C + sum C)", "formula",
+                      span, formula, compare="==" if exact else "<=")
 
         # 2. The three schedules through torch.distributed.pipelining, against the unsplit model.
         blocks = build_blocks(widths, cfg.d_model, cfg.seed).to(info.device)
@@ -301,8 +306,16 @@ def main(cfg: Config) -> int:
                   [one_f_one_b_peak(p, m, r) for r in range(p)])
         rec.check("Interleaved1F1B: live activations per rank == (2(p-r-1)+(v-1)p+1)/v", "count",
                   peaks["Interleaved1F1B"], [interleaved_peak(p, m, v, r) for r in range(p)])
-        b1 = bubble_fraction(simulate(one_f_one_b_order(p, m)), p)
-        bi = bubble_fraction(simulate(interleaved_order(p, m, v)), p)
+        timelines = {"GPipe": simulate(gpipe_order(p, m)), "1F1B": simulate(one_f_one_b_order(p, m)),
+                     "Interleaved1F1B": simulate(interleaved_order(p, m, v))}
+        bubbles = {kind: bubble_fraction(events, p) for kind, events in timelines.items()}
+        b1, bi = bubbles["1F1B"], bubbles["Interleaved1F1B"]
+        # GPipe's bubble equals 1F1B's, so the value alone cannot tell the timelines apart; the
+        # activations held on the same timeline can (m per rank, all forwards first)
+        rec.check("GPipe timeline: live activations per rank == m", "count",
+                  [peak_in_flight(timelines["GPipe"], r) for r in range(p)], [m] * p)
+        rec.check("GPipe bubble (counted) == (p-1)/(m+p-1)", "formula", float(bubbles["GPipe"]),
+                  (p - 1) / (m + p - 1), 1e-12)
         rec.check("1F1B bubble (counted) == (p-1)/(m+p-1)", "formula", float(b1), (p - 1) / (m + p - 1), 1e-12)
         rec.check(f"interleaved v={v} bubble (counted) == (p-1)/(vm+p-1)", "formula", float(bi),
                   float(interleaved_bubble_formula(p, m, v)), 1e-12)
@@ -320,7 +333,7 @@ def main(cfg: Config) -> int:
             median, low, high = time_schedule(cfg, widths, bounds, kind, info)
             rec.figure(f"{kind} step, balanced", median, simulated_step(kind, measured, bounds, p, m), unit="ms",
                        spread=(low, high))
-            rec.figure(f"{kind} bubble (counted)", float(bi if kind == "Interleaved1F1B" else b1))
+            rec.figure(f"{kind} bubble (counted)", float(bubbles[kind]))
         median, low, high = time_schedule(cfg, widths, uniform, "1F1B", info)
         rec.figure("1F1B step, uniform", median, simulated_step("1F1B", measured, uniform, p, m), unit="ms",
                    spread=(low, high))
