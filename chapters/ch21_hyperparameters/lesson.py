@@ -59,6 +59,17 @@ print("from the two norms:", train.noise_scale(small, big, 1, len(y))["b_simple"
 print("per-example exact: ", train.exact_noise_scale(grads)["b_simple"])
 
 # %% [markdown]
+# ## Both noise scales in closed form
+# For Gaussian features and labels, Sigma = 4(L V + V e e^T V) (Isserlis), so
+# B_simple = 1 + L tr V / (e^T V^2 e) and B_noise = 1 + L tr V^2 / (e^T V^3 e). At the point
+# where the path from 0 to w* reaches the target loss, the script measures both the
+# data-parallel way and checks them against these:
+
+# %%
+print(inspect.getsource(train.closed_form_noise_scales))
+print(train.closed_form_noise_scales(cfg, train.target_point(cfg)))
+
+# %% [markdown]
 # ## The real run: two processes under torchrun
 
 # %%

@@ -15,18 +15,20 @@ def measure() -> dict:
     """The batch-size experiment of train.py's defaults, in one process."""
     from chapters.ch21_hyperparameters.train import (
         Config,
+        closed_form_noise_scales,
         fit_critical_batch,
         scaling_experiment,
-        target_noise_scale,
+        target_point,
     )
 
     cfg = Config()
     exp = scaling_experiment(cfg, 0, 1)
     steps = {b: v["best_steps"] for b, v in exp["table"].items()}
     s_min, b_crit = fit_critical_batch(steps)
+    closed = closed_form_noise_scales(cfg, target_point(cfg))
     return {"batch": list(steps), "steps": list(steps.values()),
             "linear": [exp["linear"][b] for b in steps], "s_min": s_min, "b_crit": b_crit,
-            "b_simple_at_target": target_noise_scale(cfg)}
+            "b_simple_at_target": closed["b_simple"], "b_noise_at_target": closed["b_noise"]}
 
 
 def make_figures(fig_dir: Path, data: dict) -> list[Path]:
@@ -54,7 +56,9 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     fit = [data["s_min"] * (1 + data["b_crit"] / x) for x in b]
     ax.loglog(b, fit, ":", color="gray", label=f"S_min(1+B_crit/B), B_crit={data['b_crit']:.1f}")
     ax.axvline(data["b_simple_at_target"], color="red", lw=0.8,
-               label=f"B_simple at target = {data['b_simple_at_target']:.1f}")
+               label=f"B_simple at target = {data['b_simple_at_target']:.1f} (closed form)")
+    ax.axvline(data["b_noise_at_target"], color="purple", lw=0.8, ls="--",
+               label=f"B_noise at target = {data['b_noise_at_target']:.1f} (closed form)")
     ax.set_xlabel("batch size B")
     ax.set_ylabel("steps to target loss")
     ax.set_title("Steps to target against batch size")
