@@ -5,18 +5,25 @@ attention as softmax(QKᵀ/√D)·V written out here (with its own causal mask a
 sharded results reassembled by its own code, the byte and chunk-product formulas by brute
 force, and the one-process TinyGPT trained by its own SGD loop. On 2 and 4 gloo ranks (one start
 each) it checks every method causal and not, the counted bytes and products, the activation
-bytes per rank, both sequence-parallel trainings, and the negative controls.
+bytes per rank, both sequence-parallel trainings, and the negative controls. On the same ranks it
+also checks the smallest layout allowed (two tokens and one head per rank), that impossible
+layouts are refused on every rank before any message is sent, and how many score-sized
+temporaries ring attention holds at once (a live-tensor count), which the lesson's memory budget
+uses.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from chapters.ch18_long_context import parity, ring, train, ulysses
 from common.checkpoint import load_checkpoint
@@ -28,7 +35,7 @@ from common.testing import Verdicts, rank_info
 SCRIPT = Path(train.__file__)
 U64 = 2.0**-53  # float64 unit roundoff
 TOL = 8 * (96 + 4) * U64  # the lesson's bound 8(T + D)u = 8.9e-14 (T = 96, D = 4); measured ~1e-15
-TRAIN_TOL = 4 * 8 * (96 + 32) * U64  # steps x 8(T + d)u = 4.5e-13; measured ~3e-17
+TRAIN_TOL = 4 * 8 * (96 + 32) * U64  # steps x 8(T + d)u = 4.5e-13; measured ~1e-16
 CASES = [("ring", "contiguous", False), ("ring", "contiguous", True), ("ring", "zigzag", False),
          ("ring", "zigzag", True), ("ulysses", "contiguous", False), ("ulysses", "contiguous", True)]
 
@@ -68,6 +75,88 @@ BROKEN = {"ring": "no_rescale", "ring contiguous, causal": "dkv_not_returned",
 SERIAL = {"ring zigzag, causal": "serial"}  # right numbers, no overlap
 
 
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensors created inside the block that are still alive, and their peak: each
+    new storage is counted once (views share it) and uncounted when it is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self._ids = 0, 0, set()
+
+    def _free(self, key: int, n: int) -> None:
+        self._ids.discard(key)
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self._ids:
+                storage = t.untyped_storage()
+                self._ids.add(id(storage))
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._free, id(storage), storage.nbytes())
+        return out
+
+
+def _smallest_and_refused(rank: int, world: int) -> dict:
+    """Every method at the smallest layout allowed (T = 2N: one token per chunk, two per rank;
+    H = N: one head per rank), and the impossible ones, each refused by every rank at once."""
+    cfg = train.Config(seq_len=2 * world, heads=world, head_dim=2, batch_size=1)
+    qkvw = parity.make_qkv(cfg, torch.device("cpu"), torch.float64)
+    out = {"qkvw": qkvw, "cases": {}, "refused": []}
+    for method, layout, causal in CASES:
+        ring.COUNTER.reset()
+        ulysses.COUNTER.reset()
+        res = parity.run_method(method, layout, causal, qkvw, rank, world)
+        counter = ring.COUNTER if method == "ring" else ulysses.COUNTER
+        out["cases"][(method, layout, causal)] = {"res": res, "bytes": dict(counter.bytes)}
+    q = qkvw[0]
+    for attempt in (lambda: ring.shard_sequence(torch.zeros(1, 1, 2 * world + 2, 1), rank, world, "zigzag", 2),
+                    lambda: ring.ring_attention(q[..., :3, :], q[..., :3, :], q[..., :3, :]),
+                    lambda: ulysses.ulysses_attention(*(q[:, :world // 2 or 1, :2] for _ in range(3)))):
+        try:
+            attempt()
+            out["refused"].append(None)
+        except ValueError as e:
+            out["refused"].append(str(e))
+    return out
+
+
+def _transient_blocks(rank: int, world: int) -> dict:
+    """Peak bytes alive during one causal ring attention forward, then backward, at T/N = 512, in
+    units of one score block B·H·c·2c·e (c = T/2N): what the lesson's memory budget assumes."""
+    T = 512 * world
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (ring.shard_sequence(torch.randn(1, 2, T, 4, generator=g, dtype=torch.float64), rank, world,
+                                   "zigzag", dim=2).requires_grad_() for _ in range(3))
+    block = ring.score_block_bytes(1, 2, T, world, 8)
+    with LiveBytes() as fwd:
+        out = ring.ring_attention(q, k, v, "zigzag", True)
+    with LiveBytes() as bwd:
+        out.backward(torch.ones_like(out))
+    return {"forward": fwd.peak / block, "backward": bwd.peak / block}
+
+
+def _deepspeed_uneven_heads(info, dtype) -> dict:
+    """DeepSpeed 0.19.8 with 2N + 1 heads on N ranks (the hand version refuses them): it splits
+    them unevenly (`uneven_heads_all2all`, ranks hold ⌈H/N⌉ or ⌊H/N⌋), but reads the rank's place
+    from its own sequence-parallel registry (`groups._get_sequence_parallel_rank`), which says 0
+    on every rank unless an mpu or a mesh is registered: register a minimal one for the call."""
+    import types
+
+    from deepspeed.utils import groups
+
+    heads = 2 * info.world_size + 1
+    cfg = train.Config(heads=heads, seq_len=8 * info.world_size)
+    saved, groups.mpu = groups.mpu, types.SimpleNamespace(get_sequence_parallel_rank=dist.get_rank)
+    try:
+        return {"qkvw": parity.make_qkv(cfg, info.device, dtype),
+                "results": parity.deepspeed_parity(Verdicts(), cfg, info, dtype)}
+    finally:
+        groups.mpu = saved
+
+
 def _ranks(train_too: bool) -> dict:
     """On every rank: each method's shard results, counted bytes and products, the chapter's own
     checks (clean and broken), and (train_too) the sequence-parallel trainings (clean and
@@ -75,7 +164,8 @@ def _ranks(train_too: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     info, cfg, dtype = rank_info(rank, world), train.Config(), torch.float64
     qkvw = parity.make_qkv(cfg, info.device, dtype)
-    out = {"qkvw": qkvw if rank == 0 else None, "cases": {}}
+    out = {"qkvw": qkvw if rank == 0 else None, "cases": {},
+           "smallest": _smallest_and_refused(rank, world), "transient": _transient_blocks(rank, world)}
     for method, layout, causal in CASES:
         ring.COUNTER.reset()
         ulysses.COUNTER.reset()
@@ -97,6 +187,7 @@ def _ranks(train_too: bool) -> dict:
         out["deepspeed"] = parity.deepspeed_parity(ds_clean, cfg, info, dtype)
         parity.deepspeed_parity(ds_broken, cfg, info, dtype, broken="no_permute")
         out["deepspeed verdicts"] = (ds_clean.ok, ds_broken.ok)
+        out["deepspeed uneven"] = _deepspeed_uneven_heads(info, dtype)
         return out
     X, Y, vocab = train.make_data(cfg, info.device)
     out["trained"] = {}
@@ -177,7 +268,12 @@ def _assert_world(results: list[dict], world: int) -> None:
                           "causal chunk products per rank, zigzag",
                           "ring zigzag, causal: output = SDPA", "ring zigzag, causal: dq, dk, dv = SDPA",
                           "Ulysses, causal: output = SDPA", "Ulysses, causal: dq, dk, dv = SDPA"}, failed
-        assert {n for n, ok in r["serial"].items() if not ok} == {"ring forward: hops in flight during a block product"}
+        assert {n for n, ok in r["serial"].items() if not ok} == {
+            "ring forward: hops in flight during a block product",
+            "ring backward: hops in flight during a block product"}
+    _assert_smallest(results, world)
+    for r in results:  # score-sized temporaries alive at once: 3 in forward, 4 in backward (the lesson)
+        assert 2.5 < r["transient"]["forward"] < 3.5 and 3.5 < r["transient"]["backward"] < 4.5, r["transient"]
     if "trained" not in results[0]:
         return
     assert all(r["activations"]["activation bytes per rank x N = one rank's"] for r in results)
@@ -198,6 +294,29 @@ def _assert_world(results: list[dict], world: int) -> None:
     assert len({r["saved"] for r in results}) == 1  # every rank keeps the same bytes
 
 
+def _assert_smallest(results: list[dict], world: int) -> None:
+    """Two tokens and one head per rank: every method equals the reference, bytes by the formulas;
+    the impossible layouts were refused by every rank, each in one sentence."""
+    q, k, v, w = results[0]["smallest"]["qkvw"]
+    B, H, T, D = q.shape
+    assert (T, H) == (2 * world, world)
+    for method, layout, causal in CASES:
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = reference_attention(qq, kk, vv, causal)
+        (ref * w).sum().backward()
+        for key, expected in {"out": ref.detach(), "dq": qq.grad, "dk": kk.grad, "dv": vv.grad}.items():
+            got = reassemble([r["smallest"]["cases"][(method, layout, causal)]["res"][key] for r in results], layout)
+            assert ((got - expected).abs().max() / expected.abs().max()).item() < TOL, (method, layout, causal, key)
+        formula = (ring.ring_bytes_per_rank if method == "ring" else ulysses.ulysses_bytes_per_rank)(B, H, 2, D, 8, world)
+        assert all(r["smallest"]["cases"][(method, layout, causal)]["bytes"] == formula for r in results)
+    for r in results:
+        refused = r["smallest"]["refused"]
+        assert refused[0].startswith("ring attention cuts a sequence into 2N chunks"), refused
+        assert refused[1].startswith("ring attention needs q, k, v of one shape with two equal chunks"), refused
+        assert refused[2].startswith("DeepSpeed-Ulysses gives each rank whole attention heads"), refused
+        assert all("\n" not in m for m in refused)
+
+
 def _assert_deepspeed(results: list[dict]) -> None:
     """DeepSpeed's DistributedAttention on 2 ranks == the reference; its negative control fails."""
     q, k, v, w = results[0]["qkvw"]
@@ -211,6 +330,15 @@ def _assert_deepspeed(results: list[dict]) -> None:
     for clean, broken in (r["deepspeed verdicts"] for r in results):
         assert len(clean) == 2 and all(clean.values()), clean
         assert not any(broken.values()), broken
+    q, k, v, w = results[0]["deepspeed uneven"]["qkvw"]  # 5 heads on 2 ranks: 3 and 2
+    assert q.shape[1] % len(results)
+    for causal in (False, True):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = reference_attention(qq, kk, vv, causal)
+        (ref * w).sum().backward()
+        for key, expected in {"out": ref.detach(), "dq": qq.grad, "dk": kk.grad, "dv": vv.grad}.items():
+            got = reassemble([r["deepspeed uneven"]["results"][causal][key] for r in results], "contiguous")
+            assert ((got - expected).abs().max() / expected.abs().max()).item() < TOL, ("uneven", causal, key)
 
 
 @pytest.mark.timeout(150)
@@ -272,6 +400,10 @@ def test_sharding_round_trip_and_positions():
         assert torch.equal(reassemble(parts, layout), x)
     assert ring.positions(16, 1, 4, "zigzag").tolist() == [2, 3, 12, 13]
     assert ring.positions(16, 1, 4, "contiguous").tolist() == [4, 5, 6, 7]
+    # fewer tokens than 2N chunks, or a length 2N does not divide: refused, not split unevenly
+    for length, world in ((6, 4), (10, 4), (26, 4)):
+        with pytest.raises(ValueError, match=f"^ring attention cuts a sequence into 2N chunks: {world} ranks"):
+            ring.shard_sequence(torch.zeros(1, 1, length, 1), 0, world, "zigzag", dim=2)
 
 
 def test_validate_refuses_in_one_sentence(capsys, monkeypatch):
@@ -283,8 +415,13 @@ def test_validate_refuses_in_one_sentence(capsys, monkeypatch):
     with pytest.raises(ValueError, match="^DeepSpeed-Ulysses gives each rank whole attention heads: "
                                          "5 ranks do not divide 48 heads"):
         train.validate(train.Config(seq_len=100), 5)
-    with pytest.raises(ValueError, match="3 ranks do not divide 4 heads"):
+    with pytest.raises(ValueError, match="3 ranks do not divide 4 heads$"):
         train.validate(train.Config(train_attention="ulysses"), 3)
+    # 8 ranks: 8 tokens would leave every rank half a chunk; 4 heads would leave 4 ranks none
+    with pytest.raises(ValueError, match="8 ranks need sequence lengths divisible by 16, not 8$"):
+        train.validate(train.Config(seq_len=8), 8)
+    with pytest.raises(ValueError, match=r"8 ranks do not divide 4 heads \(fewer heads than ranks: a rank would get none\)$"):
+        train.validate(train.Config(train_attention="ulysses"), 8)
     train.validate(train.Config(train_attention="ulysses"), 4)
     train.validate(train.Config(train_attention="ulysses", d_model=48, n_head=6), 3)  # exercise 4
     with pytest.raises(ValueError, match="divisible by 4, not 250"):

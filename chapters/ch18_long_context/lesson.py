@@ -52,7 +52,8 @@ print("added without weights, max error:", (o1 + o2 - full).abs().max().item())
 # %% [markdown]
 # ## The ring, forward
 # The send of the next block starts before this block's product; the merge follows; the wait
-# comes last. Backward (in the same class) passes K/V again and the dK/dV accumulators one hop behind.
+# comes last. Backward (in the same class) passes K/V again and the dK/dV accumulators one hop
+# behind, each waited for after the next block's product (only the last hop is waited at once).
 
 # %%
 print(inspect.getsource(ring.RingAttention.forward))

@@ -88,11 +88,16 @@ def attention_parity(rec, cfg, info, dtype, broken: dict | None = None) -> dict:
         rec.check(f"{name}: dq, dk, dv = SDPA", "parity", grad_err, tol, compare="<=")
         counter = ring.COUNTER if method == "ring" else ulysses.COUNTER
         counted[name] = {"bytes": dict(counter.bytes), "products": ring.COUNTER.products,
-                         "overlapped": ring.COUNTER.overlapped_steps()}
+                         "overlapped": {phase: ring.COUNTER.overlapped_hops(phase)
+                                        for phase in ("forward", "backward")}}
     record_bytes(rec, counted, cfg, world, qkvw[0].element_size())
     record_products(rec, counted, world)
-    overlapped = reduce_number(counted["ring zigzag, causal"]["overlapped"], "min")
-    rec.check("ring forward: hops in flight during a block product", "count", overlapped, world - 1)
+    hops = counted["ring zigzag, causal"]["overlapped"]
+    rec.check("ring forward: hops in flight during a block product", "count",
+              reduce_number(hops["forward"], "min"), world - 1)
+    # backward: the N − 1 K/V hops, and N − 1 of the N dK/dV hops (the last has nothing to hide behind)
+    rec.check("ring backward: hops in flight during a block product", "count",
+              reduce_number(hops["backward"], "min"), 2 * (world - 1))
     return counted
 
 

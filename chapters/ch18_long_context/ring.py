@@ -20,7 +20,9 @@ No rank ever holds a T × T score matrix, nor all of K and V.
 
 Backward recomputes each block's probabilities from the saved lse (FlashAttention's backward),
 sends K/V around the ring again, and sends each block's gradient accumulators dK, dV with it, one
-hop behind, so that after N hops they arrive, complete, at the rank that owns the block.
+hop behind, so that after N hops they arrive, complete, at the rank that owns the block. Both
+travel while the next block's gradients compute; only the last dK/dV hop has nothing left to
+hide behind.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ BROKEN_RING = ("none", "no_rescale", "dkv_not_returned", "wrong_layout", "serial
 class RingCounter:
     """Bytes each rank hands to send ops (forward and backward separately), messages, chunk
     products computed (one product = c query rows against c key rows), and the order of the
-    forward's events ("send", "compute", "wait"), from which `overlapped_steps` reads whether
-    each transfer was in flight while a block computed."""
+    events (phase, "send" | "compute" | "wait", hop id), from which `overlapped_hops` reads
+    whether each transfer was in flight while a block computed."""
 
     bytes: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
     sends: int = 0
@@ -49,10 +51,14 @@ class RingCounter:
     def reset(self) -> None:
         self.bytes, self.sends, self.products, self.events = {"forward": 0, "backward": 0}, 0, 0, []
 
-    def overlapped_steps(self) -> int:
-        """Forward steps whose send was started before the block product and waited for after it."""
-        text = " ".join(self.events)
-        return text.count("send compute wait")
+    def overlapped_hops(self, phase: str = "forward") -> int:
+        """Hops of `phase` whose send was started before a block product and waited for after it."""
+        log = [(kind, hop) for ph, kind, hop in self.events if ph == phase]
+        computes = [i for i, (kind, _) in enumerate(log) if kind == "compute"]
+        sent = {hop: i for i, (kind, hop) in enumerate(log) if kind == "send"}
+        waited = {hop: i for i, (kind, hop) in enumerate(log) if kind == "wait"}
+        return sum(1 for hop, i in sent.items()
+                   if hop in waited and any(i < c < waited[hop] for c in computes))
 
 
 COUNTER = RingCounter()
@@ -67,8 +73,19 @@ def chunk_ids(rank: int, world: int, layout: str) -> list[int]:
     raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
 
 
+def length_error(length: int, world: int) -> str | None:
+    """One sentence if a sequence of `length` cannot be cut into 2·world equal chunks, else None.
+    (Fewer tokens than chunks would leave a rank with nothing; unequal chunks, wrong masks.)"""
+    if length % (2 * world):
+        return (f"ring attention cuts a sequence into 2N chunks: {world} ranks need sequence "
+                f"lengths divisible by {2 * world}, not {length}")
+    return None
+
+
 def shard_sequence(x: torch.Tensor, rank: int, world: int, layout: str, dim: int) -> torch.Tensor:
     """This rank's part of the whole-sequence tensor `x` (its two chunks along `dim`)."""
+    if error := length_error(x.shape[dim], world):
+        raise ValueError(error)
     chunks = x.chunk(2 * world, dim=dim)
     return torch.cat([chunks[i] for i in chunk_ids(rank, world, layout)], dim=dim)
 
@@ -154,22 +171,35 @@ def block_backward(dout, q, k, v, lse, delta, q_ids, k_ids, scale: float, causal
     return dq, dk, dv
 
 
-def ring_exchange(t: torch.Tensor, group, phase: str):
+@dataclass
+class Hop:
+    """One ring exchange in flight: its requests and its place in the counter's event log."""
+
+    reqs: list
+    phase: str
+    id: int
+
+
+def ring_exchange(t: torch.Tensor, group, phase: str, tag: int = 0) -> tuple[torch.Tensor, Hop]:
     """Start sending `t` to the next rank and receiving the previous rank's into a new buffer;
-    return (buffer, requests). The caller computes meanwhile, then waits."""
+    return (buffer, hop). The caller computes meanwhile, then `_wait(hop)`. Two exchanges of the
+    same size may be in flight at once in backward (K/V and dK/dV): their tags keep gloo from
+    matching one's send with the other's receive (NCCL keeps the order of its P2P ops)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
     recv = torch.empty_like(t)
-    ops = [dist.P2POp(dist.isend, t, peer((rank + 1) % world), group),
-           dist.P2POp(dist.irecv, recv, peer((rank - 1) % world), group)]
+    ops = [dist.P2POp(dist.isend, t, peer((rank + 1) % world), group, tag),
+           dist.P2POp(dist.irecv, recv, peer((rank - 1) % world), group, tag)]
     COUNTER.bytes[phase] += t.numel() * t.element_size()  # what is handed to the send
     COUNTER.sends += 1
-    return recv, dist.batch_isend_irecv(ops)
+    COUNTER.events.append((phase, "send", COUNTER.sends))
+    return recv, Hop(dist.batch_isend_irecv(ops), phase, COUNTER.sends)
 
 
-def _wait(reqs) -> None:
-    for req in reqs:
+def _wait(hop: Hop) -> None:
+    for req in hop.reqs:
         req.wait()
+    COUNTER.events.append((hop.phase, "wait", hop.id))
 
 
 class RingAttention(torch.autograd.Function):
@@ -183,6 +213,9 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: str, causal: bool, group=None, broken: str = "none"):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if q.shape[-2] % 2 or k.shape != q.shape or v.shape != q.shape:  # before any send: no hang
+            raise ValueError(f"ring attention needs q, k, v of one shape with two equal chunks per "
+                             f"rank; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
         mask_layout = "contiguous" if broken == "wrong_layout" else layout
         scale = q.shape[-1] ** -0.5
         out = torch.zeros_like(q)
@@ -191,15 +224,13 @@ class RingAttention(torch.autograd.Function):
         q_ids = chunk_ids(rank, world, mask_layout)
         for step in range(world):
             if step < world - 1:
-                nxt, reqs = ring_exchange(kv, group, "forward")  # travels while we compute
-                COUNTER.events.append("send")
+                nxt, hop = ring_exchange(kv, group, "forward")  # travels while we compute
                 if broken == "serial":
-                    _wait(reqs)
-                    COUNTER.events.append("wait")
+                    _wait(hop)
             src = (rank - step) % world
             blk_out, blk_lse, n = block_forward(q, kv[0], kv[1], q_ids,
                                                 chunk_ids(src, world, mask_layout), scale, causal)
-            COUNTER.events.append("compute")
+            COUNTER.events.append(("forward", "compute", None))
             COUNTER.products += n
             if broken == "no_rescale":
                 out, lse = out + blk_out, torch.logaddexp(lse, blk_lse)
@@ -209,8 +240,7 @@ class RingAttention(torch.autograd.Function):
                 lse = new
             if step < world - 1:
                 if broken != "serial":
-                    _wait(reqs)
-                    COUNTER.events.append("wait")
+                    _wait(hop)
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (layout, mask_layout, causal, group, broken)
@@ -226,23 +256,35 @@ class RingAttention(torch.autograd.Function):
         q_ids = chunk_ids(rank, world, mask_layout)
         dq = torch.zeros_like(q)
         kv = torch.stack([k, v])
-        dkv = torch.zeros_like(kv)  # gradients of the block held now; they travel with it
+        dkv_in, dkv_hop = None, None  # the held block's accumulator, from the previous rank
         for step in range(world):
             if step < world - 1:
-                nxt, reqs = ring_exchange(kv, group, "backward")
+                nxt, kv_hop = ring_exchange(kv, group, "backward")
+                if broken == "serial":
+                    _wait(kv_hop)
             src = (rank - step) % world
             dq_b, dk_b, dv_b = block_backward(dout, q, kv[0], kv[1], lse, delta, q_ids,
                                               chunk_ids(src, world, mask_layout), scale, causal)
+            COUNTER.events.append(("backward", "compute", None))
             dq += dq_b
-            dkv = dkv + torch.stack([dk_b, dv_b])
+            dkv = torch.stack([dk_b, dv_b])  # this rank's share of the held block's dK, dV
+            if dkv_hop is not None:  # it travelled while the product above computed
+                _wait(dkv_hop)
+            if dkv_in is not None:
+                dkv = dkv_in + dkv
             if step < world - 1:
-                _wait(reqs)
+                if broken != "serial":
+                    _wait(kv_hop)
                 kv = nxt
             last = step == world - 1
+            dkv_in, dkv_hop = None, None
             if world > 1 and not (last and broken == "dkv_not_returned"):
-                dkv_in, reqs = ring_exchange(dkv, group, "backward")  # one hop behind K/V
-                _wait(reqs)
-                dkv = dkv_in
+                dkv_in, dkv_hop = ring_exchange(dkv, group, "backward", tag=1)  # one hop behind K/V
+                if last or broken == "serial":  # the last hop has nothing left to hide behind
+                    _wait(dkv_hop)
+                    dkv_hop = None
+        if dkv_in is not None:  # the owner's complete accumulator came home
+            dkv = dkv_in
         return dq, dkv[0], dkv[1], None, None, None, None
 
 
@@ -260,6 +302,19 @@ def ring_bytes_per_rank(batch: int, heads: int, local_len: int, head_dim: int, e
     block = batch * heads * local_len * head_dim * elem
     dkv_hops = world if world > 1 else 0
     return {"forward": 2 * (world - 1) * block, "backward": (2 * (world - 1) + 2 * dkv_hops) * block}
+
+
+# Score-sized tensors alive at once in `block_backward` (P, dP, dP − δ, dS; `block_forward` peaks at
+# three). A live-tensor count in the tests measures 3.7–4.1 blocks at T/N = 512.
+TRANSIENT_BLOCKS = 4
+
+
+def score_block_bytes(batch: int, heads: int, seq_len: int, world: int, elem: int) -> int:
+    """The largest temporary of a ring step: one query chunk (c = T/(2N) rows) against the two key
+    chunks of a block, B·H·c·2c·e bytes. It grows as (T/N)², and it is freed before the next
+    step: never saved, but it must fit beside the saved activations."""
+    c = seq_len // (2 * world)
+    return batch * heads * c * 2 * c * elem
 
 
 def causal_products_per_rank(world: int, layout: str) -> list[int]:

@@ -13,7 +13,7 @@ Run (N ranks need --seq-len divisible by 2N, and --heads divisible by N for Ulys
     torchrun --standalone --nproc_per_node=4 chapters/ch18_long_context/train.py --train-attention ulysses
     torchrun --standalone --nproc_per_node=2 chapters/ch18_long_context/train.py --deepspeed   # + DeepSpeed
     torchrun --standalone --nproc_per_node=2 chapters/ch18_long_context/train.py \\
-        --sweep-lengths 256 512 1024                                            # time vs length
+        --sweep-lengths 192 384 768                                             # time vs length
     torchrun --standalone --nproc_per_node=8 chapters/ch18_long_context/train.py \\
         --seq-len 16384 --head-dim 64 --heads 16 --dtype float32 --steps 2      # 8 GPUs, NCCL
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
@@ -23,6 +23,7 @@ Run (N ranks need --seq-len divisible by 2N, and --heads divisible by N for Ulys
 
 import dataclasses
 import functools
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -92,9 +93,8 @@ class Config(RunConfig):
 def validate(cfg: Config, world_size: int) -> None:
     """The sequence splits into 2N chunks; Ulysses splits whole heads; gloo cannot send CUDA tensors."""
     for length in [cfg.seq_len, *cfg.sweep_lengths]:
-        if length % (2 * world_size):
-            raise ValueError(f"ring attention cuts a sequence into 2N chunks: {world_size} ranks "
-                             f"need sequence lengths divisible by {2 * world_size}, not {length}")
+        if error := ring.length_error(length, world_size):
+            raise ValueError(error)
     for heads in [cfg.heads] + ([cfg.n_head] if cfg.train_attention == "ulysses" else []):
         if error := ulysses.heads_error(heads, world_size):
             raise ValueError(error)
@@ -197,10 +197,19 @@ def saved_bytes(model: SequenceParallelGPT, X, Y, cfg: Config, rank: int, world:
     return saved.nbytes
 
 
+def longest_sequence(saved_per_token: float, score_block_per_token2: float, budget: float) -> float:
+    """Largest T/N whose per-rank bytes fit `budget`: saved activations a·(T/N) plus, when
+    score_block_per_token2 > 0, the transient score blocks b·(T/N)² (the positive root of
+    b·u² + a·u = budget). Both terms depend on T/N only, so the longest T grows as N."""
+    a, b = saved_per_token, score_block_per_token2
+    return budget / a if b == 0 else (math.sqrt(a * a + 4 * b * budget) - a) / (2 * b)
+
+
 def record_activations(rec, sp: SequenceParallelGPT, X, Y, cfg: Config, info) -> None:
     """Saved bytes per rank at N ranks against one rank holding the whole sequence (a group of
     one), and the longest sequence a fixed budget allows: measured from the busiest rank's count
-    at this run's N, expected (projected for N = 1, 2, 4) from one rank's count times N."""
+    at this run's N, expected (projected for N = 1, 2, 4) from one rank's count times N; once for
+    the saved activations alone, once with ring attention's transient score blocks beside them."""
     world = info.world_size
     alone = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
     whole = saved_bytes(sp, X, Y, cfg, 0, 1, alone[info.rank])
@@ -214,11 +223,17 @@ def record_activations(rec, sp: SequenceParallelGPT, X, Y, cfg: Config, info) ->
         return  # nothing (or too little) counted: no budget figure can be drawn from it
     per_token = whole / (cfg.batch_size * cfg.seq_len)
     budget = cfg.memory_budget_mib * 2**20
-    for n in (1, 2, 4):  # bytes per rank are linear in T (nothing T x T is saved): scale the count
-        counted = int(budget * cfg.seq_len / worst) if n == world and worst else "not run"
-        rec.figure(f"longest sequence in {cfg.memory_budget_mib:g} MiB per rank, N = {n}",
-                   counted, int(budget * n / (cfg.batch_size * per_token)), unit="tokens")
+    # bytes per rank per token of T/N: saved (linear) and TRANSIENT_BLOCKS score blocks (quadratic)
+    saved_u = {"expected": cfg.batch_size * per_token, "measured": worst * world / cfg.seq_len}
+    blocks_u2 = ring.TRANSIENT_BLOCKS * cfg.batch_size * cfg.n_head * elem / 2  # B·H·(u/2)·u·e per u²
+    for what, quad in (("saved activations", 0.0), (f"saved + {ring.TRANSIENT_BLOCKS} score blocks", blocks_u2)):
+        for n in (1, 2, 4):  # bytes per rank depend on T/N only: scale the count
+            counted = int(n * longest_sequence(saved_u["measured"], quad, budget)) if n == world and worst else "not run"
+            rec.figure(f"longest T in {cfg.memory_budget_mib:g} MiB per rank, {what}, N = {n}",
+                       counted, int(n * longest_sequence(saved_u["expected"], quad, budget)), unit="tokens")
     rec.figure("activation bytes per token (one rank, whole sequence)", round(per_token, 1), unit="B")
+    rec.figure("score block per rank at this T, N (transient, formula)",
+               ring.score_block_bytes(cfg.batch_size, cfg.n_head, cfg.seq_len, world, elem), unit="B")
 
 
 def time_methods(cfg: Config, info, dtype, lengths: list[int]) -> dict:

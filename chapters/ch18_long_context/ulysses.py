@@ -36,8 +36,9 @@ COUNTER = AllToAllCounter()
 def heads_error(heads: int, world: int) -> str | None:
     """One sentence if Ulysses cannot split `heads` over `world` ranks, else None."""
     if heads % world:
+        none = " (fewer heads than ranks: a rank would get none)" if heads < world else ""
         return (f"DeepSpeed-Ulysses gives each rank whole attention heads: {world} ranks do not "
-                f"divide {heads} heads")
+                f"divide {heads} heads{none}")
     return None
 
 
@@ -70,6 +71,8 @@ def seq_to_heads(x: torch.Tensor, group=None, broken: str = "none") -> torch.Ten
     """(B, H, T/N, D) sharded by sequence → (B, H/N, T, D) sharded by heads."""
     world = dist.get_world_size(group)
     B, H, t, D = x.shape
+    if error := heads_error(H, world):  # before the all-to-all: every rank refuses, none hangs
+        raise ValueError(error)
     if broken == "wrong_order":  # head h goes to rank h mod N instead of h // (H/N)
         send = x.reshape(B, H // world, world, t, D).permute(2, 0, 1, 3, 4)
     else:
