@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from chapters.ch24_cloud import launchers, train
+from chapters.ch24_cloud.fake_imds import FakeIMDS
 from common.checkpoint import CheckpointError, load_checkpoint
 from common.data import regression_data
 from common.launch import (
@@ -41,6 +42,8 @@ from common.testing import rank_info
 
 SCRIPT = Path(train.__file__)
 STEPS = 30
+NOTICE_AFTER = 5  # the fake endpoint answers 404 to this many polls, then the notice
+GRACE_TOO_SHORT = 1e-4  # seconds: shorter than any save (the deadline check's control)
 
 
 def hand_reference(cfg: train.Config, world: int = 2) -> dict:
@@ -80,10 +83,21 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def _ranks(folder: str) -> dict:
+def wait_for(pred, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _ranks(folder: str, imds_url: str) -> dict:
     """On 2 gloo ranks: an undisturbed run; a run whose notice reaches rank 1 only, before step 8;
     its resume restoring everything, without the data position, without the RNG state; last,
-    the script's own `main` (it tears the group down) with a notice on rank 1 before step 7."""
+    the script's own `main` polling AWS's spot notice at a fake metadata endpoint (rank 0 is
+    local rank 0, the one poller), with a grace too short for any save (the deadline's control),
+    then its resume."""
     info, cfg = rank_info(dist.get_rank(), dist.get_world_size()), train.Config(steps=STEPS)
     full = train.train(cfg, info, train.ObjectStoreCheckpoints(f"{folder}/full"), train.Preemption())
     out = {"full": {k: v.clone() for k, v in full["model"].state_dict().items()}}
@@ -98,23 +112,33 @@ def _ranks(folder: str) -> dict:
         out[name] = {k: v.clone() for k, v in resumed["model"].state_dict().items()}
         out.setdefault("start", []).append(resumed["start"])
     # main's return value is the script's exit status (`sys.exit(main(...))`), which torchrun
-    # does not pass on (it exits 1 after a signal): read it here, on every rank
-    plain = train.Preemption
-    train.Preemption = (lambda: train.StopAtStep(7)) if info.rank == 1 else plain
+    # does not pass on (it exits 1 after a signal): read it here, on every rank. main tears the
+    # group down at its end; here the group must outlive it for the resume below.
+    bucket = f"{folder}/main-bucket"
+    teardown = train.teardown_distributed
+    train.teardown_distributed = lambda: None
     try:
-        out["main_code"] = train.main(train.Config(steps=STEPS, device="cpu", out=f"{folder}/main",
-                                                   ckpt_url=f"{folder}/main-bucket"))
+        out["main_code"] = train.main(train.Config(
+            steps=STEPS, device="cpu", out=f"{folder}/main", ckpt_url=bucket, step_seconds=0.05,
+            spot_notice=imds_url, spot_poll_s=0.02, grace_s=GRACE_TOO_SHORT))
     finally:
-        train.Preemption = plain
-    out["main_committed"] = train.ObjectStoreCheckpoints(f"{folder}/main-bucket").committed_steps()
+        train.teardown_distributed = teardown
+    store = train.ObjectStoreCheckpoints(bucket)
+    out["main_committed"] = store.committed_steps()
+    resumed = train.train(train.Config(steps=STEPS), info, store, train.Preemption())
+    out["main_resumed"] = {k: v.clone() for k, v in resumed["model"].state_dict().items()}
+    out["main_resumed_from"] = resumed["start"]
     return out
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("ranks")
-    results = run_on_ranks(_ranks, 2, str(folder), timeout=90)
-    return {**results[0], "main_codes": [r["main_code"] for r in results]}
+    with FakeIMDS(notice_after=NOTICE_AFTER) as imds:
+        results = run_on_ranks(_ranks, 2, str(folder), imds.url, timeout=90)
+    summary = json.loads((folder / "main" / "summary.json").read_text())
+    return {**results[0], "main_codes": [r["main_code"] for r in results],
+            "main_summary": summary, "imds_requests": imds.requests}
 
 
 @pytest.mark.timeout(120)
@@ -129,10 +153,104 @@ def test_in_process_preemption_resumes_exactly_and_controls_diverge(reference):
 
 
 @pytest.mark.timeout(120)
-def test_main_exits_143_after_saving_on_notice(reference):
+def test_spot_notice_checkpoints_exits_143_and_resumes_to_the_undisturbed_result(reference):
     # every rank's exit status is 128 + SIGTERM (literal: never the code's own constant), never 0
     assert reference["main_codes"] == [143, 143]
-    assert reference["main_committed"] == [5, 7]  # the periodic save, then the one on notice
+    summary = reference["main_summary"]
+    stopped = summary["figures"]["preempted, checkpoint committed at step"]["measured"]
+    assert 0 < stopped < STEPS and reference["main_committed"][-1] == stopped
+    assert reference["main_resumed_from"] == stopped
+    assert max_diff(reference["main_resumed"], reference["full"]) == 0.0  # the same computation
+    # the requests the fake endpoint received: one token by PUT (one poller: rank 0 is the node's
+    # local rank 0; rank 1 learnt of the notice from the agreement all-reduce), then GETs that
+    # carry it, answered 404 until the notice
+    reqs = reference["imds_requests"]
+    assert [(r["method"], r["path"], r["ttl"]) for r in reqs[:1]] == [
+        ("PUT", "/latest/api/token", str(train.TOKEN_TTL_S))]
+    assert sum(r["method"] == "PUT" for r in reqs) == 1
+    assert reqs[0]["token"] is None
+    token = reqs[1]["token"]
+    gets = [r for r in reqs if r["method"] == "GET"]
+    assert all(r["path"] == "/latest/meta-data/spot/instance-action" and r["token"] == token
+               for r in gets)
+    assert [r["status"] for r in gets][:NOTICE_AFTER + 1] == [404] * NOTICE_AFTER + [200]
+    polls = summary["figures"]["spot notice: polls answered (this node's local rank 0)"]
+    assert polls["measured"] == NOTICE_AFTER + 1
+    # the deadline check can fail: with --grace-s 1e-4 no save commits in time
+    checks = {c["name"]: c for c in summary["checks"]}
+    late = checks["notice -> checkpoint committed before the deadline (s)"]
+    assert late["expected"] == GRACE_TOO_SHORT and late["measured"] > GRACE_TOO_SHORT
+    assert not late["ok"] and late["kind"] == "timing"
+
+
+@pytest.mark.timeout(60)
+def test_spot_notice_poller_speaks_imdsv2_and_a_tokenless_poller_never_sees_the_notice():
+    import urllib.error
+    import urllib.request
+
+    def raw(url, method="GET", headers=None):
+        req = urllib.request.Request(url, method=method, headers=headers or {},
+                                     data=b"" if method == "PUT" else None)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, ""
+
+    action = "/latest/meta-data/spot/instance-action"
+    with FakeIMDS(notice_in_s=10) as imds:
+        # the fake enforces AWS's rules (checked with plain requests, not with the poller):
+        # a token PUT needs its TTL header (1..21600), a GET needs a valid token
+        assert raw(imds.url + "/latest/api/token", "PUT")[0] == 400
+        ttl = "X-aws-ec2-metadata-token-ttl-seconds"
+        assert raw(imds.url + "/latest/api/token", "PUT", {ttl: "21601"})[0] == 400
+        assert raw(imds.url + action)[0] == 401
+        assert raw(imds.url + action, headers={"X-aws-ec2-metadata-token": "forged"})[0] == 401
+        status, token = raw(imds.url + "/latest/api/token", "PUT", {ttl: "60"})
+        assert status == 200 and raw(imds.url + action, headers={
+            "X-aws-ec2-metadata-token": token})[0] == 404
+        # the poller: a token, 404 (no notice); an expired token is replaced (401, new PUT, 404)
+        notice = train.Preemption(grace_s=30.0)
+        poller = train.SpotNoticePoller(imds.url, notice, interval_s=0.02)
+        assert poller.poll_once() is None
+        imds.expire_tokens()
+        assert poller.poll_once() is None
+        assert imds.statuses("PUT", "/latest/api/token")[-2:] == [200, 200]
+        assert imds.statuses("GET", action)[-3:] == [404, 401, 404]
+        # control: IMDSv1's plain GET is refused (401) when IMDSv2 is required, and never
+        # becomes a notice, even once one is scheduled
+        imds.arm()
+        blind_notice = train.Preemption(grace_s=30.0)
+        blind = train.SpotNoticePoller(imds.url, blind_notice, interval_s=0.02, imdsv2=False)
+        with pytest.raises(OSError, match="401"):
+            blind.poll_once()
+        blind.start()
+        # the real poller, in its thread, sets the flag the SIGTERM handler sets
+        poller.start()
+        assert wait_for(lambda: notice.signal_time is not None, 10)
+        time.sleep(0.2)  # the blind poller keeps polling meanwhile
+        blind.stop()
+        poller.stop()
+        assert blind_notice.signal_time is None and blind.polls >= 2 and blind.errors
+        assert poller.seen["action"] == "terminate" and notice.source.startswith("spot notice")
+        # the deadline: the earlier of notice + grace (30 s) and the time the notice names (~10 s)
+        assert 5 < notice.deadline() - notice.signal_time <= 11
+
+
+@pytest.mark.timeout(10)
+def test_spot_notice_option_and_ec2_detection(tmp_path):
+    assert train.spot_notice_url("") is None
+    assert train.spot_notice_url("aws") == "http://169.254.169.254"
+    assert train.spot_notice_url("http://127.0.0.1:8080") == "http://127.0.0.1:8080"
+    ec2, other = tmp_path / "ec2", tmp_path / "other"
+    ec2.mkdir()
+    other.mkdir()
+    (ec2 / "sys_vendor").write_text("Amazon EC2\n")
+    (other / "sys_vendor").write_text("QEMU\n")
+    assert train.spot_notice_url("auto", str(ec2)) == "http://169.254.169.254"
+    assert train.spot_notice_url("auto", str(other)) is None
+    with pytest.raises(ValueError, match="--spot-notice"):
+        train.Config(spot_notice="169.254.169.254")
 
 
 @pytest.mark.timeout(150)
@@ -153,8 +271,10 @@ def test_sigterm_to_torchrun_saves_within_grace_and_resume_matches_undisturbed(t
     stopped = summary["figures"]["preempted, checkpoint committed at step"]["measured"]
     assert 7 < stopped < STEPS, output[-3000:]
     assert checks["every rank stopped at the same step (max - min)"]["ok"]
-    timing = checks["SIGTERM -> checkpoint committed, within the grace"]
-    assert 0 < timing["measured"] < done - sent + 1  # measured by the ranks, bounded by our clock
+    timing = checks["notice -> checkpoint committed before the deadline (s)"]
+    # measured by the ranks from their SIGTERM handler's clock, bounded by this process's clock
+    # from before the signal to after torchrun ended; the deadline is the grace
+    assert 0 < timing["measured"] < done - sent and timing["expected"] == grace and timing["ok"]
     # torchrun itself exits 1 (it re-raises the signal, torch 2.14.1): the launcher sees a failure;
     # the script's 143 reaches it only in this log line (test_main_exits_143... checks the status)
     assert proc.returncode != 0 and "exit code 143: stopped by the preemption notice" in output
@@ -254,6 +374,15 @@ def test_launcher_template_validates_and_starts_a_real_script(cloud):
     for edit in (wrong_field, wrong_type):
         with pytest.raises(launchers.TemplateError):
             launchers.validate_request(cloud, broken(edit))
+    # the image is the one chapter 23 builds, pinned by its tag; `:latest` or no tag is refused
+    image = launchers.template_image(cloud, request)
+    assert image.endswith("/" + launchers.IMAGE_TAG)
+    dockerfile = (Path(launchers.REPO) / "chapters/ch23_containers/Dockerfile").read_text()
+    assert f"-t {launchers.IMAGE_TAG} " in dockerfile
+    for unpinned in (image.replace(":ch23", ":latest"), image.replace(":ch23", "")):
+        with pytest.raises(launchers.TemplateError, match="not pinned"):
+            launchers.check_image(unpinned)
+    launchers.check_image(image.replace(":ch23", "@sha256:" + "0" * 64))
     with pytest.raises(launchers.TemplateError, match="does not exist"):
         launchers.check_template(cloud, broken(bad_script))
     with pytest.raises(launchers.TemplateError, match="does not accept"):
@@ -273,5 +402,20 @@ def test_grace_budget_worked_example():
     # exercise 1: 60 GB per node at 2 GB/s, 3 s steps; 2 s margin
     assert train.seconds_to_commit(step_s=3, save_s=60e9 / 2e9) == 33
     assert train.largest_checkpoint_bytes(30, 3, 2e9, margin_s=2) == 50e9
-    # 64 MiB in 0.408 s (figures/data.json, the median) is about 164 MB/s on this machine's disk
-    assert round(64 * 2**20 / 0.408 / 1e6) == 164
+
+
+@pytest.mark.timeout(10)
+def test_the_lessons_measured_numbers_are_the_committed_data():
+    """The save times and the signal-to-commit figures the lesson quotes, read from
+    figures/data.json (what `plots.measure` recorded)."""
+    data = json.loads((SCRIPT.parent / "figures" / "data.json").read_text())
+    medians = {int(mb): sorted(v)[len(v) // 2] for mb, v in data["save_s"].items()}
+    readme = (SCRIPT.parent / "README.md").read_text()
+    quoted = ", ".join(f"{medians[mb]:.3f} s for {mb}" for mb in (1, 4, 16, 64))
+    assert quoted.replace(" s for 1,", " s for 1 MiB,") in readme.replace("\n", " "), quoted
+    rate = round(64 * 2**20 / medians[64] / 1e6)
+    assert f"about {rate} MB/s at 64 MiB" in readme.replace("\n", " ")
+    for key in ("sigterm", "spot"):
+        run = data[key]
+        assert 0 < run["seconds"] < run["allowed_s"] and run["torchrun_exit"] != 0
+        assert f"{run['seconds']:.3f} s" in readme.replace("\n", " "), key

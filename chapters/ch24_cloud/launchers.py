@@ -7,8 +7,9 @@
 
 Each template starts a course script; `template_command` pulls the command out of the request and
 `check_command` proves that the script exists, that its options parse, and that `validate(cfg,
-world)` accepts them at the world size the request asks for (nodes x --nproc_per_node). Nothing
-here talks to a cloud: no credentials, no network.
+world)` accepts them at the world size the request asks for (nodes x --nproc_per_node);
+`check_image` refuses an image that is not pinned (`:latest`). Nothing here talks to a cloud: no
+credentials, no network.
 """
 
 from __future__ import annotations
@@ -61,6 +62,33 @@ def validate_request(cloud: str, request: dict) -> None:
         raise TemplateError(f"{cloud}: {where}: {errors[0].message}")
 
 
+IMAGE_TAG = "distributed-course:ch23"
+"""The image chapter 23 builds (`docker build -f chapters/ch23_containers/Dockerfile -t
+distributed-course:ch23 .`), pushed to each cloud's registry under the same name and tag."""
+
+
+def template_image(cloud: str, request: dict) -> str:
+    if cloud == "sagemaker":
+        return request["AlgorithmSpecification"]["TrainingImage"]
+    if cloud == "vertex":
+        return request["jobSpec"]["workerPoolSpecs"][0]["containerSpec"]["imageUri"]
+    if cloud == "pai":
+        return request["JobSpecs"][0]["Image"]
+    raise KeyError(cloud)
+
+
+def check_image(ref: str) -> None:
+    """The image must be pinned: a digest (`@sha256:...`) or an explicit tag other than `latest`.
+    `:latest` (or no tag, which means it) names whatever was pushed last: a restarted spot job
+    can pull another image than the one it was preempted in, and resume a checkpoint with code
+    that no longer matches it."""
+    name = ref.rsplit("/", 1)[-1]
+    if "@sha256:" in ref:
+        return
+    if ":" not in name or name.endswith(":latest"):
+        raise TemplateError(f"image {ref!r} is not pinned: name a tag (not latest) or a digest")
+
+
 def template_command(cloud: str, request: dict) -> tuple[list[str], int]:
     """(the command's words, the number of nodes the request starts)."""
     if cloud == "sagemaker":
@@ -94,6 +122,8 @@ def check_command(words: list[str], nodes: int):
     if not script.is_file():
         raise TemplateError(f"{words[idx]} does not exist in the course")
     launcher, args = words[:idx], words[idx + 1:]
+    if launcher and launcher[0] == "exec":  # a shell command line that replaces the shell
+        launcher = launcher[1:]
     if launcher and launcher[0] == "torchrun":
         nproc = int(_opt(launcher, "--nproc_per_node") or _opt(launcher, "--nproc-per-node") or 1)
         nnodes = _opt(launcher, "--nnodes")
@@ -121,4 +151,5 @@ def check_template(cloud: str, request: dict | None = None):
     """Validate a template's request and its command: (Config, world size)."""
     request = load_template(cloud) if request is None else request
     validate_request(cloud, request)
+    check_image(template_image(cloud, request))
     return check_command(*template_command(cloud, request))

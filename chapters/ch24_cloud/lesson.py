@@ -14,8 +14,9 @@
 # # Chapter 24 · Training in the cloud · 云上分布式训练实践
 #
 # A spot machine is taken back with a SIGTERM and, once the grace period is over, a SIGKILL. This
-# notebook shows the handler and the agreement between ranks, sends a real SIGTERM to a run (one
-# process here; the tests do it to a two-rank torchrun), resumes it, shows why the checkpoint's
+# notebook shows the handler and the agreement between ranks, polls AWS's spot notice from a
+# stand-in metadata endpoint, sends a real SIGTERM to a run (one process here; the tests do it to
+# a two-rank torchrun), resumes it, shows why the checkpoint's
 # commit is a manifest written last, and validates the SageMaker, Vertex AI and PAI-DLC launch
 # requests offline. The lesson is
 # [chapters/ch24_cloud/README.md](../chapters/ch24_cloud/README.md).
@@ -28,12 +29,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from IPython.display import Image, display
 
 from chapters.ch24_cloud import launchers, train
+from chapters.ch24_cloud.fake_imds import FakeIMDS
 from common.checkpoint import CheckpointError
 from common.launch import last_logged_step, started, wait_until
 from common.results import REPO_ROOT
@@ -46,6 +49,32 @@ from common.results import REPO_ROOT
 # %%
 print(inspect.getsource(train.Preemption))
 print(inspect.getsource(train.stop_agreed))
+
+# %% [markdown]
+# ## AWS's notice comes before its SIGTERM: poll it (IMDSv2)
+# On AWS the two minutes' notice is an item in the instance metadata, and SIGTERM comes only with
+# the shutdown at their end. The poller asks for a session token by PUT, then GETs
+# `spot/instance-action` with it: 404 means nothing is scheduled. Here the endpoint is a local
+# stand-in (`fake_imds.FakeIMDS`, written from AWS's documentation) that answers 404 to the first
+# three polls, then the notice; the poller's thread sets the same flag as the SIGTERM handler. A
+# second poller without the token (IMDSv1's plain GET) gets 401 and never sees the notice.
+
+# %%
+print(inspect.getsource(train.SpotNoticePoller.poll_once))
+with FakeIMDS(notice_after=3) as imds:
+    notice, blind_notice = train.Preemption(grace_s=30), train.Preemption(grace_s=30)
+    poller = train.SpotNoticePoller(imds.url, notice, interval_s=0.05).start()
+    blind = train.SpotNoticePoller(imds.url, blind_notice, interval_s=0.05, imdsv2=False).start()
+    give_up = time.monotonic() + 10
+    while notice.signal_time is None and time.monotonic() < give_up:
+        time.sleep(0.05)
+    poller.stop()
+    blind.stop()
+for with_token in (True, False):
+    print("GETs with a token:" if with_token else "GETs without one:",
+          [r["status"] for r in imds.requests if r["method"] == "GET" and bool(r["token"]) == with_token])
+print("notice:", notice.source, f"(seconds allowed: {notice.allowed_s():.0f})")
+print("the tokenless poller's flag:", blind_notice.signal_time)
 
 # %% [markdown]
 # ## A real SIGTERM, then a restart

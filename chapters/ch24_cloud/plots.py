@@ -2,8 +2,9 @@
 
 `measure` (about 20 s) runs the preemption on two spawned gloo ranks (loss curves of an undisturbed
 run, a preempted-and-resumed one and the two negative controls), times checkpoint saves through
-fsspec to a local folder for four state sizes, and sends a real SIGTERM to a torchrun agent to time
-signal -> committed checkpoint. figures/data.json holds what it recorded; the figures are drawn
+fsspec to a local folder for four state sizes, and stops two real torchrun runs to time notice ->
+committed checkpoint: one by a SIGTERM to the agent, one by AWS's spot notice from a fake metadata
+endpoint (`fake_imds.FakeIMDS`) that the run polls. figures/data.json holds what it recorded; the figures are drawn
 from it. The grace periods are the clouds' documented figures; the throughput lines are formulas.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from chapters.ch24_cloud import train
+from chapters.ch24_cloud.fake_imds import FakeIMDS
 from common.launch import last_logged_step, started, wait_until
 from common.results import save_figure
 
@@ -26,7 +28,7 @@ STEPS, STOP_AT = 30, 8
 SIZES_MB = [1, 4, 16, 64]
 GRACE_S = {"AWS spot (2 min notice)": 120, "GCP spot / K8s default (30 s)": 30}
 ASSUMED_MB_S = [100, 1000]  # assumed per-node upload throughputs for the formula lines
-MEASURE_S = 25
+MEASURE_S = 35
 
 
 def curves_on_ranks(folder: str) -> dict:
@@ -61,19 +63,26 @@ def save_seconds(size_mb: int, folder: str, repeats: int = 3) -> list[float]:
     return times
 
 
-def sigterm_to_commit(folder: str) -> dict:
-    """A real torchrun (2 CPU ranks) sent SIGTERM at step 7: the script's own measurement."""
-    out = Path(folder, "run")
+def notice_to_commit(folder: str, name: str, imds: FakeIMDS | None = None) -> dict:
+    """A real torchrun (2 CPU ranks) told to stop at step 7: SIGTERM to the agent, or (with
+    `imds`) AWS's spot notice, which a fake metadata endpoint schedules once the run has
+    logged step 7. The script's own measurement of notice -> committed checkpoint."""
+    out = Path(folder, name)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(Path(train.__file__)), "--device", "cpu", "--steps", "200", "--step-seconds", "0.05",
-           "--log-every", "1", "--ckpt-url", f"{folder}/bucket", "--out", str(out)]
-    with started(cmd, log=Path(folder, "torchrun.log")) as proc:
+           "--log-every", "1", "--ckpt-url", f"{folder}/{name}-bucket", "--out", str(out)]
+    if imds is not None:
+        cmd += ["--spot-notice", imds.url, "--spot-poll-s", "0.05"]
+    with started(cmd, log=Path(folder, f"{name}.log")) as proc:
         wait_until(lambda: last_logged_step(out / "metrics.jsonl") >= 7, proc, "step 7 of the run")
-        proc.send_signal(signal.SIGTERM)
+        if imds is None:
+            proc.send_signal(signal.SIGTERM)
+        else:
+            imds.arm()
         proc.wait(timeout=60)
     summary = json.loads((out / "summary.json").read_text())
-    check = next(c for c in summary["checks"] if c["name"].startswith("SIGTERM"))
-    return {"seconds": check["measured"],
+    check = next(c for c in summary["checks"] if c["name"].startswith("notice -> checkpoint"))
+    return {"seconds": check["measured"], "allowed_s": check["expected"],
             "step": summary["figures"]["preempted, checkpoint committed at step"]["measured"],
             "torchrun_exit": proc.returncode}
 
@@ -83,8 +92,10 @@ def measure() -> dict:
     with tempfile.TemporaryDirectory(prefix="ch24-") as tmp:
         curves = run_on_ranks(curves_on_ranks, 2, tmp, timeout=120)[0]
         saves = {str(mb): save_seconds(mb, tmp) for mb in SIZES_MB}
-        sig = sigterm_to_commit(tmp)
-    return {"curves": curves, "save_s": saves, "sigterm": sig,
+        sig = notice_to_commit(tmp, "sigterm")
+        with FakeIMDS() as imds:
+            spot = notice_to_commit(tmp, "spot", imds)
+    return {"curves": curves, "save_s": saves, "sigterm": sig, "spot": spot,
             "threads": torch.get_num_threads()}
 
 

@@ -2,10 +2,13 @@
 within the grace period, a clean exit, and a restarted job that resumes bit-identically.
 
 A cloud that reclaims a spot/preemptible machine first sends SIGTERM, then SIGKILL once its grace
-period is over (AWS spot: a 2-minute notice; GCP spot/preemptible: 30 s; Kubernetes:
-terminationGracePeriodSeconds, 30 s by default). The signal handler only sets a flag; at every step
-boundary the ranks all-reduce that flag (MAX), so every rank stops at the same step even if only
-one node was told, and they write one checkpoint together. Checkpoints go through fsspec to a URL
+period is over (GCP spot/preemptible: 30 s; Kubernetes: terminationGracePeriodSeconds, 30 s by
+default). AWS gives its two minutes' notice in the instance metadata instead, and SIGTERM only at
+the shutdown that ends them: with `--spot-notice`, a thread on each node's local rank 0 polls it
+(IMDSv2: a token by PUT, then GET spot/instance-action). The signal handler and the poller only
+set a flag; at every step boundary the ranks all-reduce that flag (MAX), so every rank stops at
+the same step even if only one node was told, and they write one checkpoint together, timed
+against the deadline (`--grace-s` after the notice). Checkpoints go through fsspec to a URL
 (a local path, `file://`, `s3://`, `gs://`, `oss://` where its fsspec package is installed): every
 object is written whole, and a step counts only once its `manifest.json`, written last, exists.
 Each rank then exits with code 143 (128 + SIGTERM), never 0, so that the launcher restarts it
@@ -21,7 +24,7 @@ Run:
         --ckpt-url /tmp/ch24-bucket --out runs/ch24b                       # resumes where it stopped
     torchrun --nnodes=2 --nproc_per_node=8 --shutdown-timeout 110 --rdzv-backend=c10d \\
         --rdzv-endpoint=HOST:29500 --rdzv-id=job24 chapters/ch24_cloud/train.py \\
-        --ckpt-url s3://BUCKET/ckpt --grace-s 120                          # AWS spot, 2 nodes
+        --ckpt-url s3://BUCKET/ckpt --grace-s 110 --spot-notice aws        # AWS spot, 2 nodes
 """
 
 import hashlib
@@ -29,8 +32,10 @@ import io
 import json
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 
 import torch
 import torch.distributed as dist
@@ -70,7 +75,11 @@ class Config(RunConfig):
     ckpt_every: int = 5
     """Also checkpoint after every this many steps (a preemption can come without notice)."""
     grace_s: float = 30.0
-    """Grace period between SIGTERM and SIGKILL that the save must fit in (30 s: GCP spot, Kubernetes' default)."""
+    """Seconds from the notice until the platform kills the job (30 s: GCP spot, Kubernetes' default; AWS's spot notice: 120 s before the time it names). The save on notice is timed against it (a warning and a failed timing check when late), and a periodic save slower than it is reported at once."""
+    spot_notice: str = ""
+    """Poll AWS's spot interruption notice (IMDSv2) from each node's local rank 0: 'aws' (the real endpoint, http://169.254.169.254), 'auto' (the real one if this machine says it is EC2, else off), a URL (another endpoint, such as a test's), or '' (off)."""
+    spot_poll_s: float = 5.0
+    """Seconds between two polls of the spot notice (AWS recommends every 5 s)."""
     restore: tuple[str, ...] = STATE_PARTS
     """What a resume restores; leave parts out to see the run diverge (negative control)."""
     batch_size: int = 8
@@ -94,6 +103,12 @@ class Config(RunConfig):
             raise ValueError(f"--ckpt-every must be at least 1, got {self.ckpt_every}")
         if self.grace_s <= 0:
             raise ValueError(f"--grace-s must be positive, got {self.grace_s}")
+        if self.spot_poll_s <= 0:
+            raise ValueError(f"--spot-poll-s must be positive, got {self.spot_poll_s}")
+        if self.spot_notice not in ("", "aws", "auto") and not self.spot_notice.startswith(
+                ("http://", "https://")):
+            raise ValueError(f"--spot-notice takes '', 'aws', 'auto' or an http:// URL, "
+                             f"not {self.spot_notice!r}")
         unknown = set(self.restore) - set(STATE_PARTS)
         if unknown or "model" not in self.restore:
             raise ValueError(f"--restore takes 'model' and any of {STATE_PARTS[1:]}, not {self.restore}")
@@ -123,19 +138,43 @@ def largest_checkpoint_bytes(grace_s: float, step_s: float, bytes_per_s: float,
 # --- the preemption notice --------------------------------------------------------------------
 
 class Preemption:
-    """SIGTERM sets a flag and notes the time; the loop looks at it between steps (a handler that
-    saved by itself could run in the middle of an all-reduce and deadlock the job)."""
+    """The notice that the machine is going away: SIGTERM, or AWS's spot notice (`SpotNoticePoller`,
+    from a thread). Either only sets a flag and notes the time; the loop looks at it between steps
+    (a handler that saved by itself could run in the middle of an all-reduce and deadlock the job).
+    `deadline` is when the platform stops waiting: `grace_s` after the notice, or the time the
+    spot notice names, whichever comes first."""
 
-    def __init__(self) -> None:
-        self.signal_time: float | None = None
+    def __init__(self, grace_s: float = 30.0) -> None:
+        self.grace_s = grace_s
+        self.signal_time: float | None = None  # wall clock of the first notice (any source)
+        self.source: str | None = None
+        self.action_time: float | None = None  # wall clock the spot notice names, if any
+        self._lock = threading.Lock()
 
     def install(self) -> "Preemption":
         signal.signal(signal.SIGTERM, self._handler)
         return self
 
     def _handler(self, signum, frame) -> None:
+        self.notify("SIGTERM")
+
+    def notify(self, source: str, action_time: float | None = None) -> None:
+        """Record the first notice (later ones change nothing): its time, where it came from."""
+        with self._lock:
+            if self.signal_time is None:
+                self.signal_time = time.time()  # wall clock: comparable with the sender's
+                self.source, self.action_time = source, action_time
+
+    def allowed_s(self) -> float | None:
+        """Seconds from the notice to the deadline (None before a notice)."""
         if self.signal_time is None:
-            self.signal_time = time.time()  # wall clock: comparable with the sender's
+            return None
+        if self.action_time is None:
+            return self.grace_s
+        return min(self.grace_s, self.action_time - self.signal_time)
+
+    def deadline(self) -> float | None:
+        return None if self.signal_time is None else self.signal_time + self.allowed_s()
 
     def requested(self, step: int) -> bool:
         return self.signal_time is not None
@@ -144,14 +183,134 @@ class Preemption:
 class StopAtStep(Preemption):
     """A notice that arrives before step `step` (in-process experiments and tests)."""
 
-    def __init__(self, step: int) -> None:
-        super().__init__()
+    def __init__(self, step: int, grace_s: float = 30.0) -> None:
+        super().__init__(grace_s)
         self.step = step
 
     def requested(self, step: int) -> bool:
-        if step >= self.step and self.signal_time is None:
-            self.signal_time = time.time()
+        if step >= self.step:
+            self.notify(f"StopAtStep({self.step})")
         return self.signal_time is not None
+
+
+IMDS_URL = "http://169.254.169.254"
+TOKEN_TTL_S = 21600  # the longest session token IMDSv2 issues (6 h)
+
+
+class SpotNoticePoller:
+    """AWS's spot interruption notice, read from the instance metadata service the way AWS
+    documents it (IMDSv2): `PUT {url}/latest/api/token` with the header
+    `X-aws-ec2-metadata-token-ttl-seconds` gives a session token; `GET
+    {url}/latest/meta-data/spot/instance-action` with the header `X-aws-ec2-metadata-token`
+    answers 404 while no interruption is scheduled and `{"action": "terminate" | "stop" |
+    "hibernate", "time": "<UTC>"}` about two minutes before it (hibernation: no two minutes).
+    A thread polls every `interval_s` (AWS recommends 5 s) and, on a notice, calls the same
+    `Preemption.notify` as the SIGTERM handler. A 401 (token expired) gets a new token.
+
+    `imdsv2=False` polls IMDSv1-style, a plain GET without a token: what many scripts do, and
+    what an instance that requires IMDSv2 answers with 401 every time (the negative control)."""
+
+    def __init__(self, url: str, notice: Preemption, interval_s: float = 5.0,
+                 timeout_s: float = 2.0, imdsv2: bool = True) -> None:
+        self.url = url.rstrip("/")
+        self.notice, self.interval_s, self.timeout_s, self.imdsv2 = notice, interval_s, timeout_s, imdsv2
+        self.token: str | None = None
+        self.token_expires = 0.0
+        self.polls = 0  # GETs of instance-action answered (any status)
+        self.seen: dict | None = None  # the notice's JSON, once seen
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="spot-notice", daemon=True)
+
+    def _request(self, method: str, path: str, headers: dict) -> tuple[int, bytes]:
+        import urllib.error
+        import urllib.request
+        req = urllib.request.Request(self.url + path, method=method, headers=headers,
+                                     data=b"" if method == "PUT" else None)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, b""
+
+    def _new_token(self) -> None:
+        status, body = self._request("PUT", "/latest/api/token",
+                                     {"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)})
+        if status != 200:
+            raise OSError(f"token PUT answered {status}")
+        self.token = body.decode()
+        self.token_expires = time.monotonic() + TOKEN_TTL_S / 2  # renew well before it expires
+
+    def poll_once(self) -> dict | None:
+        """One look: the notice's JSON, or None (404: nothing scheduled)."""
+        for attempt in (0, 1):
+            headers = {}
+            if self.imdsv2:
+                if self.token is None or time.monotonic() > self.token_expires:
+                    self._new_token()
+                headers["X-aws-ec2-metadata-token"] = self.token
+            status, body = self._request("GET", "/latest/meta-data/spot/instance-action", headers)
+            self.polls += 1
+            if status == 404:
+                return None
+            if status == 200:
+                return json.loads(body)
+            if status == 401 and self.imdsv2 and attempt == 0:
+                self.token = None  # expired or revoked: one new token, then try again
+                continue
+            raise OSError(f"instance-action GET answered {status}")
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                found = self.poll_once()
+            except (OSError, ValueError) as e:  # unreachable, refused, 401 without a token
+                if not self.errors:
+                    log.warning("spot notice: %s: %s (still polling every %g s)", self.url, e,
+                                self.interval_s)
+                self.errors.append(str(e))
+                found = None
+            if found is not None:
+                self.seen = found
+                when = found.get("time")
+                try:
+                    stamp = datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()
+                except (AttributeError, ValueError):
+                    stamp = None
+                self.notice.notify(f"spot notice: {found.get('action')} at {when}", stamp)
+                return
+            self._stop.wait(self.interval_s)
+
+    def start(self) -> "SpotNoticePoller":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.timeout_s + 1)
+
+
+def looks_like_ec2(dmi: str = "/sys/devices/virtual/dmi/id") -> bool:
+    """Does this machine say it is an EC2 instance? Nitro instances report "Amazon EC2" as
+    the DMI system vendor; older Xen ones, "Xen" with a BIOS version ending in "amazon"."""
+    from pathlib import Path
+    read = lambda name: (Path(dmi, name).read_text().strip() if Path(dmi, name).is_file()  # noqa: E731
+                         else "")
+    return (read("sys_vendor") == "Amazon EC2" or read("board_vendor") == "Amazon EC2"
+            or read("bios_version").lower().endswith("amazon"))
+
+
+def spot_notice_url(option: str, dmi: str = "/sys/devices/virtual/dmi/id") -> str | None:
+    """--spot-notice: '' off; 'aws' the real endpoint; 'auto' the real one on an EC2-looking
+    machine, else off; anything else a URL (a test's fake endpoint)."""
+    if option == "":
+        return None
+    if option == "aws":
+        return IMDS_URL
+    if option == "auto":
+        return IMDS_URL if looks_like_ec2(dmi) else None
+    return option
 
 
 def stop_agreed(notice: Preemption, step: int, device: torch.device) -> bool:
@@ -314,10 +473,11 @@ def train(cfg: Config, info, store: ObjectStoreCheckpoints, notice: Preemption, 
                    capture_rng_state(), info.rank, pause=pause)
 
     losses, preempted_at, committed_time, step_s, save_s = [], None, None, [], []
-    last_saved = start
+    last_saved, previous, warned = start, start, False
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         if stop_agreed(notice, step, info.device):
+            previous = last_saved  # what a restart finds if this save does not finish in time
             if step != last_saved:  # every rank holds the same value: no listing to disagree on
                 t = time.perf_counter()
                 save(step)
@@ -342,37 +502,60 @@ def train(cfg: Config, info, store: ObjectStoreCheckpoints, notice: Preemption, 
             save(step + 1)
             save_s.append(time.perf_counter() - t)
             last_saved = step + 1
+            worst = seconds_to_commit(max(step_s), max(save_s))
+            if worst > notice.grace_s and not warned and info.is_main:
+                log.warning("a step takes %.3f s and a save %.3f s: a save on notice would end "
+                            "after --grace-s %g s; a preemption would fall back to the last "
+                            "periodic checkpoint", max(step_s), max(save_s), notice.grace_s)
+                warned = True
     return {"model": model, "start": start, "losses": losses, "preempted_at": preempted_at,
-            "signal_time": notice.signal_time, "committed_time": committed_time,
+            "signal_time": notice.signal_time, "allowed_s": notice.allowed_s(),
+            "committed_time": committed_time, "previous_commit": previous,
             "step_s": step_s, "save_s": save_s}
 
 
-def signal_to_commit_s(result: dict) -> float | None:
-    """Seconds from the earliest SIGTERM any rank received to the committed checkpoint."""
-    t = result["signal_time"]
-    earliest = min([s for s in gather_numbers(t if t is not None else float("inf"))])
-    if result["committed_time"] is None or earliest == float("inf"):
+def notice_to_commit(result: dict) -> tuple[float, float] | None:
+    """(seconds from the earliest notice any rank had to the committed checkpoint, seconds the
+    platform allowed: the earliest deadline any rank had, from that notice)."""
+    inf = float("inf")
+    noticed = result["signal_time"] is not None
+    times = gather_numbers(result["signal_time"] if noticed else inf)
+    allowed = gather_numbers(result["allowed_s"] if noticed else inf)
+    earliest = min(times)
+    if result["committed_time"] is None or earliest == inf:
         return None
-    return result["committed_time"] - earliest
+    # each rank's deadline counted from the earliest notice (exactly its allowance on that rank)
+    return (result["committed_time"] - earliest,
+            min(a + (t - earliest) for t, a in zip(times, allowed) if t != inf))
 
 
 def main(cfg: Config) -> int:
-    notice = Preemption().install()  # before anything slow: a notice can come at any time
+    notice = Preemption(cfg.grace_s).install()  # before anything slow: a notice can come any time
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    poller = None
     try:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)
         store = ObjectStoreCheckpoints(cfg.ckpt_url or str(rec.out / "ckpt"))
-        log.info("world %d on %s/%s, checkpoints in %s, grace %.0f s", info.world_size,
+        log.info("world %d on %s/%s, checkpoints in %s, grace %g s", info.world_size,
                  info.device, info.backend, store.url, cfg.grace_s)
+        url = spot_notice_url(cfg.spot_notice)
+        if url is not None and info.local_rank == 0:  # one poller per node
+            poller = SpotNoticePoller(url, notice, cfg.spot_poll_s).start()
+            log.info("polling the spot interruption notice at %s every %g s", url, cfg.spot_poll_s)
+        elif cfg.spot_notice == "auto" and url is None:
+            log.info("--spot-notice auto: this machine does not say it is EC2, no notice to poll")
         result = train(cfg, info, store, notice, rec, out=rec.out)
 
         rec.figure("resumed from step", result["start"])
+        if poller is not None:
+            rec.figure("spot notice: polls answered (this node's local rank 0)", poller.polls)
         rec.check("replicas identical (max |dparam| across ranks)", "parity",
                   replica_spread(result["model"]), 0.0)
         if result["preempted_at"] is not None:
             stops = gather_numbers(result["preempted_at"])
-            log.info("preempted: every rank stopped before step %d and saved it", stops[0])
+            log.info("preempted: every rank stopped before step %d and saved it (notice here: %s)",
+                     stops[0], notice.source or "none, another rank's")
             rec.figure("preempted, checkpoint committed at step", stops[0])
             rec.check("every rank stopped at the same step (max - min)", "count",
                       max(stops) - min(stops), 0)
@@ -380,10 +563,18 @@ def main(cfg: Config) -> int:
                                       reduce_number(max(result["save_s"], default=0.0), "max"))
             rec.figure("bound: slowest step + slowest save (formula, this run's times)",
                        round(worst, 3), unit="s")
-            elapsed = signal_to_commit_s(result)
-            if elapsed is not None:
-                rec.check("SIGTERM -> checkpoint committed, within the grace", "timing",
-                          round(elapsed, 3), cfg.grace_s, compare="<=")
+            timing = notice_to_commit(result)
+            if timing is not None:
+                elapsed, allowed = timing
+                rec.figure("notice -> checkpoint committed (expected: the time allowed)",
+                           round(elapsed, 4), expected=allowed, unit="s")
+                rec.check("notice -> checkpoint committed before the deadline (s)", "timing",
+                          round(elapsed, 4), allowed, compare="<=")
+                if elapsed > allowed:
+                    log.warning("the checkpoint was committed %.3f s after the notice, past the "
+                                "%.4g s allowed (--grace-s %g): the platform would have killed "
+                                "this save, and the restarted job would resume from step %d",
+                                elapsed, allowed, cfg.grace_s, result["previous_commit"])
             code = rec.finish() or PREEMPTED_EXIT
             log.info("exit code %d: stopped by the preemption notice, resume from %s", code, store.url)
             return code
@@ -393,6 +584,8 @@ def main(cfg: Config) -> int:
                             {"model": result["model"].state_dict(), "start": result["start"]})
         return rec.finish()
     finally:
+        if poller is not None:
+            poller.stop()
         teardown_distributed()
 
 
