@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -123,6 +124,8 @@ def test_the_validator_rejects_broken_lines():
     missing = {k: v for k, v in GOOD.items() if k != "grad_norm"}
     assert monitor.validate_line(json.dumps(missing)) == ["missing key 'grad_norm'"]
     for key, bad in [("loss", "0.25"), ("step", 3.0), ("step", True), ("loss", "nan"),
+                     ("loss", float("nan")), ("grad_norm", float("inf")), ("lr", True),
+                     ("compute_s", [0.1, float("nan")]),  # json.dumps writes NaN, Infinity, true
                      ("lr", None), ("compute_s", [0.1, "x"]), ("wait_s", 0.1), ("compute_s", [])]:
         errors = monitor.validate_line(json.dumps({**GOOD, key: bad}))
         assert len(errors) == 1 and repr(key) in errors[0], (key, bad, errors)
@@ -141,6 +144,12 @@ def test_detector_is_robust_to_noise_and_hiccups():
     for n in (2, 3, 8):
         assert monitor.find_stragglers(ranks(n, 0.002))["flagged"] == [], n
         assert monitor.find_stragglers(ranks(n, 0.002, slow=n - 1, extra=0.03))["flagged"] == [n - 1], n
+    # Two ranks, one 8 ms slower on a 2 ms step: compared with the OTHER rank (2 ms + the 5 ms
+    # floor) it is flagged; the median of both ranks (6 ms + 5 ms) would sit too close to it.
+    two = ranks(2, 0.002, slow=1, extra=0.008)
+    assert monitor.find_stragglers(two)["flagged"] == [1]
+    medians = [sorted(r)[len(r) // 2] for r in two]
+    assert medians[1] < statistics.median(medians) + 0.005  # the all-ranks reference misses it
     # 10% slower on a 100 ms step: below the default factor, and within the ±10% noise the MAD
     # measures, so a lower factor alone does not flag it; trusting smaller gaps (z = 1) does.
     rows = ranks(4, 0.1, slow=2, extra=0.01)
