@@ -23,7 +23,7 @@ from chapters.ch26_multimodal.model import CLIP
 from common.launch import run_on_ranks, run_torchrun
 
 SCRIPT = Path(train.__file__)
-TOL = train.PARITY_TOLERANCE  # 1e-11 in float64; the lesson derives it
+TOL = train.parity_tolerance(48, 16)  # 1.2e-11 in float64 at B = 48; the lesson derives it
 
 
 def reference_loss(img: torch.Tensor, txt: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -50,8 +50,10 @@ def _parity(global_batch: int = 48) -> dict:
     out = {"ref_loss": ref.item()}
     for how in contrastive.GATHERS:
         for local in (False, True):
-            loss, grads, counter = train.distributed_gradients(model, images, ids, how, local, rank, world)
+            loss, grads, counter, tap = train.distributed_gradients(model, images, ids, how, local,
+                                                                    rank, world)
             out[how, local] = {
+                "sent": dict(tap.sent),
                 "dloss": abs(loss - ref.item()),
                 "dgrad": max((grads[n] - ref_grads[n]).abs().max().item() for n in grads),
                 "logits_bytes": counter.logits_bytes, "shapes": counter.shapes,
@@ -60,10 +62,31 @@ def _parity(global_batch: int = 48) -> dict:
                 "scale_ratio": (grads["logit_scale"] / ref_grads["logit_scale"]).item(),
                 "grads": grads,
             }
+    out["skipped"] = _skipped_gather(model, images, ids, ref.item(), ref_grads, rank, world)
     out["training"] = {how: _train_steps(how, rank, world) for how in ("torch", "nograd")}
     out["first_step"] = {(how, local): _first_step(how, local, rank, world)
                          for how in ("torch", "nograd") for local in (False, True)}
     return out
+
+
+def _skipped_gather(model, images, ids, ref_loss, ref_grads, rank, world) -> dict:
+    """The negative control for the byte count: a hand gather whose all-gather is skipped
+    (each rank fills every slot with its own rows) but that still reports what it 'sent' from
+    the shapes, as a counter in the gather itself would. The tap at c10d sees nothing."""
+    def local_fill(out, x, group=None):
+        out.copy_(x.repeat(world, *[1] * (x.dim() - 1)))
+
+    claimed = []
+    real = contrastive.all_gather_single
+    contrastive.all_gather_single = lambda out, x, group=None: (
+        claimed.append(x.numel() * x.element_size()), local_fill(out, x))
+    try:
+        loss, grads, _, tap = train.distributed_gradients(model, images, ids, "hand", False, rank, world)
+    finally:
+        contrastive.all_gather_single = real
+    return {"claimed": sum(claimed), "tapped": tap.nbytes("all_gather"),
+            "dloss": abs(loss - ref_loss),
+            "dgrad": max((grads[n] - ref_grads[n]).abs().max().item() for n in grads)}
 
 
 def _first_step(how: str, local: bool, rank: int, world: int) -> float:
@@ -164,6 +187,40 @@ def test_logits_bytes_are_b_by_B_against_B_squared(parity):
         assert res["hand", False]["logits_bytes"] == B * B * 8
         assert res["hand", True]["shapes"] == [(b, B), (b, B)]
         assert res["hand", True]["logits_bytes"] == 2 * b * B * 8
+
+
+@pytest.mark.timeout(120)
+def test_gathered_bytes_are_counted_at_c10d_and_a_skipped_gather_counts_nothing(parity):
+    """Bytes handed to c10d by the gathers, forward (this rank's b x d of each embedding) and
+    backward (the whole B x d gradient of each), computed here from B, W and d; the no-gradient
+    gather sends nothing back; a gather that skips the collective but counts what it meant to
+    send is caught by the tap (and by parity)."""
+    world, results = parity
+    B, b, d, e = 48, 48 // world, 32, 8  # d: CLIP()'s default embedding width
+    for res in results:
+        for how in ("hand", "torch"):
+            for local in (False, True):
+                sent = res[how, local]["sent"]
+                assert sent["all_gather"] == 2 * b * d * e
+                back = sum(sent.get(k, 0) for k in contrastive.BACKWARD_KINDS)
+                assert back == 2 * B * d * e, (how, local, sent)
+        assert res["hand", False]["sent"].get("reduce_scatter") == 2 * B * d * e  # by hand
+        assert res["torch", False]["sent"].get("scatter") == 2 * B * d * e  # gloo: scatters
+        nograd = res["nograd", False]["sent"]
+        assert nograd["all_gather"] == 2 * b * d * e
+        assert sum(nograd.get(k, 0) for k in contrastive.BACKWARD_KINDS) == 0
+        skipped = res["skipped"]
+        assert skipped["claimed"] == 2 * b * d * e  # what a counter in the gather would say
+        assert skipped["tapped"] == 0  # what reached c10d
+        assert skipped["dgrad"] > 1e3 * TOL
+
+
+def test_parity_tolerance_follows_the_batch():
+    """The lesson's numbers: half the worst case n·u·17, n = B x 16 x 16."""
+    u = 2.0**-53
+    assert train.parity_tolerance(48, 16) == pytest.approx(0.5 * 12_288 * u * 17)
+    assert 1.1e-11 < train.parity_tolerance(48, 16) < 1.2e-11
+    assert 2.4e-10 < train.parity_tolerance(1024, 16) < 2.5e-10 < 12_288 * 1024 / 48 * u * 17
 
 
 def test_caption_set_and_held_out_split():

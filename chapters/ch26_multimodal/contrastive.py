@@ -19,16 +19,23 @@ Two losses over the gathered embeddings:
   against all captions and b x B for captions against all images, and takes the mean over them.
 Either way the ranks then average their parameter gradients (DDP), which makes the gradient
 the one of the global-batch loss (see the lesson for why the factor W works out).
+
+What the gathers send is counted where it leaves: `CollectiveTap` is a `TorchDispatchMode` that
+sees every c10d operation the process group is given (forward and backward, whichever Python
+name called it) and adds up the bytes of the tensors this rank hands in.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from common.distributed import all_gather_single, reduce_scatter_single
 
@@ -37,10 +44,9 @@ GATHERS = ("hand", "torch", "nograd")
 
 @dataclass
 class Counter:
-    """Bytes of the logits matrices built and of the embeddings handed to all-gathers."""
+    """Bytes and shapes of the logits matrices the loss builds, read off the tensors built."""
 
     logits_bytes: int = 0
-    gathered_bytes: int = 0
     shapes: list = field(default_factory=list)
 
     def logits(self, t: torch.Tensor) -> torch.Tensor:
@@ -48,8 +54,43 @@ class Counter:
         self.shapes.append(tuple(t.shape))
         return t
 
-    def sent(self, t: torch.Tensor) -> None:
-        self.gathered_bytes += t.numel() * t.element_size()
+
+# c10d operation -> (kind, index of the argument holding what this rank hands in). A scatter's
+# input list is empty except on its source; an all-gather's input is this rank's piece; a
+# reduce-scatter's is the whole vector it reduces.
+HANDED_IN = {
+    "_allgather_base_": ("all_gather", 1), "allgather_": ("all_gather", 1),
+    "allgather_into_tensor_coalesced_": ("all_gather", 1),
+    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "scatter_": ("scatter", 1), "alltoall_": ("all_to_all", 1), "alltoall_base_": ("all_to_all", 1),
+    "allreduce_": ("all_reduce", 0),
+}
+# torch's differentiable all-gather sends its gradient back with a reduce-scatter on NCCL and
+# with one scatter per rank on gloo (an all-to-all elsewhere): each is "the gather's backward".
+BACKWARD_KINDS = ("reduce_scatter", "scatter", "all_to_all")
+
+
+class CollectiveTap(TorchDispatchMode):
+    """`with CollectiveTap() as tap: ...`, then `tap.nbytes("all_gather")`: the bytes of the
+    tensors this rank handed to each kind of c10d collective inside the block, read from the
+    operation's own arguments. Autograd carries the mode to the threads backward runs on, so
+    the backward's collectives are counted too. A gather that skips the collective counts 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            kind, arg = HANDED_IN.get(func.__name__.split(".")[0], (None, None))
+            if kind is not None:
+                self.sent[kind] += sum(t.numel() * t.element_size()
+                                       for t in tree_leaves(args[arg]) if isinstance(t, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+    def nbytes(self, *kinds: str) -> int:
+        return sum(self.sent[k] for k in kinds)
 
 
 class AllGatherWithGrad(torch.autograd.Function):
@@ -82,10 +123,8 @@ def gather_no_grad(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def gather(x: torch.Tensor, how: str, counter: Counter | None = None) -> torch.Tensor:
+def gather(x: torch.Tensor, how: str) -> torch.Tensor:
     """Every rank's rows of `x`, in rank order, by one of GATHERS."""
-    if counter is not None:
-        counter.sent(x)
     if how == "hand":
         return AllGatherWithGrad.apply(x)
     if how == "torch":
@@ -127,7 +166,7 @@ def distributed_clip_loss(img: torch.Tensor, txt: torch.Tensor, scale: torch.Ten
     """This rank's contrastive loss with negatives from all ranks; its mean over the ranks is
     the global-batch loss, and after averaging the parameter gradients over the ranks (DDP) so
     is its gradient (for the gathers that carry gradients)."""
-    all_img, all_txt = gather(img, gather_how, counter), gather(txt, gather_how, counter)
+    all_img, all_txt = gather(img, gather_how), gather(txt, gather_how)
     if local:
         return local_clip_loss(img, txt, all_img, all_txt, scale, dist.get_rank(), counter)
     return clip_loss(all_img, all_txt, scale, counter)
