@@ -1,14 +1,16 @@
 """Chapter 16: global-norm clipping over FSDP2 shards, agreed step skipping, bf16 accumulation.
 
 The torchrun run checks itself (summary.json); this module also trains its own one-process
-reference with a plain loop, checks the sharded norm on 3 ranks (uneven shards) against an
-unsharded model, proves a poisoned step leaves weights and Adam state bitwise untouched, and
-runs the negative controls (a shard-local norm, a rank deciding alone, Kahan without its carry).
+reference with a plain loop, checks the sharded norm on 3 ranks (uneven shards, two ranks holding
+empty shards of the last layer) against an unsharded model, proves a poisoned step leaves
+weights and Adam state bitwise untouched, and runs the negative controls (a shard-local norm,
+ranks deciding alone on a fault only one of them sees, Kahan without its carry).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import statistics
 from pathlib import Path
@@ -36,7 +38,7 @@ def reference(cfg: train.Config) -> dict:
     model = MLP(cfg.d_in, cfg.d_hidden, 1).double()
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     for step in range(cfg.steps):
-        if step in (cfg.poison_step, cfg.spike_step):
+        if step in (cfg.poison_step, cfg.grad_fault_step, cfg.spike_step):
             continue
         rows = slice(step * cfg.global_batch_size, (step + 1) * cfg.global_batch_size)
         ((model(X[rows]) - Y[rows]) ** 2).mean().backward()
@@ -54,9 +56,13 @@ def test_two_ranks_match_an_independent_reference(tmp_path, quiet_console):
     quiet_console(res)  # FSDP2: the course's lines only, within 100 columns
     assert "methods 5/5" in res.output  # the slow summation loop reports its progress
     cfg = train.Config()
-    assert res.check("poisoned steps skipped")["measured"] == [cfg.poison_step]
+    assert res.check("poisoned steps skipped")["measured"] == [cfg.poison_step, cfg.grad_fault_step]
+    # the batch's NaN reached both ranks' shards through the reduce-scatter; the inf written into
+    # rank 0's shard after it, rank 0 alone: only the MAX all-reduce made rank 1 skip that step
+    assert res.summary["figures"]["ranks seeing each skipped step bad (own view)"]["measured"] == [[0, 1], [0]]
+    assert res.check("ranks that saw the gradient-shard fault themselves")["measured"] == [0]
     assert res.check("spikes detected")["measured"] == [cfg.spike_step]
-    assert res.check("Adam steps taken = steps - skipped")["measured"] == cfg.steps - 2
+    assert res.check("Adam steps taken = steps - skipped")["measured"] == cfg.steps - 3
     saved = load_checkpoint(tmp_path / "final_params.pt")
     expected = reference(cfg)
     assert max((saved["fsdp"][k] - v).abs().max().item() for k, v in expected.items()) < 1e-10
@@ -88,6 +94,7 @@ def _sharded_checks() -> dict:
     F.mse_loss(fsdp(X[0].chunk(world)[rank]), Y[0].chunk(world)[rank]).backward()
     params = list(fsdp.parameters())
     out = {"shard_sizes": [train.local_shard(p).numel() for p in params],
+           "grad_shard_sizes": [train.local_shard(p.grad).numel() for p in params],
            "all_dtensor": all(isinstance(p.grad, DTensor) for p in params)}
     ref_norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in plain.parameters()])).item()
     out["ref_norm"] = ref_norm
@@ -113,6 +120,22 @@ def _sharded_checks() -> dict:
 
     # A NaN in rank 1's batch at step 5: skipped on every rank, state bitwise unchanged.
     out["poison"] = _poisoned_run(cfg, X, Y, plain, info)
+    # Exercise 1 on 3 ranks: an inf on rank 0 (3 steps: one before the poison, one after).
+    short = dataclasses.replace(cfg, steps=3, poison_step=1)
+    out["poison_inf_rank0"] = _poisoned_run(
+        dataclasses.replace(short, poison_rank=0, poison_value=float("inf")), X, Y, plain, info)
+    # An inf written into rank 1's own gradient shard after the reduce-scatter: only rank 1 sees it.
+    # Agreed (the MAX all-reduce), every rank skips; deciding alone (the negative control), rank 1
+    # skips and ranks 0 and 2 step, and the model is no longer the one-process reference's.
+    fault = dataclasses.replace(short, poison_step=-1, grad_fault_step=1, grad_fault_rank=1)
+    reference = copy.deepcopy(plain)
+    for p in reference.parameters():
+        p.grad = None
+    train.train(reference, torch.optim.Adam(reference.parameters(), lr=fault.lr), X, Y, fault, 0, 1,
+                sharded=False)  # one process, whole batch: the fault is in its gradient, skipped
+    out["ref_params"] = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    for name, agree in (("fault_agreed", True), ("fault_alone", False)):
+        out[name] = _poisoned_run(fault, X, Y, plain, info, agree)
     # Broken: each rank looks only at its own loss and nobody agrees. Running that step would
     # hang (rank 0 enters clip_grad_norm_'s collectives alone), so the check compares decisions.
     model = train.fully_shard_model(copy.deepcopy(plain), info)
@@ -126,24 +149,29 @@ def _sharded_checks() -> dict:
     return out
 
 
-def _poisoned_run(cfg, X, Y, plain, info) -> dict:
+def _poisoned_run(cfg, X, Y, plain, info, agree: bool = True) -> dict:
+    """Train cfg.steps steps with the fault at step `bad` (the batch poison or the gradient-shard
+    fault), snapshotting this rank's weights and Adam state around it; the final parameters are
+    gathered whole (every rank calls full_tensor)."""
+    bad = cfg.poison_step if cfg.poison_step >= 0 else cfg.grad_fault_step
     model = train.fully_shard_model(copy.deepcopy(plain), info)
     for p in model.parameters():
         p.grad = None
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    log = train.train(model, opt, X, Y, cfg, info.rank, info.world_size, True, range(cfg.poison_step))
+    run = lambda steps, log=None: train.train(model, opt, X, Y, cfg, info.rank, info.world_size,  # noqa: E731
+                                              True, steps, log, agree=agree)
+    log = run(range(bad))
     before = train.snapshot(model, opt)
-    train.train(model, opt, X, Y, cfg, info.rank, info.world_size, True,
-                range(cfg.poison_step, cfg.poison_step + 1), log)
+    run(range(bad, bad + 1), log)
     after = train.snapshot(model, opt)
-    train.train(model, opt, X, Y, cfg, info.rank, info.world_size, True,
-                range(cfg.poison_step + 1, cfg.steps), log)
+    run(range(bad + 1, cfg.steps), log)
     end = train.snapshot(model, opt)
-    return {"skipped": log["skipped_bad"], "n_state": len(before),
+    return {"skipped": log["skipped_bad"], "bad_here": log["bad_here"], "n_state": len(before),
             "untouched": len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after)),
             "moved_after": any(not torch.equal(a, b) for a, b in zip(after, end)),
             "finite_after": all(math.isfinite(v) for v in log["loss"]) and all(torch.isfinite(t).all() for t in end),
-            "adam_step": [float(s["step"]) for s in opt.state.values()]}
+            "adam_step": [float(s["step"]) for s in opt.state.values()],
+            "params": train.full_params(model)}
 
 
 @pytest.mark.timeout(120)
@@ -151,6 +179,10 @@ def test_sharded_norm_clipping_and_skipping_on_three_uneven_ranks():
     results = run_on_ranks(_sharded_checks, 3, timeout=100)
     sizes = [r["shard_sizes"] for r in results]
     assert len({tuple(s) for s in sizes}) > 1, "shards should be uneven on 3 ranks"
+    # The last layer (one row of 64, and its bias) has fewer rows than ranks: FSDP2 gives it to
+    # rank 0, and ranks 1 and 2 hold empty shards of it (their norm sums nothing there).
+    assert [s[-2:] for s in sizes] == [[64, 1], [0, 0], [0, 0]]
+    assert [r["grad_shard_sizes"] for r in results] == sizes
     for r in results:
         assert r["all_dtensor"]
         assert r["hand_norm"] == pytest.approx(r["ref_norm"], rel=1e-12, abs=0)
@@ -166,6 +198,22 @@ def test_sharded_norm_clipping_and_skipping_on_three_uneven_ranks():
         assert p["skipped"] == [5] and p["untouched"] and p["n_state"] == 4 * 6
         assert p["moved_after"] and p["finite_after"]
         assert p["adam_step"] == [9.0] * 6  # 10 steps, 1 skipped
+        q = r["poison_inf_rank0"]  # exercise 1, on 3 ranks
+        assert q["skipped"] == [1] and q["untouched"] and q["moved_after"] and q["adam_step"] == [2.0] * 6
+        assert q["bad_here"] == [1]  # the reduce-scatter spread rank 0's poison to every shard
+        # The gradient-shard fault, agreed: skipped everywhere, state untouched, and the model is
+        # the one-process reference's (which skipped the step too).
+        a = r["fault_agreed"]
+        assert a["skipped"] == [1] and a["untouched"] and a["moved_after"] and a["adam_step"] == [2.0] * 6
+        assert max((a["params"][k] - v).abs().max().item() for k, v in r["ref_params"].items()) < 1e-10
+        # Deciding alone: the same fault, the same checks, and the shards drift apart.
+        alone = r["fault_alone"]
+        assert max((alone["params"][k] - v).abs().max().item() for k, v in r["ref_params"].items()) > 1e-4
+    assert [r["fault_agreed"]["bad_here"] for r in results] == [[], [1], []]  # only rank 1 saw it
+    assert [r["fault_alone"]["bad_here"] for r in results] == [[], [1], []]
+    assert [r["fault_alone"]["skipped"] for r in results] == [[], [1], []]  # only rank 1 skipped
+    assert [r["fault_alone"]["untouched"] for r in results] == [False, True, False]
+    assert [r["fault_alone"]["adam_step"][0] for r in results] == [3.0, 2.0, 3.0]
     # Negative control: deciding on the local loss alone, only the poisoned rank would skip,
     # while the others (whose gradient shards the reduce-scatter filled with NaN) would step.
     local = [r["decision_local_loss"] for r in results]
@@ -257,9 +305,9 @@ def test_impossible_settings_are_refused():
 
 def test_exercise_answers():
     cfg = train.Config()
-    # 1. inf instead of NaN, or the poison on rank 0: the same step is skipped (a world of one).
-    assert plots.one_process_run(train.Config(poison_value=float("inf")))["skipped_bad"] == [8]
-    assert plots.one_process_run(train.Config(poison_rank=0))["skipped_bad"] == [8]
+    # 1. inf instead of NaN: the same steps are skipped (a world of one here; an inf on rank 0 of 3
+    # ranks is run by test_sharded_norm_clipping_and_skipping_on_three_uneven_ranks).
+    assert plots.one_process_run(train.Config(poison_value=float("inf")))["skipped_bad"] == [8, 17]
     # 2. False spikes: none at factor 1.5 with a window of 5; a shorter window (3) or a lower
     # factor (1.2) flags ordinary steps; the mean of the window instead of its median too.
     assert plots.one_process_run(train.Config(spike_factor=1.5))["spikes"] == [13]

@@ -42,16 +42,19 @@ print(inspect.getsource(train.clip_by_global_norm))
 
 # %% [markdown]
 # ## Skipping a bad step on every rank
-# A rank that sees a NaN must not skip alone: its peers would step, or worse, wait in a
-# collective it never enters. One MAX all-reduce of a 0/1 flag makes the decision common.
+# A rank that sees a NaN must not skip alone: its peers would step (and the model's shards split
+# silently), or wait in a collective it never enters. One MAX all-reduce of a 0/1 flag makes the
+# decision common.
 
 # %%
 print(inspect.getsource(train.all_ranks_agree))
 print(inspect.getsource(train.is_spike))
 
 # %% [markdown]
-# The training loop as a world of one (no collectives): a NaN at step 8 and a spike at step 13,
-# both skipped, training goes on.
+# The training loop as a world of one (no collectives): a NaN in the batch at step 8, an inf in
+# the gradient at step 17 and a spike at step 13, all skipped; training goes on. On several ranks
+# the NaN reaches every rank's gradient shard through the reduce-scatter, while the inf, written
+# after it, is seen by one rank only: there the MAX all-reduce is what makes the others skip.
 
 # %%
 run = plots.one_process_run(train.Config())
@@ -110,7 +113,8 @@ print(precision.fp16_range_demo())
 # %% [markdown]
 # ## The real run: FSDP2 on two processes
 # Hand-written global norm vs `clip_grad_norm_`, both vs one unsharded process; the poisoned
-# and the spiking step skipped; the accumulation table. Every check must say `ok`.
+# steps (a NaN in rank 1's batch, an inf in rank 0's gradient shard) and the spiking step skipped;
+# the accumulation table. Every check must say `ok`.
 
 # %%
 out_dir = REPO_ROOT / "runs" / "notebooks" / "ch16"

@@ -86,8 +86,11 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 3.4))
     ax.semilogy(range(len(losses)), [x if math.isfinite(x) else float("nan") for x in losses],
                 marker="o", ms=3, label="global loss")
+    cfg = Config()
     for s in run["skipped_bad"]:
-        ax.axvline(s, color="red", ls="--", label=f"step {s}: NaN, skipped by all ranks")
+        what = "inf in a gradient shard" if s == cfg.grad_fault_step else "NaN in a batch"
+        ax.axvline(s, color="red" if s == cfg.poison_step else "purple", ls="--",
+                   label=f"step {s}: {what}, skipped by all ranks")
     for s in run["spikes"]:
         ax.plot([s], [losses[s]], "x", color="black", ms=9, label=f"step {s}: spike, skipped")
     ax.set_xlabel("step")

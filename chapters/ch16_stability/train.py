@@ -3,9 +3,10 @@
 An FSDP2 model keeps only a shard of each gradient per rank, so the global gradient norm is the
 square root of the all-reduced sum of the ranks' local squared norms; this script writes that by
 hand over the DTensor local shards and checks it against torch's `clip_grad_norm_` and against
-one unsharded process. A NaN injected into one rank's batch and a loss spike are caught, and
-every rank agrees (one all-reduce of a "bad" flag) to skip the step, leaving weights and Adam
-state untouched; the bf16 accumulation-error table is measured beside its bounds.
+one unsharded process. A NaN injected into one rank's batch, an inf written into one rank's own
+gradient shard after the reduce-scatter (a fault only that rank sees) and a loss spike are caught,
+and every rank agrees (one MAX all-reduce of a "bad" flag) to skip the step, leaving weights and
+Adam state untouched; the bf16 accumulation-error table is measured beside its bounds.
 
 Run:
     python chapters/ch16_stability/train.py                                    # one process
@@ -31,7 +32,12 @@ from chapters.ch16_stability import precision
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, check_global_batch, parse_config
 from common.data import regression_data
-from common.distributed import reduce_number, setup_distributed, teardown_distributed
+from common.distributed import (
+    gather_numbers,
+    reduce_number,
+    setup_distributed,
+    teardown_distributed,
+)
 from common.log import log, setup_logging
 from common.models import MLP
 from common.results import RunRecorder
@@ -56,6 +62,10 @@ class Config(RunConfig):
     """Rank whose batch is poisoned (taken modulo the world size)."""
     poison_value: float = float("nan")
     """The value injected: nan or inf."""
+    grad_fault_step: int = 17
+    """Step at which an inf is written into one rank's own gradient shard after the reduce-scatter: a fault only that rank sees (-1: none)."""
+    grad_fault_rank: int = 0
+    """Rank whose gradient shard gets the inf (taken modulo the world size)."""
     spike_step: int = 13
     """Step whose targets are scaled by spike_scale on every rank, a loss spike (-1: none)."""
     spike_scale: float = 30.0
@@ -112,8 +122,9 @@ def clip_by_global_norm(params: list[nn.Parameter], max_norm: float, sharded: bo
 
 def all_ranks_agree(bad: bool, sharded: bool = True) -> bool:
     """True on every rank if it is true on any rank: a MAX all-reduce of a 0/1 flag (on the
-    device the backend needs: `reduce_number`). A rank that decides alone steps while its peers
-    skip, and the replicas drift apart for good."""
+    device the backend needs: `reduce_number`). A rank that decides alone skips while its peers
+    step (or the reverse), and the model's shards drift apart for good. `sharded=False`: this
+    rank's own view, undecided by the others (a world of one, or the negative control)."""
     return bool(reduce_number(int(bad), "max")) if sharded else bad
 
 
@@ -133,34 +144,53 @@ def make_batch(X, Y, step: int, cfg: Config, rank: int, world_size: int):
     return x, y
 
 
+def inject_grad_fault(params: list[nn.Parameter], step: int, cfg: Config, rank: int, world_size: int) -> None:
+    """After the backward (and FSDP2's reduce-scatter): an inf in this rank's own gradient shard at
+    --grad-fault-step, a fault no other rank sees (a flipped bit, a bad kernel on one device).
+    It goes into the first parameter of which this rank holds a non-empty shard."""
+    if step == cfg.grad_fault_step and rank == cfg.grad_fault_rank % world_size:
+        shard = next(g for g in (local_shard(p.grad) for p in params) if g.numel())
+        shard.view(-1)[0] = float("inf")
+
+
 def step_is_bad(loss: torch.Tensor, params: list[nn.Parameter]) -> bool:
     """This rank's view: a non-finite loss or a non-finite value in its gradient shards."""
     return not (torch.isfinite(loss) and torch.isfinite(local_grad_sq_norm(params)))
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, X, Y, cfg: Config, rank: int,
-          world_size: int, sharded: bool, steps: range | None = None, log_: dict | None = None) -> dict:
+          world_size: int, sharded: bool, steps: range | None = None, log_: dict | None = None,
+          agree: bool = True) -> dict:
     """Adam with global-norm clipping; a step whose loss or gradients are not finite on any
-    rank, or whose global loss spikes, is skipped by all ranks together."""
+    rank, or whose global loss spikes, is skipped by all ranks together. Every rank runs the
+    same collectives whatever it decides (the norms are computed before the branch, which holds
+    only the local `opt.step()`), so a wrong decision cannot hang: `agree=False` lets each rank
+    decide on its own view, the negative control whose shards drift apart."""
     params = list(model.parameters())
-    keys = ("every_loss", "taken", "loss", "hand_norm", "torch_norm", "skipped_bad", "spikes")
+    keys = ("every_loss", "taken", "loss", "hand_norm", "torch_norm", "skipped_bad", "spikes", "bad_here")
     log_ = log_ or {k: [] for k in keys}
     for step in steps or range(cfg.steps):
         x, y = make_batch(X, Y, step, cfg, rank, world_size)
         loss = F.mse_loss(model(x), y)
         loss.backward()
+        inject_grad_fault(params, step, cfg, rank, world_size)
         global_loss = loss.detach().clone()
         if sharded:
             dist.all_reduce(global_loss)
             global_loss /= world_size  # equal shards: the mean of means is the global mean
         log_["every_loss"].append(global_loss.item())
-        if all_ranks_agree(step_is_bad(loss, params), sharded):
+        bad_here = step_is_bad(loss, params)  # decided before clipping: a NaN norm poisons every grad
+        if bad_here:
+            log_["bad_here"].append(step)
+        bad = all_ranks_agree(bad_here, sharded and agree)
+        hand_norm = global_grad_norm(params, sharded).item()  # collectives on every rank, every step
+        norm = nn.utils.clip_grad_norm_(params, cfg.max_norm)  # torch's, DTensor-aware
+        if bad:  # the gradients (clipped by a non-finite norm) are dropped below
             log_["skipped_bad"].append(step)
         elif is_spike(global_loss.item(), log_["loss"], cfg):
             log_["spikes"].append(step)
         else:
-            log_["hand_norm"].append(global_grad_norm(params, sharded).item())
-            norm = nn.utils.clip_grad_norm_(params, cfg.max_norm)  # torch's, DTensor-aware
+            log_["hand_norm"].append(hand_norm)
             log_["torch_norm"].append(local_shard(norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
             opt.step()
             log_["taken"].append(step)
@@ -251,9 +281,18 @@ def main(cfg: Config) -> int:
         params = full_params(fsdp)
         diff = max((params[k] - v.cpu()).abs().max().item() for k, v in reference.state_dict().items())
         rec.check("FSDP2 params == one process (max |dparam|)", "parity", diff, 0.0, 1e-10)
-        expected_bad = [cfg.poison_step] if 0 <= cfg.poison_step < cfg.steps else []
+        expected_bad = sorted({s for s in (cfg.poison_step, cfg.grad_fault_step) if 0 <= s < cfg.steps})
         rec.check("poisoned steps skipped", "count", run["skipped_bad"], expected_bad)
-        expected_spikes = [cfg.spike_step] if cfg.spike_window <= cfg.spike_step < cfg.steps else []
+        # Which ranks saw each bad step before agreeing: a NaN in a batch reaches every rank's
+        # gradient shard through the reduce-scatter; an inf written after it only its own rank's.
+        saw = {s: [r for r, flag in enumerate(gather_numbers(int(s in run["bad_here"]))) if flag]
+               for s in expected_bad}
+        if 0 <= cfg.grad_fault_step < cfg.steps:
+            rec.check("ranks that saw the gradient-shard fault themselves", "count",
+                      saw[cfg.grad_fault_step], [cfg.grad_fault_rank % info.world_size])
+        rec.figure("ranks seeing each skipped step bad (own view)", [saw[s] for s in expected_bad])
+        expected_spikes = [cfg.spike_step] if (cfg.spike_window <= cfg.spike_step < cfg.steps
+                                               and cfg.spike_step not in expected_bad) else []
         rec.check("spikes detected", "count", run["spikes"], expected_spikes)
         taken = int(opt.state[next(fsdp.parameters())]["step"].item())
         rec.check("Adam steps taken = steps - skipped", "count", taken,
