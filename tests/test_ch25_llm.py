@@ -90,8 +90,15 @@ def test_training_script_checks(run):
     assert not failed, failed
     names = {c["name"] for c in s["checks"]}
     for part in ("FSDP2 vs DDP", "DCP resume", "FlopCounterMode", "AutoModelForCausalLM",
-                 "control: DDP without", "control: resume without", "control: reload"):
+                 "control: DDP without", "control: resume without", "control: reload",
+                 "tokens fed to the model"):
         assert any(part in n for n in names), part
+    # the tokens fed to the model, counted at its input: 77 timed steps (3..79) x 8 x 64 x 2
+    fed = next(c for c in s["checks"] if c["name"].startswith("tokens fed to the model"))
+    assert fed["measured"] == 77 * 8 * 64 * 2
+    # about 42 % of the last batches' tokens were trained on before (counted; closed form beside)
+    seen = s["figures"]["tokens of the last 5 batches already trained on (fraction)"]
+    assert abs(seen["measured"] - seen["expected"]) < 0.05 and 0.35 < seen["measured"] < 0.5
     # the unigram entropy, recomputed here from the saved tokenizer and the corpus
     tok = tokenizer.load_tokenizer(run.out_dir / "tokenizer.json")
     train_text, _ = tokenizer.corpus_split()
@@ -210,6 +217,56 @@ def test_weight_tolerance_at_2_4_8_16_ranks():
         assert math.isclose(param_tolerance(4, lr, world, torch.float64), bound64, rel_tol=3e-3)
         assert param_tolerance(4, lr, world, torch.float64) == first_order_bound(
             4, lr, world, torch.float64)
+
+
+@pytest.mark.timeout(30)
+def test_training_batches_repeat_tokens_the_model_was_trained_on():
+    """The training loss is no held-out estimate: the share of a batch's targets that earlier
+    batches already held, counted here with sets (the chapter's `seen_fraction` uses a mask), and
+    its closed form; at step 75 of the default run it is 41 %."""
+    n, B, T, seed = 143_520, 16, 64, 0
+    done: set[int] = set()
+    for step in range(75):
+        for start in parity.batch_starts(n, step, B, T, seed):
+            done.update(range(start + 1, start + 1 + T))
+    targets = [p for start in parity.batch_starts(n, 75, B, T, seed)
+               for p in range(start + 1, start + 1 + T)]
+    here = sum(p in done for p in targets) / len(targets)
+    assert parity.seen_fraction(n, range(75, 76), B, T, seed) == here
+    assert parity.expected_seen_fraction(n, 75, B, T) == pytest.approx(
+        1 - (1 - 64 / 143_455) ** 1200, rel=1e-12)
+    assert round(parity.expected_seen_fraction(n, 75, B, T), 2) == 0.41
+    # averaged over many batches the count follows the formula (one batch is 16 windows: noisy)
+    steps = range(60, 100)
+    measured = parity.seen_fraction(n, steps, B, T, seed)
+    formula = sum(parity.expected_seen_fraction(n, s_, B, T) for s_ in steps) / len(steps)
+    assert abs(measured - formula) < 0.02
+    # control: a corpus read in order, without replacement, repeats nothing in its first pass
+    assert parity.expected_seen_fraction(n, 0, B, T) == 0.0
+
+
+@pytest.mark.timeout(30)
+def test_throughput_counts_are_checked_against_the_meter():
+    from chapters.ch25_llm.checks import record_throughput
+    from common.testing import Verdicts
+
+    steps, per_rank, world = 10, 8 * 64, 1
+    run = {"times": [0.1] * steps, "tokens": [per_rank] * steps,
+           "stamps": [0.11 * k for k in range(steps + 1)]}
+    meter = {"tokens": per_rank * world, "flops": 1e9, "peak": 1e12, "source": "test"}
+    good = Verdicts()
+    record_throughput(good, run, meter, (2, steps))
+    assert not good.failed()
+    count = "tokens fed to the model in the timed steps (counted at the embedding, all ranks) " \
+            "= steps x micro-batch x T x ranks"
+    rate = "tokens/s: wall clock (counted tokens) / median step (meter)"
+    assert good.measured[count] == 8 * per_rank and good.measured[rate] == pytest.approx(0.1 / 0.11, rel=1e-3)
+    # controls: a meter that counts two ranks' tokens where one ran, or one rank's where two ran
+    # (the world size forgotten), fails the count and the rate
+    for factor in (2, 0.5):
+        bad = Verdicts()
+        record_throughput(bad, run, {**meter, "tokens": meter["tokens"] * factor}, (2, steps))
+        assert bad.failed() == sorted([count, rate]), factor
 
 
 @pytest.mark.timeout(30)

@@ -111,18 +111,34 @@ def throughput_meter(config, cfg, info) -> dict:
             "peak": peak, "source": source}
 
 
+RATE_BAND = (0.5, 1.1)
+"""tokens/s from the wall clock over tokens/s from the median step: at most 1 (the wall clock also
+holds the batch slicing, the loss all-reduce, the logging, and steps slower than the median), by
+1.1 allowing for a few fast steps; below 0.5 the machine was busy elsewhere (a timing check)."""
+
+
 def record_throughput(rec: RunRecorder, run: dict, meter: dict, window: tuple[int, int]) -> None:
     """tokens/s and MFU over the timed steps `window` (first, end): the median; warm-up and
-    compilation excluded, and on CUDA the deterministic steps after the checkpoint."""
-    timed = run["times"][window[0]:window[1]]
+    compilation excluded, and on CUDA the deterministic steps after the checkpoint. Beside it,
+    independently: the tokens the model was fed (counted at its input embedding, all ranks)
+    against the meter's tokens per step, and those tokens over the wall clock of the window."""
+    first, end = window
+    timed = run["times"][first:end]
     step_s = reduce_number(statistics.median(timed), "max")  # the slowest rank sets the pace
     rec.figure("step time (median of timed steps)", round(step_s * 1e3, 2), unit="ms",
                spread=(min(timed) * 1e3, max(timed) * 1e3))
     rec.figure("tokens/s (all ranks)", round(meter["tokens"] / step_s), unit="tokens/s")
     rec.figure("model TFLOP/s per device", round(meter["flops"] / step_s / 1e12, 4), unit="TFLOP/s")
     rec.figure(f"MFU (peak: {meter['source']})", round(meter["flops"] / step_s / meter["peak"], 4))
-    rec.check("tokens/s measured (timing, not fatal)", "timing", meter["tokens"] / step_s, 0.0,
-              compare=">")
+    counted = reduce_number(sum(run["tokens"][first:end]))
+    rec.check("tokens fed to the model in the timed steps (counted at the embedding, all ranks) "
+              "= steps x micro-batch x T x ranks", "count", counted, meter["tokens"] * (end - first))
+    wall = reduce_number(run["stamps"][end] - run["stamps"][first], "max")
+    rec.figure("tokens/s from the wall clock (counted tokens / window)", round(counted / wall),
+               unit="tokens/s")
+    rec.check("tokens/s: wall clock (counted tokens) / median step (meter)", "timing",
+              round((counted / wall) / (meter["tokens"] / step_s), 4), list(RATE_BAND),
+              compare="between")
 
 
 def record_export(rec: RunRecorder, hf: dict, trained_params: dict, sample_tokens: int) -> None:

@@ -22,14 +22,46 @@ from chapters.ch25_llm.model import apply_fsdp, build_model, lr_at
 ADAM_EPS = 1e-8  # AdamW's epsilon (torch's default), part of the tolerance's derivation
 
 
+def batch_starts(n_ids: int, step: int, global_size: int, seq_len: int, seed: int) -> list[int]:
+    """Where the step's windows start: uniformly at random, with replacement, from the step's
+    own generator (the same on every rank, a function of the step alone)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randint(0, n_ids - seq_len - 1, (global_size,), generator=g).tolist()
+
+
 def global_batch(ids: torch.Tensor, step: int, global_size: int, seq_len: int, seed: int):
     """The step's global batch of (input, target) windows: the same on every rank, a function
     of the step alone (so a resumed run reads exactly the batches it would have read)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, len(ids) - seq_len - 1, (global_size,), generator=g).tolist()
+    starts = batch_starts(len(ids), step, global_size, seq_len, seed)
     x = torch.stack([ids[s:s + seq_len] for s in starts])
     y = torch.stack([ids[s + 1:s + 1 + seq_len] for s in starts])
     return x, y
+
+
+def seen_fraction(n_ids: int, steps: range, global_size: int, seq_len: int, seed: int) -> float:
+    """Of the target tokens of the batches of `steps`, the fraction already a target in an earlier
+    step's batch (counted position by position): how much of a training batch the model has
+    already been trained on when it is scored."""
+    covered = torch.zeros(n_ids, dtype=torch.bool)
+    for step in range(steps.start):
+        for s in batch_starts(n_ids, step, global_size, seq_len, seed):
+            covered[s + 1:s + 1 + seq_len] = True
+    seen = total = 0
+    for step in steps:
+        starts = batch_starts(n_ids, step, global_size, seq_len, seed)
+        for s in starts:
+            seen += int(covered[s + 1:s + 1 + seq_len].sum())
+            total += seq_len
+        for s in starts:
+            covered[s + 1:s + 1 + seq_len] = True
+    return seen / total
+
+
+def expected_seen_fraction(n_ids: int, step: int, global_size: int, seq_len: int) -> float:
+    """The same, in closed form, for the batch of `step`: a target position is covered by one
+    earlier window with probability T/(n − T − 1), so by at least one of the step·B earlier
+    windows with 1 − (1 − T/(n − T − 1))^(step·B) (ends of the corpus neglected)."""
+    return 1 - (1 - seq_len / (n_ids - seq_len - 1)) ** (step * global_size)
 
 
 def rank_slice(batch, rank: int, world_size: int):

@@ -21,6 +21,7 @@ Run:
 import os
 import statistics
 import sys
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from typing import Literal
@@ -201,11 +202,18 @@ def build_fsdp_model(cfg: Config, config, info, seed: int):
 def train_steps(model, opt, cfg: Config, ids, info, first: int, last: int, rec=None,
                 on_step=None, meter=None) -> dict:
     """Steps first..last-1: the step's slice of the global batch, warm-up + cosine learning rate,
-    forward/backward, clipping, AdamW. Returns the losses, gradient norms and step times; logs
-    each step's tokens/s and MFU when given a `meter` (see `checks.throughput_meter`)."""
-    losses, norms, times = [], [], []
+    forward/backward, clipping, AdamW. Returns the losses, gradient norms and step times, the
+    tokens each step fed to the model (counted by a hook on its input embedding, this rank's) and
+    wall-clock stamps (`stamps[k]`: after k steps, once the device is synchronised); logs each
+    step's tokens/s and MFU when given a `meter` (see `checks.throughput_meter`)."""
+    losses, norms, times, tokens = [], [], [], []
+    fed = [0]
+    hook = model.get_input_embeddings().register_forward_pre_hook(
+        lambda module, args: fed.__setitem__(0, fed[0] + args[0].numel()))
+    stamps = [time.perf_counter()]
     steps = range(first, last)
     for step in progress(steps, total=len(steps), desc="step", enabled=rec is not None and info.is_main):
+        before = fed[0]
         x, y = parity.rank_slice(parity.global_batch(ids, step, cfg.micro_batch_size * info.world_size,
                                                      cfg.seq_len, cfg.seed), info.rank, info.world_size)
         lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps)
@@ -219,7 +227,9 @@ def train_steps(model, opt, cfg: Config, ids, info, first: int, last: int, rec=N
             opt.zero_grad(set_to_none=True)
         total = loss.detach().clone()
         dist.all_reduce(total)  # on info.device (NCCL takes CUDA tensors only)
-        losses.append(total.item() / info.world_size)
+        losses.append(total.item() / info.world_size)  # .item(): the device has finished
+        stamps.append(time.perf_counter())
+        tokens.append(fed[0] - before)
         norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
         times.append(timer.elapsed)
         if rec is not None:
@@ -229,7 +239,8 @@ def train_steps(model, opt, cfg: Config, ids, info, first: int, last: int, rec=N
             rec.metrics(step, loss=losses[-1], lr=lr, grad_norm=norms[-1], step_s=times[-1], **speed)
         if on_step is not None:
             on_step(step + 1)
-    return {"losses": losses, "norms": norms, "times": times}
+    hook.remove()
+    return {"losses": losses, "norms": norms, "times": times, "tokens": tokens, "stamps": stamps}
 
 
 def save_checkpoint(model, opt, path) -> None:
@@ -318,7 +329,16 @@ def main(cfg: Config) -> int:
         rec.check("training loss (mean of last 5 steps) < unigram entropy", "formula", final,
                   round(entropy, 6), compare="<")
         passes = training_passes(cfg, info.world_size, len(train_ids))
-        if passes <= 1:  # each window scored before the model stepped on it: no overfitting yet
+        # the training loss is no held-out estimate: windows start anywhere, with replacement,
+        # so part of each batch was trained on before (measured here, with its closed form)
+        last = range(max(0, cfg.steps - 5), cfg.steps)
+        global_size = cfg.micro_batch_size * info.world_size
+        rec.figure("tokens of the last 5 batches already trained on (fraction)",
+                   round(parity.seen_fraction(len(train_ids), last, global_size, cfg.seq_len,
+                                              cfg.seed), 4),
+                   expected=round(statistics.mean(parity.expected_seen_fraction(
+                       len(train_ids), step, global_size, cfg.seq_len) for step in last), 4))
+        if passes <= 1:  # under one pass over the training tokens (the gpu preset makes ~10)
             rec.check("held-out loss < unigram entropy", "formula", val, round(entropy, 6),
                       compare="<")
         else:  # it may have memorised the training text: reported, not checked
