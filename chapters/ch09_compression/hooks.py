@@ -5,8 +5,9 @@ sends the compressed payload with a real collective: Top-K values and indices, Q
 levels and norms, packed sign bits and a scale, PowerSGD's low-rank factors P and Q. The hooks
 do not count their own bytes: `wire.WireTap` records what reaches the collectives, so the
 compression ratio is measured from what was sent, not from what a hook says it sent. Error
-feedback keeps, per bucket, what compression dropped and adds it back to the next step's
-gradient.
+feedback keeps, per parameter, what compression dropped and adds it back to the next step's
+gradient: never per bucket or per position in the flat bucket, because DDP rebuilds its buckets
+after step 0 in another order (`keyed_gradients`).
 
 Every rank decodes the same gathered payloads with the same deterministic operations, so the
 replicas receive the same averaged gradient bit for bit (no atomics: see `topk_decompress`).
@@ -40,7 +41,9 @@ class HookState:
     seed: int = 0
     """Seeds QSGD's rounding (with the rank) and PowerSGD's shared initial Q."""
     residuals: dict = field(default_factory=dict)
+    """Error feedback: parameter -> what compression has not sent yet (`keyed_gradients`)."""
     warm_q: dict = field(default_factory=dict)
+    """PowerSGD: parameter -> last step's Q, the warm start of this step's power iteration."""
     generator: torch.Generator | None = None
 
 
@@ -68,17 +71,26 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def add_residual(state: HookState, key, grad: torch.Tensor) -> torch.Tensor:
-    """Error feedback, first half: the vector to compress is gradient + last residual."""
-    if state.error_feedback and key in state.residuals:
-        return grad + state.residuals[key]
-    return grad.clone()
+def keyed_gradients(bucket: dist.GradBucket) -> tuple[list, list[torch.Tensor]]:
+    """The bucket's gradients (views into its flat buffer, in its order) and the key each one's
+    state is kept under: its parameter. Not `bucket.index()` and a position in the flat bucket:
+    DDP rebuilds its buckets after step 0 in the order the gradients became ready (this MLP's
+    layout `[0.w, 0.b, 2.w, 2.b, 4.w, 4.b]` at step 0 is `[4.b, 4.w, 2.b, 2.w, 0.b, 0.w]` from
+    step 1), so state kept by position would land on another parameter's coordinates."""
+    return bucket.parameters(), bucket.gradients()
 
 
-def keep_residual(state: HookState, key, corrected: torch.Tensor, sent: torch.Tensor) -> None:
-    """Error feedback, second half: remember what this rank's compression dropped."""
+def add_residual(state: HookState, keys: list, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Error feedback, first half: per key, the tensor to compress is gradient + its residual."""
+    return [g + state.residuals[k] if state.error_feedback and k in state.residuals else g.clone()
+            for k, g in zip(keys, grads)]
+
+
+def keep_residual(state: HookState, keys: list, corrected, sent) -> None:
+    """Error feedback, second half: per key, remember what this rank's compression dropped."""
     if state.error_feedback:
-        state.residuals[key] = corrected - sent
+        for k, c, s in zip(keys, corrected, sent):
+            state.residuals[k] = c - s
 
 
 def dense_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -131,9 +143,12 @@ def topk_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     """Top-K with error feedback: all_gather K values and K indices from every rank."""
     buf = bucket.buffer()
     n = buf.numel()
-    corrected = add_residual(state, bucket.index(), buf)
+    keys, grads = keyed_gradients(bucket)
+    corrected = torch.cat(add_residual(state, keys, [g.flatten() for g in grads]))
     values, indices = topk_compress(corrected, topk_size(n, state.density))
-    keep_residual(state, bucket.index(), corrected, topk_decompress(values, indices, n))
+    sent = topk_decompress(values, indices, n)
+    pieces = [g.numel() for g in grads]
+    keep_residual(state, keys, corrected.split(pieces), sent.split(pieces))
     all_values = all_gather_payload(values)
     all_indices = all_gather_payload(indices)
     buf.copy_(topk_decompress(all_values, all_indices, n) / dist.get_world_size())
@@ -178,6 +193,31 @@ def qsgd_dequantize(q: torch.Tensor, norms: torch.Tensor, levels: int, n: int) -
     return v.reshape(*q.shape[:-2], -1)[..., :n]
 
 
+def elias_omega_bits(n: int) -> int:
+    """Length of Elias's omega (recursive) code of a positive integer: 1 -> "0" (1 bit),
+    2 -> "100", 4 -> "10 100 0" (6 bits): the binary of n, led by the code of its length."""
+    bits = 1
+    while n > 1:
+        bits += n.bit_length()
+        n = n.bit_length() - 1
+    return bits
+
+
+def qsgd_code_bits(q: torch.Tensor) -> int:
+    """Bits of QSGD's levels q (chunks × d) in a variable-length code after the paper's Elias
+    coding: per chunk 32 for the norm, per non-zero level the Elias code of the gap since the
+    previous one, a sign bit and the Elias code of |level|. Zeros cost nothing, so at s = 1
+    (most levels 0) this is far below a fixed-length code's log₂3 ≈ 1.58 bits per level."""
+    bits = 32 * q.shape[0]
+    for row in q.tolist():
+        last = -1
+        for i, level in enumerate(row):
+            if level:
+                bits += elias_omega_bits(i - last) + 1 + elias_omega_bits(abs(level))
+                last = i
+    return bits
+
+
 def qsgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """QSGD: all_gather int8 levels and fp32 norms. Unbiased, so no error feedback needed."""
     buf = bucket.buffer()
@@ -214,15 +254,39 @@ def signsgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     Seide et al., 2014): send one bit per coordinate and, per gradient tensor, one scale
     ||p||₁/numel; decode scale·sign. Per-tensor scales: layers' gradients differ in size."""
     buf = bucket.buffer()
+    keys, grads = keyed_gradients(bucket)
     n, sizes = buf.numel(), [g.numel() for g in bucket.gradients()]
-    corrected = add_residual(state, bucket.index(), buf)
+    corrected = torch.cat(add_residual(state, keys, [g.flatten() for g in grads]))
     scales = torch.stack([part.abs().mean() for part in corrected.split(sizes)])
     packed = pack_signs(corrected)
     per_coord = scales.repeat_interleave(torch.tensor(sizes, device=buf.device), dim=-1)
-    keep_residual(state, bucket.index(), corrected, per_coord * unpack_signs(packed, n, buf.dtype))
+    sent = per_coord * unpack_signs(packed, n, buf.dtype)
+    pieces = [g.numel() for g in grads]  # the same as sizes: one gradient per key
+    keep_residual(state, keys, corrected.split(pieces), sent.split(pieces))
     all_packed, all_scales = all_gather_payload(packed), all_gather_payload(scales)
     per_coord = all_scales.repeat_interleave(torch.tensor(sizes, device=buf.device), dim=-1)
     buf.copy_((per_coord * unpack_signs(all_packed, n, buf.dtype)).mean(0))
+    return completed(buf)
+
+
+MAX_VOTERS = 127  # the largest sum of ±1 votes that int8 holds
+
+
+def majority_vote_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """signSGD with majority vote (Bernstein et al., 2018 and 2019): every rank votes with the
+    sign of each coordinate, ±1 in int8, and an all-reduce *sums* the votes (a quantised payload
+    that is reduced, not gathered: the ranks share the scale, 1); every rank applies
+    sign(Σ votes), the majority's verdict (0 on a tie), times the ranks' mean of each tensor's
+    ||g||₁/numel (fp32, all-reduced too). No error feedback, as in the papers: the vote itself
+    is not a rank's own compression, so there is no residual of this rank's to keep."""
+    buf = bucket.buffer()
+    world, sizes = dist.get_world_size(), [g.numel() for g in bucket.gradients()]
+    if world > MAX_VOTERS:
+        raise ValueError(f"majority vote sums int8 votes: at most {MAX_VOTERS} ranks, not {world}")
+    votes = all_reduce_sum(torch.where(buf >= 0, 1, -1).to(torch.int8))
+    scales = all_reduce_sum(torch.stack([g.abs().mean() for g in buf.split(sizes)])) / world
+    per_coord = scales.repeat_interleave(torch.tensor(sizes, device=buf.device))
+    buf.copy_(per_coord * votes.sign().to(buf.dtype))
     return completed(buf)
 
 
@@ -248,7 +312,7 @@ def orthonormalise(p: torch.Tensor) -> torch.Tensor:
 def powersgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """PowerSGD (Vogels et al., 2019), one power iteration per step with warm start and error
     feedback: M ≈ P̂ Qᵀ with P = M Q summed over ranks, P̂ orthonormal, Q = mean Mᵀ P̂."""
-    grads = bucket.gradients()  # views into bucket.buffer(): writing them writes the bucket
+    all_keys, grads = keyed_gradients(bucket)  # views into the buffer: writing them writes it
     world = dist.get_world_size()
     plan = powersgd_plan([g.shape for g in grads], state.rank)
     plain = [g for g, r in zip(grads, plan) if r == 0]
@@ -256,25 +320,26 @@ def powersgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
         flat = all_reduce_sum(torch.cat([g.flatten() for g in plain])) / world
         for g, part in zip(plain, flat.split([g.numel() for g in plain])):
             g.copy_(part.view_as(g))
-    keys = [(bucket.index(), i) for i, r in enumerate(plan) if r]
-    mats = [add_residual(state, k, grads[k[1]].view(grads[k[1]].shape[0], -1)) for k in keys]
-    for k, m in zip(keys, mats):
-        if k not in state.warm_q or state.warm_q[k].shape[0] != m.shape[1]:
-            g = torch.Generator(m.device).manual_seed(state.seed)  # the same Q on every rank
-            state.warm_q[k] = torch.randn(m.shape[1], plan[k[1]], generator=g,
-                                          device=m.device, dtype=m.dtype)
-    if not keys:
+    todo = [i for i, r in enumerate(plan) if r]
+    if not todo:
         return completed(bucket.buffer())
+    keys = [all_keys[i] for i in todo]
+    mats = add_residual(state, keys, [grads[i].view(grads[i].shape[0], -1) for i in todo])
+    for k, m, i in zip(keys, mats, todo):
+        if k not in state.warm_q:
+            g = torch.Generator(m.device).manual_seed(state.seed)  # the same Q on every rank
+            state.warm_q[k] = torch.randn(m.shape[1], plan[i], generator=g,
+                                          device=m.device, dtype=m.dtype)
     ps = [m @ state.warm_q[k] for k, m in zip(keys, mats)]
     ps = all_reduce_sum(torch.cat([p.flatten() for p in ps])).split([p.numel() for p in ps])
     ps = [orthonormalise(p.view(m.shape[0], -1)) for p, m in zip(ps, mats)]
     qs = [m.T @ p for m, p in zip(mats, ps)]
-    for k, m, p, q in zip(keys, mats, ps, qs):
-        keep_residual(state, k, m, p @ q.T)  # this rank's own error, before Q is averaged
+    # this rank's own error, before Q is averaged (the paper's Algorithm 2)
+    keep_residual(state, keys, mats, [p @ q.T for p, q in zip(ps, qs)])
     flat_q = all_reduce_sum(torch.cat([q.flatten() for q in qs])) / world
-    for k, m, p, q in zip(keys, mats, ps, flat_q.split([q.numel() for q in qs])):
+    for k, m, p, q, i in zip(keys, mats, ps, flat_q.split([q.numel() for q in qs]), todo):
         state.warm_q[k] = q.view(m.shape[1], -1)
-        grads[k[1]].copy_((p @ state.warm_q[k].T).view_as(grads[k[1]]))
+        grads[i].copy_((p @ state.warm_q[k].T).view_as(grads[i]))
     return completed(bucket.buffer())
 
 
@@ -294,6 +359,8 @@ def expected_bytes(method: str, shapes: list[torch.Size], state: HookState, elem
         return chunks * state.chunk * 1 + chunks * elem  # int8 levels (padded) + norms
     if method.startswith("signsgd"):
         return math.ceil(n / 8) + elem * len(shapes)  # packed bits + a scale per tensor
+    if method == "majority_vote":
+        return n + elem * len(shapes)  # an int8 vote per coordinate + a scale per tensor
     if method.startswith("powersgd"):
         total = 0
         for s, r in zip(shapes, powersgd_plan(shapes, state.rank)):
@@ -309,8 +376,10 @@ GATHERED = ("topk", "qsgd", "signsgd")  # methods whose payloads are all-gathere
 def received_bytes(method: str, shapes: list[torch.Size], state: HookState, world: int) -> float:
     """Bytes one rank receives per step over a ring: an all-reduce of B bytes brings in
     2(W−1)/W·B (reduce-scatter, then all-gather), an all-gather of B-byte payloads (W−1)·B.
-    Sparse and quantised payloads cannot be summed on the way, so they are gathered: what a
-    rank receives grows with W, while an all-reduce's stays below 2B."""
+    A payload that each rank encodes in its own terms (Top-K's own indices, QSGD's own norms,
+    packed sign bits with their own scales) cannot be summed on the way, so it is gathered: what
+    a rank receives grows with W, while an all-reduce's stays below 2B. Integers on a scale all
+    ranks share can be summed: the majority vote's int8 signs are all-reduced."""
     sent = expected_bytes(method, shapes, state)
     if method.startswith(GATHERED):
         return (world - 1) * sent

@@ -63,6 +63,16 @@ for stochastic in (True, False):
           f"|mean of 500 draws - v| / |v| = {err:.4f}, levels used {sorted(q.unique().tolist())}")
 
 # %% [markdown]
+# The hook sends each level as int8: 8 bits. The paper codes the levels with Elias's
+# variable-length codes instead, where a zero level costs nothing; with few levels most are zero:
+
+# %%
+for s in (1, 4, 16):
+    q, norms = hooks.qsgd_quantize(v, s, 256, g)
+    print(f"s = {s:2d}: {(q != 0).float().mean().item():4.0%} of levels non-zero, "
+          f"{hooks.qsgd_code_bits(q) / v.numel():.2f} bits per coordinate in the paper's code, 8 as int8")
+
+# %% [markdown]
 # ## SignSGD / 1-bit: one bit per coordinate and a scale
 # The signs are packed eight to a byte; the scale ‖p‖₁/n keeps the step's size.
 
@@ -74,12 +84,24 @@ print(f"{packed.numel()} bytes of signs for {v.numel()} coordinates (32x smaller
 # %% [markdown]
 # ## Error feedback, the whole idea in two functions
 # The hook compresses gradient + residual, and keeps as the new residual what it did not send.
-# Nothing is lost, only delayed.
+# Nothing is lost, only delayed. The residual belongs to a parameter, not to a place in the
+# bucket: DDP rebuilds its buckets after the first step in another order, so the state is keyed
+# by parameter (`keyed_gradients`). The test checks that, over three steps across the rebuild,
+# everything a rank sent plus its residual equals every gradient it computed.
 
 # %%
+print(inspect.getsource(hooks.keyed_gradients))
 print(inspect.getsource(hooks.add_residual))
 print(inspect.getsource(hooks.keep_residual))
 print(inspect.getsource(hooks.topk_hook))
+
+# %% [markdown]
+# ## signSGD with majority vote: a quantised payload that is reduced
+# Votes of ±1 in int8 can be summed on the way, so they go through an all-reduce: what a rank
+# receives does not grow with the world size, unlike the gathered payloads below.
+
+# %%
+print(inspect.getsource(hooks.majority_vote_hook))
 
 # %% [markdown]
 # ## PowerSGD: a rank-r factorisation M ≈ P Qᵀ
@@ -117,13 +139,13 @@ for method in train.METHODS:
 # ## ... and what a rank receives
 # A ring all-reduce of B bytes brings 2(W−1)/W·B into each rank; an all-gather of B-byte
 # payloads brings (W−1)·B. Gathered payloads (Top-K, QSGD, SignSGD) stop paying at some world
-# size; all-reduced ones (PowerSGD, fp16) never do:
+# size; all-reduced ones (PowerSGD, majority vote, fp16) never do:
 
 # %%
-print(f"{'method':9s}" + "".join(f"{'W=' + str(w):>10s}" for w in (2, 8, 64, 256)) + "   break-even W")
-for method in ("dense", "topk", "qsgd", "signsgd", "powersgd"):
+print(f"{'method':13s}" + "".join(f"{'W=' + str(w):>10s}" for w in (2, 8, 64, 256)) + "   break-even W")
+for method in ("dense", "topk", "qsgd", "signsgd", "majority_vote", "powersgd"):
     row = "".join(f"{hooks.received_bytes(method, shapes, state, w):10.0f}" for w in (2, 8, 64, 256))
-    print(f"{method:9s}{row}   {hooks.break_even_world(method, shapes, state)}")
+    print(f"{method:13s}{row}   {hooks.break_even_world(method, shapes, state)}")
 
 # %% [markdown]
 # ## The real run: every method as a DDP hook on two processes

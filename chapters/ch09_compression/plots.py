@@ -1,7 +1,11 @@
 """Figures for the chapter 09 lesson (`python tools/figures.py ch09`; `--rerun` re-measures).
 
 They are drawn from a real run recorded in figures/data.json by `measure`: train.py on two CPU
-processes, every method.
+processes, every method. `calibrate` records in figures/calibration.json each method's final
+loss over dense training's at every world size the lesson's commands use, over four seeds: the
+runs that set the loss tolerance (slow, about an hour on two cores; run it by hand):
+
+    ./course python -c "from chapters.ch09_compression import plots; plots.calibrate()"
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ MEASURE_S = 30
 STYLE = {"dense": ("black", "-"), "fp16": ("grey", ":"), "bf16": ("silver", ":"),
          "topk": ("tab:blue", "-"), "topk_no_ef": ("tab:blue", "--"), "qsgd": ("tab:green", "-"),
          "signsgd": ("tab:red", "-"), "signsgd_no_ef": ("tab:red", "--"),
+         "majority_vote": ("tab:orange", "-."),
          "powersgd": ("tab:purple", "-"), "powersgd_builtin": ("tab:purple", ":")}
 
 
@@ -33,7 +38,7 @@ def draw(curves: dict, summary: dict, fig_dir: Path) -> list[Path]:
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (whole data set)")
-    ax.set_title("Compressed gradients, 2 ranks: dashed = without error feedback")
+    ax.set_title("Compressed gradients, 2 ranks: dashed, dash-dotted = without error feedback")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     paths = [fig_dir / "loss_curves.png"]
@@ -76,3 +81,30 @@ def measure() -> dict:
 
 def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     return draw(data["curves"], data["summary"], fig_dir)
+
+
+def calibrate(worlds=(1, 2, 3, 4, 8, 16), seeds=(0, 1, 2, 3), path: Path | None = None) -> dict:
+    """train.py's default run at each world size and seed: every method's final loss divided by
+    dense training's, written to figures/calibration.json (a run whose checks fail is kept: the
+    file is where a tolerance that does not fit shows)."""
+    import json
+
+    from common.launch import run_torchrun
+
+    script = Path(__file__).with_name("train.py")
+    path = path or Path(__file__).with_name("figures") / "calibration.json"
+    ratios = {}
+    for world in worlds:
+        for seed in seeds:
+            with tempfile.TemporaryDirectory() as out:
+                result = run_torchrun(script, nproc=world, args=["--seed", seed], out_dir=out,
+                                      timeout=1800, expect_ok=False)
+            figs = result.summary["figures"]
+            final = {k.removeprefix("final loss "): v["measured"] for k, v in figs.items()
+                     if k.startswith("final loss ")}
+            ratios[f"world {world} seed {seed}"] = {m: round(f / final["dense"], 4)
+                                                     for m, f in final.items()}
+            print(f"world {world:2d} seed {seed}:", ratios[f"world {world} seed {seed}"], flush=True)
+    data = {"what": "final loss / dense final loss, train.py defaults", "ratios": ratios}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data

@@ -51,11 +51,14 @@ METHODS = {
     "qsgd": (hooks.qsgd_hook, False),
     "signsgd": (hooks.signsgd_hook, True),
     "signsgd_no_ef": (hooks.signsgd_hook, False),
+    "majority_vote": (hooks.majority_vote_hook, False),
     "powersgd": (hooks.powersgd_hook, True),
     "powersgd_builtin": (psgd.powerSGD_hook, True),
 }
 CONTROLS = ("topk_no_ef", "signsgd_no_ef")
-ALL_REDUCE_ONLY = ("dense", "fp16", "bf16", "powersgd", "powersgd_builtin")  # no all_gather
+# Reported, not held to the loss bound: signSGD with majority vote has no error feedback (as in
+# its papers), and on this problem it lags like the controls; it is here for what it sends.
+REPORTED_ONLY = ("majority_vote",)
 # torch's PowerSGD hook all-reduces plainly for its first 2 steps (start_powerSGD_iter=2), and
 # DDP rebuilds its buckets after step 0: the first steps are warm-up, not timed.
 WARMUP_STEPS = 3
@@ -105,13 +108,13 @@ class Config(RunConfig):
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """The global batch must split over the ranks; gloo cannot all-gather CUDA tensors."""
+    """The global batch must split over the ranks; int8 votes must not overflow. (Every method
+    also runs under gloo on CUDA tensors: by torch's source, ProcessGroupGloo all-reduces and
+    all-gathers them through host copies, AsyncAllreduceCUDA*Work and AsyncAllgatherCUDAWork.)"""
     check_global_batch(cfg.global_batch_size, world_size)
-    gathered = [m for m in cfg.methods if m not in ALL_REDUCE_ONLY]
-    on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if on_gpus and cfg.backend == "gloo" and gathered:
-        raise ValueError(f"gloo cannot all-gather CUDA tensors, which {', '.join(gathered)} need: "
-                         f"use NCCL, or --methods {' '.join(ALL_REDUCE_ONLY)}")
+    if "majority_vote" in cfg.methods and world_size > hooks.MAX_VOTERS:
+        raise ValueError(f"majority_vote sums int8 votes: at most {hooks.MAX_VOTERS} ranks, "
+                         f"not {world_size}; drop it from --methods")
 
 
 def hook_state(method: str, cfg: Config):
@@ -225,7 +228,7 @@ def main(cfg: Config) -> int:
             if m in CONTROLS:
                 rec.check(f"{m} misses dense loss (negative control)", "parity", r["losses"][-1],
                           bound, compare=">")
-            elif m != "dense":
+            elif m not in ("dense", *REPORTED_ONLY):
                 rec.check(f"{m} final loss <= dense x {1 + cfg.loss_tolerance:g}", "parity",
                           r["losses"][-1], bound, compare="<=")
         if "powersgd_builtin" in runs:  # torch's hook all-reduces plainly before its 3rd step

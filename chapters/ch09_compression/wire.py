@@ -25,6 +25,10 @@ from its C++ reducer; DDP's construction broadcasts from C++ too), functional co
 (DTensor, torch.compile: `torch.distributed.tensor.debug.CommDebugMode` counts those), nor a
 reference taken before the block (`from torch.distributed import all_reduce`).
 
+`WireTap(keep=True)` also keeps a copy of each tensor as it was handed in (`Sent.tensor`,
+copied before the collective runs): what a rank put on the wire, to decode and compare with
+what it should have sent (chapter 09's test of error feedback does).
+
 The block restores every function it replaced, also when the block raises. One limitation:
 a `P2POp` built inside the block and run after it holds the wrapper, which torch's
 `batch_isend_irecv` no longer recognises as `isend`: build P2P ops where you run them.
@@ -37,7 +41,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -78,6 +82,8 @@ class Sent:
     dtype: torch.dtype
     numel: int
     nbytes: int
+    tensor: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """A copy of the tensor as handed in (with `WireTap(keep=True)`), else None."""
 
 
 def _is_source(bound: dict, src_arg: str) -> bool:
@@ -98,7 +104,8 @@ def _original(fn):
 class WireTap:
     """Record every tensor this rank hands to a `torch.distributed` collective while the block runs."""
 
-    def __init__(self):
+    def __init__(self, keep: bool = False):
+        self.keep = keep
         self.sent: list[Sent] = []
         self._saved: list[tuple[object, str, object]] = []
         self._local = threading.local()  # a collective calling another one counts once
@@ -107,7 +114,8 @@ class WireTap:
         tensors = tensors if isinstance(tensors, (list, tuple)) else [tensors]
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                self.sent.append(Sent(kind, t.dtype, t.numel(), t.numel() * t.element_size()))
+                copy = t.detach().clone() if self.keep else None
+                self.sent.append(Sent(kind, t.dtype, t.numel(), t.numel() * t.element_size(), copy))
 
     def _outermost(self, fn, record):
         """Call fn; `record()` first if no tapped collective is already running on this thread."""
@@ -202,3 +210,9 @@ class WireTap:
     def dtypes(self, kind: str | None = None) -> list[str]:
         """The dtypes that went to collectives (of one kind, or all), sorted, each once."""
         return sorted({str(s.dtype) for s in self._of(kind)})
+
+    def tensors(self, kind: str | None = None) -> list[torch.Tensor]:
+        """Copies of the tensors handed to collectives (of one kind, or all), in call order."""
+        if not self.keep:
+            raise RuntimeError("this WireTap counts bytes only: use WireTap(keep=True)")
+        return [s.tensor for s in self._of(kind)]
