@@ -104,8 +104,8 @@ def train_zero_offload(model, X, Y, cfg: Config, info, copy_back: bool = True):
     return model, opt
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def _storage(t: torch.Tensor) -> tuple[str, int]:
+    return t.device.type, t.untyped_storage().data_ptr()
 
 
 @dataclass(frozen=True)
