@@ -59,12 +59,17 @@ def _norms_on_ranks(micro: int) -> dict:
     x, y = train.sample(cfg, cfg.global_batch_size, gen)
     w = 0.3 * train.teacher(cfg)
     n = train.dp_step_norms(w, x, y, cfg, dist.get_rank(), dist.get_world_size())
-    return {"small": n.small_sq, "big": n.big_sq, "x": x, "y": y, "w": w}
+    # the scaling experiment splits the batch sizes over the ranks: with one size, rank 1 gets
+    # none and must still take part in the gather
+    uneven = train.scaling_experiment(train.Config(batch_sizes="8", max_steps=200), dist.get_rank(),
+                                      dist.get_world_size())
+    return {"small": n.small_sq, "big": n.big_sq, "x": x, "y": y, "w": w, "uneven": uneven}
 
 
 @pytest.mark.timeout(90)
 def test_noise_scale_from_rank_norms_equals_per_example_value():
-    res = run_on_ranks(_norms_on_ranks, 2, 1, timeout=80)[0]
+    results = run_on_ranks(_norms_on_ranks, 2, 1, timeout=80)
+    res = results[0]
     B = len(res["y"])
     exact = _per_example_reference(res["w"], res["x"], res["y"])
     est = train.noise_scale(res["small"], res["big"], 1, B)["b_simple"]
@@ -73,6 +78,10 @@ def test_noise_scale_from_rank_norms_equals_per_example_value():
     tr = train.noise_scale(res["small"], res["big"], 1, B)["trace"]
     assert not check_ok(abs(tr / res["big"] / exact - 1), 0.0, train.GNS_TOLERANCE)
     assert abs(tr / res["big"] / exact - 1) > 0.1
+    # a rank with no batch size to run: the gathered table is one process's
+    alone = train.scaling_experiment(train.Config(batch_sizes="8", max_steps=200), 0, 1)
+    assert alone["table"][8]["best_steps"] > 0
+    assert all(r["uneven"]["table"] == alone["table"] for r in results)  # rank 1 ran nothing
 
 
 def _sampled_noise_scales(cfg, w, n: int = 1_000_000, chunk: int = 250_000) -> tuple[float, float]:
