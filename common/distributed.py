@@ -144,7 +144,8 @@ def choose_device_and_backend(
 
     - One GPU per local rank: rank r uses `cuda:r`.
     - `srun` with one GPU bound to each task (`--gpus-per-task=1`): every task sees one GPU,
-      `cuda:0`, its own.
+      `cuda:0`, its own (and, where Slurm confines devices, not its neighbours': NCCL then has no
+      NVLink between tasks, so the course's commands ask for `--gpus-per-node`; chapter 22).
     - GPUs asked for (`--device cuda`, or Slurm allocated them) but none visible: an error, not a
       silent run on the CPU.
     - Fewer GPUs than local ranks: an error under `auto`; with `--device cuda --backend gloo` the

@@ -102,7 +102,8 @@ def test_device_choice_on_gpu_machines_and_slurm():
     choose = distributed.choose_device_and_backend
     cuda = torch.device
     assert choose(3, 8, gpu_count=8, env={}) == (cuda("cuda", 3), "nccl")
-    # srun --gpus-per-task=1: every task sees one GPU, its own
+    # srun --gpus-per-task=1: every task sees one GPU, its own (no NVLink to the others' GPUs
+    # under ConstrainDevices, which is why the course's commands use --gpus-per-node)
     slurm = {"SLURM_PROCID": "5", "SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": "5"}
     assert choose(5, 8, gpu_count=1, env=slurm) == (cuda("cuda", 0), "nccl")
     # GPUs asked for, none visible: an error, not a silent CPU run

@@ -16,7 +16,7 @@ Run:
     torchrun --standalone --nproc_per_node=8 chapters/ch21_hyperparameters/train.py   # 8 GPUs, NCCL
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         chapters/ch21_hyperparameters/train.py                                     # two nodes
-    srun --ntasks=16 --ntasks-per-node=8 --gpus-per-task=1 python chapters/ch21_hyperparameters/train.py
+    srun --ntasks=16 --ntasks-per-node=8 --gpus-per-node=8 python chapters/ch21_hyperparameters/train.py
                                                                                    # Slurm, 16 GPUs
 The default global batch, 48 micro-batches of one sample, divides over 1, 2, 3, 4, 8 and 16 ranks.
 """

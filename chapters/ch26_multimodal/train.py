@@ -17,7 +17,7 @@ Run:
         --global-batch-size 1024 --steps 100                                      # 8 GPUs, NCCL
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         chapters/ch26_multimodal/train.py --global-batch-size 1024 --steps 100   # on each node
-    srun --ntasks=8 --ntasks-per-node=8 --gpus-per-task=1 python chapters/ch26_multimodal/train.py
+    srun --ntasks=8 --ntasks-per-node=8 --gpus-per-node=8 python chapters/ch26_multimodal/train.py
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Run:
     torchrun --standalone --nproc_per_node=8 chapters/ch27_rlhf/train.py --steps 200   # 8 GPUs
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         chapters/ch27_rlhf/train.py                                            # on each node
-    srun --ntasks=8 --ntasks-per-node=8 --gpus-per-task=1 python chapters/ch27_rlhf/train.py
+    srun --ntasks=8 --ntasks-per-node=8 --gpus-per-node=8 python chapters/ch27_rlhf/train.py
 """
 
 from __future__ import annotations
