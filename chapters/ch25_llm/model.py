@@ -57,17 +57,19 @@ def apply_activation_checkpointing(model) -> None:
 
 
 def apply_fsdp(model, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
-               mesh=None) -> None:
+               mesh=None, reshard_after_forward: bool = True) -> None:
     """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, final norm,
-    head). Each unit's parameters are all-gathered just before its forward and its gradients
-    reduce-scattered right after its backward; `param_dtype` is what the layers compute in,
-    `reduce_dtype` what gradients are summed in, the sharded fp32 master weights stay fp32."""
+    head). Each unit's parameters are all-gathered just before its forward, freed again after it
+    (`reshard_after_forward`; False keeps them whole until backward: the negative control of
+    `parity.layers_resharded_after_forward`) and its gradients reduce-scattered right after its
+    backward; `param_dtype` is what the layers compute in, `reduce_dtype` what gradients are
+    summed in, the sharded fp32 master weights stay fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
 
 def lr_at(step: int, peak: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:

@@ -135,6 +135,24 @@ def max_param_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+def layers_resharded_after_forward(config, ids, seq_len: int, micro_batch_size: int,
+                                   device: torch.device, reshard_after_forward: bool = True) -> bool:
+    """After one forward (backward still to come), is every decoder layer's parameter a DTensor
+    shard again? FSDP2 swaps each module's parameters to whole tensors while it is unsharded and
+    back to its shards when it reshards: what frees a layer's gathered weights between its
+    forward and its backward."""
+    from torch.distributed.tensor import DTensor
+
+    from chapters.ch25_llm.model import decoder_layers
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(config, 0, device)
+    apply_fsdp(model, param_dtype=torch.float32, reshard_after_forward=reshard_after_forward)
+    x, _ = rank_slice(global_batch(ids, 0, micro_batch_size * world, seq_len, 0), rank, world)
+    model(input_ids=x.to(device), use_cache=False)
+    return all(isinstance(p, DTensor) for layer in decoder_layers(model) for p in layer.parameters())
+
+
 def worker(steps: int = 4, vocab_size: int = 512) -> dict:
     """For tests (run on gloo ranks by `common.launch.run_on_ranks`): the three runs on the cpu
     preset's model with a `vocab_size` tokenizer; parameters returned by rank 0 only."""
@@ -156,4 +174,9 @@ def worker(steps: int = 4, vocab_size: int = 512) -> dict:
     if dist.get_rank() != 0:
         for run in (*runs.values(), *runs64.values()):
             run.pop("params")
-    return {"runs": runs, "runs64": runs64, "ids": ids, "config": config.to_dict()}
+    resharded = {keep: layers_resharded_after_forward(config, ids, p["seq_len"],
+                                                      p["micro_batch_size"], torch.device("cpu"),
+                                                      reshard_after_forward=keep)
+                 for keep in (True, False)}
+    return {"runs": runs, "runs64": runs64, "ids": ids, "config": config.to_dict(),
+            "resharded": resharded}
