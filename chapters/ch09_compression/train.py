@@ -4,7 +4,8 @@ The same model trains once per method from the same weights and data; each hook 
 compressed payload with a real collective, and a tap on the collectives (`wire.WireTap`) counts
 the bytes that reached them, so the script can check every method's bytes per step against its
 compression-ratio formula and its final loss against uncompressed training. Top-K and SignSGD
-also train without error feedback, the negative control.
+also train without error feedback, the negative control; signSGD with majority vote (int8 votes,
+all-reduced) is trained and reported.
 
 Run:
     python chapters/ch09_compression/train.py                                    # one process
