@@ -172,7 +172,7 @@ def setup_distributed(device: str = "auto", backend: str = "auto", timeout_s: fl
     rank, world_size = launch["rank"], launch["world_size"]
     dev, backend = choose_device(launch["local_rank"], launch["local_world_size"], device, backend)
     if dev.type == "cuda":
-        torch.cuda.set_device(dev)  # BEFORE init: NCCL binds its communicator to this device
+        torch.cuda.set_device(dev)  # BEFORE init: barrier, object collectives use this device
     timeout = datetime.timedelta(seconds=timeout_s)  # a dead peer becomes an error, not a hang
     if not dist.is_initialized():
         if launch["launcher"] == "torchrun":  # env://: MASTER_ADDR/PORT name torchrun's store
