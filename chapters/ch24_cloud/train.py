@@ -505,8 +505,8 @@ def train(cfg: Config, info, store: ObjectStoreCheckpoints, notice: Preemption, 
             worst = seconds_to_commit(max(step_s), max(save_s))
             if worst > notice.grace_s and not warned and info.is_main:
                 log.warning("a step takes %.3f s and a save %.3f s: a save on notice would end "
-                            "after --grace-s %g s; a preemption would fall back to the last "
-                            "periodic checkpoint", max(step_s), max(save_s), notice.grace_s)
+                            "after --grace-s %g s", max(step_s), max(save_s), notice.grace_s)
+                log.warning("  (a preemption would fall back to the last periodic checkpoint)")
                 warned = True
     return {"model": model, "start": start, "losses": losses, "preempted_at": preempted_at,
             "signal_time": notice.signal_time, "allowed_s": notice.allowed_s(),
@@ -554,8 +554,8 @@ def main(cfg: Config) -> int:
                   replica_spread(result["model"]), 0.0)
         if result["preempted_at"] is not None:
             stops = gather_numbers(result["preempted_at"])
-            log.info("preempted: every rank stopped before step %d and saved it (notice here: %s)",
-                     stops[0], notice.source or "none, another rank's")
+            log.info("preempted: every rank stopped before step %d and saved it", stops[0])
+            log.info("  the notice on this rank: %s", notice.source or "none, another rank's")
             rec.figure("preempted, checkpoint committed at step", stops[0])
             rec.check("every rank stopped at the same step (max - min)", "count",
                       max(stops) - min(stops), 0)
@@ -571,10 +571,10 @@ def main(cfg: Config) -> int:
                 rec.check("notice -> checkpoint committed before the deadline (s)", "timing",
                           round(elapsed, 4), allowed, compare="<=")
                 if elapsed > allowed:
-                    log.warning("the checkpoint was committed %.3f s after the notice, past the "
-                                "%.4g s allowed (--grace-s %g): the platform would have killed "
-                                "this save, and the restarted job would resume from step %d",
-                                elapsed, allowed, cfg.grace_s, result["previous_commit"])
+                    log.warning("committed %.3f s after the notice, past the %.4g s allowed "
+                                "(--grace-s %g):", elapsed, allowed, cfg.grace_s)
+                    log.warning("  the platform would have killed this save; a restart would "
+                                "resume from step %d", result["previous_commit"])
             code = rec.finish() or PREEMPTED_EXIT
             log.info("exit code %d: stopped by the preemption notice, resume from %s", code, store.url)
             return code
