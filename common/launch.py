@@ -4,6 +4,12 @@ Both are bounded by a timeout and never hang a test session: a launch that runs 
 killed with its whole process group, and the error carries the tail of its output.
 
 - `run_torchrun(script, nproc, args)` → `LaunchResult` with the parsed `summary.json`.
+- Within one test session a launch is made once: the tests record every successful launch
+  (`COURSE_RUN_RECORD`, set by tests/conftest.py), and a notebook the tests execute
+  (`COURSE_RUN_REPLAY`, set for its kernel only, tests/test_notebooks.py) that launches exactly
+  the same command (script, processes, options, environment) receives that run's output folder
+  and console instead of running it again. Tests never replay, so two runs a test compares are
+  always two real runs; a learner's notebook always launches for real.
 - `started(cmd)` (a context manager) and `wait_until(pred, proc, what)`: a run that the caller
   acts on while it runs (signals it, waits for a file it writes); leaving the block kills
   whatever is left of it, torchrun and its ranks.
@@ -16,9 +22,11 @@ killed with its whole process group, and the error carries the tail of its outpu
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,9 +115,51 @@ def _run(cmd: list[str], timeout: float, env: dict | None, cwd: Path) -> tuple[i
     return proc.returncode, out
 
 
+def _run_key(kind: str, script: str | Path, nproc: int, args, env: dict | None) -> str:
+    """What makes two launches the same run: the script, the processes, the options and the
+    environment the caller adds (not the output folder, not the timeout)."""
+    what = [kind, str(Path(script).resolve()), nproc, [str(a) for a in args], sorted((env or {}).items())]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:32]
+
+
+def _record(key: str, out_dir: Path, output: str) -> None:
+    """Keep a successful run (its output folder as it was when the run ended, and its console)
+    for an identical launch by a notebook later in this test session (COURSE_RUN_RECORD)."""
+    folder = os.environ.get("COURSE_RUN_RECORD")
+    if not folder or (Path(folder) / key).exists():
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=folder))
+    shutil.copytree(out_dir, tmp / "out")
+    (tmp / "console.json").write_text(json.dumps({"output": output, "out_dir": str(out_dir)}))
+    try:
+        tmp.rename(Path(folder) / key)
+    except OSError:  # an identical run was recorded meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replayed(key: str, out_dir: Path) -> str | None:
+    """The console of an identical run this test session recorded, its folder copied into
+    `out_dir`, when replaying is on (COURSE_RUN_REPLAY: a notebook executed by the tests)."""
+    folder = os.environ.get("COURSE_RUN_REPLAY")
+    if not folder or not (Path(folder) / key).is_dir():
+        return None
+    saved = Path(folder) / key
+    shutil.copytree(saved / "out", out_dir, dirs_exist_ok=True)
+    with open(saved / "replayed_into.txt", "a") as f:  # for whoever wonders which runs were reused
+        f.write(f"{out_dir}\n")
+    console = json.loads((saved / "console.json").read_text())
+    return console["output"].replace(console["out_dir"], str(out_dir))
+
+
 def _launch(cmd: list[str], out_dir: Path, timeout: float, env: dict | None,
-            expect_ok: bool) -> LaunchResult:
-    returncode, output = _run(cmd, timeout, env, REPO_ROOT)
+            expect_ok: bool, key: str | None = None) -> LaunchResult:
+    output = _replayed(key, out_dir) if key else None
+    if output is not None:
+        returncode = 0
+    else:
+        returncode, output = _run(cmd, timeout, env, REPO_ROOT)
+        if key and returncode == 0:
+            _record(key, out_dir, output)
     summary_path = out_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     if expect_ok and returncode != 0:
@@ -129,7 +179,8 @@ def run_torchrun(script: str | Path, nproc: int = 2, args: list[str] = (), timeo
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", str(script), "--out", str(out_dir), "--device", "cpu",
            *map(str, args)]
-    return _launch(cmd, out_dir, timeout, env, expect_ok)
+    key = _run_key("torchrun", script, nproc, args, env)
+    return _launch(cmd, out_dir, timeout, env, expect_ok, key)
 
 
 @contextlib.contextmanager
@@ -182,7 +233,8 @@ def run_python(script: str | Path, args: list[str] = (), timeout: float = 120,
     out_dir = Path(out_dir or tempfile.mkdtemp(prefix="run-"))
     extra = ["--out", str(out_dir)] if pass_out else []
     cmd = [sys.executable, str(script), *extra, *map(str, args)]
-    return _launch(cmd, out_dir, timeout, env, expect_ok)
+    key = _run_key("python", script, 1, args, env) if pass_out else None
+    return _launch(cmd, out_dir, timeout, env, expect_ok, key)
 
 
 def _rank_main(fn, rank: int, world_size: int, tmp: str, args: tuple, kwargs: dict,

@@ -17,6 +17,23 @@ HEAVY = {"06": "DeepSpeed", "12": "DeepSpeed", "18": "DeepSpeed", "19": "DeepSpe
 _chapter_seconds: dict[str, float] = defaultdict(float)
 
 
+def pytest_configure(config):
+    """Every successful chapter launch of this session is recorded (common.launch), so that a
+    notebook executed later that launches exactly the same run reuses it (tests/test_notebooks.py)."""
+    import tempfile
+
+    if "COURSE_RUN_RECORD" not in os.environ:
+        config._course_runs = tempfile.TemporaryDirectory(prefix="course-runs-")
+        os.environ["COURSE_RUN_RECORD"] = config._course_runs.name
+
+
+def pytest_unconfigure(config):
+    runs = getattr(config, "_course_runs", None)
+    if runs is not None:
+        os.environ.pop("COURSE_RUN_RECORD", None)
+        runs.cleanup()
+
+
 def pytest_runtest_logreport(report):
     """Add every phase of every test whose id names a chapter (its own module, its notebook, its
     structure and config checks) to that chapter's time."""

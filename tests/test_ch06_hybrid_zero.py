@@ -390,7 +390,7 @@ def _cnn_and_optimizer_api(rank: int, world: int) -> dict:
     out["ZeroThree dict output"] = max_diff(model.full_parameters(), dict(single.named_parameters()))
 
     # Broken: the schedule's lr never reaches the inner optimizer.
-    original = zero.ZeroOneOptimizer._sync_hyperparameters
+    original = zero.ZeroOneOptimizer.__dict__["_sync_hyperparameters"]  # the staticmethod itself
     zero.ZeroOneOptimizer._sync_hyperparameters = staticmethod(lambda src, dst: None)
     try:
         model, opt, sched = fresh()

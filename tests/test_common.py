@@ -697,3 +697,28 @@ def test_started_torchrun_leaves_no_rank_behind(tmp_path):
                 assert len(survivors) == 2, "torchrun's process group held its ranks: control void"
         time.sleep(0.5)
         assert not [p for p in pids if _alive(p)], f"{how}: ranks left running"
+
+
+def test_a_notebook_replays_a_run_the_session_recorded_and_a_test_never_does(tmp_path, monkeypatch):
+    """common.launch records each successful launch (COURSE_RUN_RECORD); with COURSE_RUN_REPLAY
+    (a notebook's kernel under the tests) the same command gets that run's folder and console,
+    paths moved to its own folder; another command, or a launch without replay, runs for real."""
+    script = tmp_path / "draw.py"
+    script.write_text("import json, os, sys\nout = sys.argv[sys.argv.index('--out') + 1]\n"
+                      "os.makedirs(out, exist_ok=True)\nvalue = os.urandom(8).hex()\n"
+                      "json.dump({'value': value, 'args': sys.argv[3:]}, open(out + '/summary.json', 'w'))\n"
+                      "print('wrote', value, 'to', out)\n")
+    monkeypatch.setenv("COURSE_RUN_RECORD", str(tmp_path / "record"))
+    monkeypatch.delenv("COURSE_RUN_REPLAY", raising=False)
+    (tmp_path / "record").mkdir()
+    first = launch.run_python(script, ["--x", "1"], out_dir=tmp_path / "a")
+    again = launch.run_python(script, ["--x", "1"], out_dir=tmp_path / "b")  # a test: real
+    assert first.summary["value"] != again.summary["value"]
+    monkeypatch.setenv("COURSE_RUN_REPLAY", str(tmp_path / "record"))
+    replay = launch.run_python(script, ["--x", "1"], out_dir=tmp_path / "c")
+    assert replay.summary == first.summary and replay.returncode == 0
+    assert replay.output == first.output.replace(str(tmp_path / "a"), str(tmp_path / "c"))
+    other = launch.run_python(script, ["--x", "2"], out_dir=tmp_path / "d")  # another command
+    assert other.summary["value"] != first.summary["value"] and other.summary["args"] == ["--x", "2"]
+    with_env = launch.run_python(script, ["--x", "1"], out_dir=tmp_path / "e", env={"K": "1"})
+    assert with_env.summary["value"] != first.summary["value"]
