@@ -517,10 +517,10 @@ def test_validate_refuses_in_one_sentence(capsys, monkeypatch):
         train.validate(train.Config(seq_len=8), 16)
     with pytest.raises(ValueError, match="does not divide the vocabulary size 50"):
         train.validate(train.Config(vocab_size=50), 4)
-    for device in ("cuda", "auto"):  # gloo on GPUs: all-reduce and broadcast only
+    for device in ("cuda", "auto"):  # gloo on GPUs: reduce-scatter runs as a whole all-reduce
         with monkeypatch.context() as m:
             m.setattr(torch.cuda, "is_available", lambda: True)
-            with pytest.raises(ValueError, match="gloo reduce-scatters CPU tensors only"):
+            with pytest.raises(ValueError, match="as an all-reduce of the whole input"):
                 train.validate(train.Config(device=device, backend="gloo"), 2)
             train.validate(train.Config(device=device, backend="gloo"), 1)
             train.validate(train.Config(device=device), 2)

@@ -42,17 +42,18 @@ sys.path.insert(0, str(REPO_ROOT))  # this checkout's code, whatever is installe
 
 from tools.precheck import launches_itself, script_module  # noqa: E402
 
-# Scripts whose collectives on device tensors are all-reduce and broadcast (DDP counts: it
-# all-reduces buckets, broadcasts the initial state, and checks parameter shapes with one
-# all-gather, which gloo also runs on CUDA tensors), so two ranks can share one GPU over gloo.
-# Object collectives and common.distributed's number helpers use CPU tensors under gloo.
-# Send/recv, reduce-scatter, all-to-all and DTensor/FSDP2 need NCCL on GPUs (chapter 10 skips its
-# FSDP2 stage under gloo on CUDA and says so; chapter 09 refuses its all-gathered methods there;
-# chapter 30 skips its pipeline layout there; chapter 22's leader all-reduce needs reduce and
-# send/recv, so it is n/a on one GPU).
+# Scripts whose collectives on device tensors gloo runs on CUDA, so two ranks can share one GPU
+# over gloo. torch's backend table promises gloo only all-reduce and broadcast on CUDA tensors;
+# torch 2.14.1's ProcessGroupGloo also has CUDA paths (through host memory) for all-gather,
+# reduce-scatter (as an all-reduce of the whole input), reduce, gather, scatter and all-to-all, but
+# none for send/recv. Object collectives and common.distributed's number helpers use CPU tensors
+# under gloo. Left out: scripts that send/recv (pipelines, rings; chapter 22's leaders), and
+# DTensor/FSDP2 and sequence parallelism, untested under gloo on CUDA (chapter 10 skips its FSDP2
+# stage there and says so; chapter 05 refuses; chapter 30 skips its pipeline layout).
 GLOO_ON_CUDA = {
     "ch01_overview/train", "ch02_single_node/train", "ch02_single_node/spawn",
     "ch03_data_parallel/train", "ch07_communication/broadcast_test", "ch08_overlap/train",
+    "ch09_compression/train",
     "ch10_mixed_precision/train", "ch11_data_loading/train", "ch13_fault_tolerance/train",
     "ch13_fault_tolerance/hang", "ch14_monitoring/train", "ch15_profiling/train",
     "ch20_memory/train", "ch23_containers/train", "ch24_cloud/train", "ch29_cost/train",

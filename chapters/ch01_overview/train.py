@@ -158,7 +158,7 @@ def choose_device(local_rank: int, local_world_size: int, device: str = "auto",
         raise DistributedSetupError(
             f"{local_world_size} processes on this node but {gpus} GPU(s): start one process per "
             f"GPU (--nproc_per_node={gpus}), or share them with --device cuda --backend gloo "
-            f"(all-reduce, broadcast and all-gather only), or run on the CPU with --device cpu")
+            f"(collectives only, no send/recv), or run on the CPU with --device cpu")
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if backend == "nccl" and dev.type != "cuda":

@@ -97,7 +97,7 @@ class Config(RunConfig):
             raise ValueError("--sleep-ms must be at least 0 and --sleep-band positive")
         if self.device == "cuda" and self.backend == "gloo":
             raise ValueError("the stages send CUDA tensors point to point, which gloo cannot carry "
-                             "(its CUDA support is all-reduce and broadcast): use NCCL, one GPU per rank")
+                             "(its send/recv have no CUDA path): use NCCL, one GPU per rank")
 
 
 def n_micro_batches(cfg: Config, world_size: int) -> int:

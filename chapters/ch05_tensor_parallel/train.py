@@ -103,8 +103,9 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ValueError(error)
     on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if world_size > 1 and cfg.backend == "gloo" and on_gpus:
-        raise ValueError("gloo reduce-scatters CPU tensors only, and sequence parallelism "
-                         "reduce-scatters: use NCCL (one GPU per rank) or --device cpu")
+        raise ValueError("gloo runs a reduce-scatter of CUDA tensors as an all-reduce of the whole "
+                         "input, not the traffic this chapter measures: use NCCL (one GPU per "
+                         "rank) or --device cpu")
     if cfg.vocab_size % world_size:
         raise ValueError(f"tensor-parallel degree {world_size} does not divide the vocabulary "
                          f"size {cfg.vocab_size}")

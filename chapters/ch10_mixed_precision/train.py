@@ -424,7 +424,7 @@ def main(cfg: Config) -> int:
             timing_figure(rec, f"DDP {name}", run["step_ms"])
 
         if info.backend == "gloo" and info.device.type == "cuda" and info.world_size > 1:
-            rec.figure("FSDP2 stage", "n/a: gloo cannot all-gather or reduce-scatter CUDA tensors")
+            rec.figure("FSDP2 stage", "n/a: not run under gloo on CUDA (untested; use NCCL)")
         else:
             fsdp32 = train_fsdp(copy.deepcopy(model), X, Y, cfg, info)
             fsdp16 = train_fsdp(copy.deepcopy(model), X, Y, cfg, info, torch.bfloat16, torch.float32)

@@ -122,12 +122,13 @@ class Config(RunConfig):
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """The batch is per rank, so every world divides it. FSDP2 reduce-scatters, which gloo does
-    on CPU tensors only: ranks sharing a GPU through gloo cannot run it."""
+    """The batch is per rank, so every world divides it. FSDP2 reduce-scatters, which gloo runs on
+    CUDA tensors as an all-reduce of the whole input (torch 2.14.1's ProcessGroupGloo), untested
+    here: ranks sharing a GPU through gloo are refused."""
     on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if world_size > 1 and cfg.backend == "gloo" and on_gpus:
-        raise ValueError("gloo reduce-scatters CPU tensors only, and FSDP2 reduce-scatters: "
-                         "use NCCL (one GPU per rank) or --device cpu")
+        raise ValueError("FSDP2 reduce-scatters, which gloo runs on CUDA tensors as an all-reduce "
+                         "of the whole input (untested): use NCCL (one GPU per rank) or --device cpu")
     if cfg.timed_from >= cfg.steps:
         raise ValueError(f"--timed-from {cfg.timed_from} leaves no timed step of {cfg.steps}")
     if on_gpus and cfg.timed_from >= cfg.save_step():

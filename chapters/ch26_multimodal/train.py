@@ -105,8 +105,9 @@ def validate(cfg: Config, world_size: int) -> None:
     check_global_batch(cfg.global_batch_size, world_size)
     on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if world_size > 1 and cfg.backend == "gloo" and on_gpus:
-        raise ValueError("gloo reduce-scatters CPU tensors only, and the all-gather's backward "
-                         "reduce-scatters: use NCCL (one GPU per rank) or --device cpu")
+        raise ValueError("the all-gather's backward reduce-scatters, which gloo runs on CUDA tensors "
+                         "as an all-reduce of the whole input (untested): use NCCL (one GPU per "
+                         "rank) or --device cpu")
 
 
 def shard(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
