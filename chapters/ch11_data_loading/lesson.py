@@ -103,8 +103,9 @@ for name, ds in (("decode + augment", images), ("cached", datasets.CachedDataset
 
 # %% [markdown]
 # The benchmark over `num_workers` (`python chapters/ch11_data_loading/benchmark.py`) drew this
-# figure in one run on a shared 2-core machine without CUDA (median and min-max of three
-# epochs; the timings vary 2x between runs);
+# figure in five runs in a row on a shared 2-core machine without CUDA (each point: the median
+# and min-max of three epochs; each run labelled with the machine's 1-minute load average
+# before and after it, because other jobs decide how many cores the workers get);
 # `pin_memory` needs CUDA, so there it is off and reported "n/a on CPU". With 0 workers the stall
 # matches t_d / (t_c + t_d) closely; the benchmark prints theory and measurement side by side:
 
