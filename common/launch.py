@@ -7,8 +7,9 @@ killed with its whole process group, and the error carries the tail of its outpu
 - Within one test session a launch is made once: the tests record every successful launch
   (`COURSE_RUN_RECORD`, set by tests/conftest.py), and a notebook the tests execute
   (`COURSE_RUN_REPLAY`, set for its kernel only, tests/test_notebooks.py) that launches exactly
-  the same command (script, processes, options, environment) receives that run's output folder
-  and console instead of running it again. Tests never replay, so two runs a test compares are
+  the same command (interpreter, script, processes, options, environment) into an empty folder
+  receives that run's output folder and console instead of running it again; only runs that
+  started from an empty folder and succeeded are recorded. Tests never replay, so two runs a test compares are
   always two real runs; a learner's notebook always launches for real.
 - `started(cmd)` (a context manager) and `wait_until(pred, proc, what)`: a run that the caller
   acts on while it runs (signals it, waits for a file it writes); leaving the block kills
@@ -118,15 +119,22 @@ def _run(cmd: list[str], timeout: float, env: dict | None, cwd: Path) -> tuple[i
 def _run_key(kind: str, script: str | Path, nproc: int, args, env: dict | None) -> str:
     """What makes two launches the same run: the script, the processes, the options and the
     environment the caller adds (not the output folder, not the timeout)."""
-    what = [kind, str(Path(script).resolve()), nproc, [str(a) for a in args], sorted((env or {}).items())]
+    what = [kind, sys.executable, str(Path(script).resolve()), nproc, [str(a) for a in args],
+            sorted((env or {}).items())]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:32]
 
 
+def _empty(folder: Path) -> bool:
+    """A run into `folder` starts from nothing (a script may resume from what a folder holds)."""
+    return not folder.exists() or (folder.is_dir() and not any(folder.iterdir()))
+
+
 def _record(key: str, out_dir: Path, output: str) -> None:
-    """Keep a successful run (its output folder as it was when the run ended, and its console)
-    for an identical launch by a notebook later in this test session (COURSE_RUN_RECORD)."""
+    """Keep a successful run that started from an empty folder (its output folder as it was when
+    the run ended, and its console) for an identical launch by a notebook later in this test
+    session (COURSE_RUN_RECORD)."""
     folder = os.environ.get("COURSE_RUN_RECORD")
-    if not folder or (Path(folder) / key).exists():
+    if not folder or (Path(folder) / key).exists() or not out_dir.is_dir():
         return
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=folder))
     shutil.copytree(out_dir, tmp / "out")
@@ -141,7 +149,7 @@ def _replayed(key: str, out_dir: Path) -> str | None:
     """The console of an identical run this test session recorded, its folder copied into
     `out_dir`, when replaying is on (COURSE_RUN_REPLAY: a notebook executed by the tests)."""
     folder = os.environ.get("COURSE_RUN_REPLAY")
-    if not folder or not (Path(folder) / key).is_dir():
+    if not folder or not (Path(folder) / key).is_dir() or not _empty(out_dir):
         return None
     saved = Path(folder) / key
     shutil.copytree(saved / "out", out_dir, dirs_exist_ok=True)
@@ -157,8 +165,9 @@ def _launch(cmd: list[str], out_dir: Path, timeout: float, env: dict | None,
     if output is not None:
         returncode = 0
     else:
+        fresh = _empty(out_dir)
         returncode, output = _run(cmd, timeout, env, REPO_ROOT)
-        if key and returncode == 0:
+        if key and fresh and returncode == 0:
             _record(key, out_dir, output)
     summary_path = out_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None

@@ -231,15 +231,32 @@ def library_output():
         route_library_loggers()  # loggers the block's imports created
 
 
-def torch_extension_built(name: str) -> bool:
-    """Is the C++ extension `name` (e.g. DeepSpeed's "deepspeed_shm_comm") already built in
-    torch's extension cache (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), so that
-    loading it compiles nothing? Lets a script announce a long first build only when it comes."""
+def extension_folder(name: str) -> Path:
+    """Where torch builds the C++ extension `name` for this interpreter and torch build:
+    TORCH_EXTENSIONS_DIR/NAME, else <cache>/torch_extensions/py<XY>_<cuZZZ|rocmZZZ|cpu>/NAME
+    (torch.utils.cpp_extension._get_build_directory, without creating it)."""
+    import sys
+
+    import torch
     from torch.utils.cpp_extension import get_default_build_root
 
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    return any(p.is_file() for pattern in (f"{name}/{name}.so", f"*/{name}/{name}.so")
-               for p in root.glob(pattern))
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"]) / name
+    if torch.version.hip is not None:
+        accelerator = "rocm" + torch.version.hip.replace(".", "")
+    elif torch.version.cuda is not None:
+        accelerator = "cu" + torch.version.cuda.replace(".", "")
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}" / name
+
+
+def torch_extension_built(name: str) -> bool:
+    """Is the C++ extension `name` (e.g. DeepSpeed's "deepspeed_shm_comm") already built where
+    torch will look for it, so that loading it compiles nothing? Lets a script announce a long
+    first build only when it comes."""
+    return (extension_folder(name) / f"{name}.so").is_file()
 
 
 def init_deepspeed(info):

@@ -722,3 +722,13 @@ def test_a_notebook_replays_a_run_the_session_recorded_and_a_test_never_does(tmp
     assert other.summary["value"] != first.summary["value"] and other.summary["args"] == ["--x", "2"]
     with_env = launch.run_python(script, ["--x", "1"], out_dir=tmp_path / "e", env={"K": "1"})
     assert with_env.summary["value"] != first.summary["value"]
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "checkpoint").touch()  # a folder a script could resume from: run for real
+    assert launch.run_python(script, ["--x", "1"], out_dir=tmp_path / "f").summary != first.summary
+    # a failed run is never recorded: the same command replayed runs again, and fails again
+    failing = tmp_path / "fail.py"
+    failing.write_text("import sys\nprint('failing')\nsys.exit(1)\n")
+    monkeypatch.delenv("COURSE_RUN_REPLAY")
+    assert launch.run_python(failing, out_dir=tmp_path / "g", expect_ok=False).returncode == 1
+    monkeypatch.setenv("COURSE_RUN_REPLAY", str(tmp_path / "record"))
+    assert launch.run_python(failing, out_dir=tmp_path / "h", expect_ok=False).returncode == 1

@@ -204,9 +204,9 @@ def test_a_failed_run_ends_with_one_line_naming_the_first_failure(tmp_path):
 
 
 # The loader of the test below: DeepSpeed's own load of its operator, with torch's build lock
-# made to say, as it is entered, whether another process holds it.
+# made to say, as it is entered, whether another process holds it, and when it was acquired.
 LOADER = """
-import fcntl, os
+import fcntl, os, time
 import torch.utils.cpp_extension as cpp_extension
 class Lock(cpp_extension.FileLock):
     def __enter__(self):
@@ -218,7 +218,9 @@ class Lock(cpp_extension.FileLock):
             print("lock: held by another process", flush=True)
         finally:
             os.close(fd)
-        return super().__enter__()
+        entered = super().__enter__()
+        print(f"lock: acquired at {time.monotonic()}", flush=True)
+        return entered
 cpp_extension.FileLock = Lock
 from deepspeed.accelerator import get_accelerator
 get_accelerator().create_op_builder("ShareMemCommBuilder").load(verbose=False)
@@ -231,18 +233,17 @@ def test_a_killed_operator_build_leaves_no_lock_that_blocks_a_later_load(tmp_pat
     """`./course setup` builds DeepSpeed's CPU operator once (tools/build_ops.py) and relies on
     torch's build lock being advisory: a builder that dies (a test's timeout, Slurm, the OOM
     killer) releases it with its process, while the lock file stays behind. Here a holder takes
-    the lock of a copy of the built operator's folder; a loader finds it held (the control: the
-    lock is honoured while its holder lives) and waits; the holder is SIGKILLed, and the loader
-    then finishes without rebuilding, though the lock file is still there."""
+    the lock of a copy of the built operator's folder; a loader finds it held and acquires it only
+    after the holder is SIGKILLed (the control: the lock is honoured while its holder lives), then
+    finishes without rebuilding, though the lock file is still there."""
     pytest.importorskip("deepspeed", reason="pip install deepspeed==0.19.8 (requirements.txt)")
-    from torch.utils.cpp_extension import get_default_build_root
+    from common.log import extension_folder
 
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    built = sorted(root.glob("*/deepspeed_shm_comm/deepspeed_shm_comm.so"))
-    if not built or torch.cuda.is_available():
+    built = extension_folder("deepspeed_shm_comm")
+    if not (built / "deepspeed_shm_comm.so").is_file() or torch.cuda.is_available():
         pytest.skip("DeepSpeed's CPU operator is not built here (./course setup builds it on CPU)")
     folder = tmp_path / "ext" / "deepspeed_shm_comm"  # TORCH_EXTENSIONS_DIR/NAME, no subfolder
-    shutil.copytree(built[0].parent, folder)  # copy2: mtimes kept, so ninja sees it up to date
+    shutil.copytree(built, folder)  # copy2: mtimes kept, so ninja sees it up to date
     so, lock = folder / "deepspeed_shm_comm.so", folder / "lock"
     lock.touch()
     built_at = so.stat().st_mtime_ns
@@ -262,7 +263,7 @@ def test_a_killed_operator_build_leaves_no_lock_that_blocks_a_later_load(tmp_pat
             assert said, "the loader ended without trying the lock"
         assert said.strip() == "lock: held by another process"
         time.sleep(1)
-        assert loader.poll() is None  # still waiting for the live holder
+        killed_at = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process on Linux
         holder.kill()  # a builder killed while it holds the lock
         holder.wait(timeout=10)
         out, _ = loader.communicate(timeout=60)
@@ -271,24 +272,32 @@ def test_a_killed_operator_build_leaves_no_lock_that_blocks_a_later_load(tmp_pat
             if proc.poll() is None:
                 proc.kill()
     assert loader.returncode == 0 and out.strip().endswith("lock: loaded")
+    acquired_at = float(out.split("lock: acquired at ")[1].split()[0])
+    assert acquired_at > killed_at, "the loader took the lock while its holder was alive"
     assert lock.exists() and so.stat().st_mtime_ns == built_at  # the file stayed; nothing rebuilt
 
 
-def test_the_operator_build_is_skipped_without_python_once_built(tmp_path):
-    """`./course test` asks `ops_built` (bash, no Python start) before every run: it finds the
-    operator where torch puts it, TORCH_EXTENSIONS_DIR/NAME or ~/.cache/torch_extensions/pyXY_*/NAME."""
-    so = "deepspeed_shm_comm/deepspeed_shm_comm.so"
-    ext, home = tmp_path / "ext", tmp_path / "home"
+def test_the_operator_build_runs_only_when_its_stamp_is_stale(tmp_path):
+    """`./course` asks tools/build_ops.py to build only when its stamp (per interpreter and
+    environment) is missing or names an operator no longer on disk: a check of files, no Python."""
+    marker, so = tmp_path / "started", tmp_path / "ext" / "op.so"
+    fake = tmp_path / "python"  # stands for the course's Python: says it was started
+    fake.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    fake.chmod(0o755)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "COURSE_VENV": str(tmp_path / "venv")}
 
-    def built(env):
-        return functions("ops_built", env={"HOME": str(home), "XDG_CACHE_HOME": "", **env}).returncode
+    def build(stamp_lines=None):
+        marker.unlink(missing_ok=True)
+        script = "PY=" + str(fake) + "; stamp=$(ops_stamp); mkdir -p $(dirname $stamp); "
+        if stamp_lines is not None:
+            script += "printf '" + "".join(f"{line}\\n" for line in stamp_lines) + "' > $stamp; "
+        done = functions(script + "build_ops", env=env)
+        assert done.returncode == 0, done.stderr
+        return marker.exists()
 
-    assert built({"TORCH_EXTENSIONS_DIR": str(ext)}) == 1 and built({}) == 1
-    (ext / so).parent.mkdir(parents=True)
-    (ext / so).touch()
-    assert built({"TORCH_EXTENSIONS_DIR": str(ext)}) == 0
-    assert built({}) == 1  # not under the default root yet
-    cached = home / ".cache" / "torch_extensions" / "py311_cu130" / so
-    cached.parent.mkdir(parents=True)
-    cached.touch()
-    assert built({}) == 0
+    assert build() is True  # no stamp: built
+    assert build([]) is False  # this machine needs no operator
+    assert build([str(so)]) is True  # the operator it names is gone
+    so.parent.mkdir()
+    so.touch()
+    assert build([str(so)]) is False

@@ -3,6 +3,8 @@
     python tools/build_ops.py               # build what is missing; one line before, one after
     python tools/build_ops.py --log FILE    # the compiler's output goes to FILE (default: a
                                             # temporary file, named if the build fails)
+    python tools/build_ops.py --stamp FILE  # afterwards, list in FILE the operators built (empty:
+                                            # this machine needs none), for ./course to check
 
 `./course setup` and `./course test` call it (so CI does too): on a CPU machine DeepSpeed builds
 its shared-memory communication operator (`deepspeed_shm_comm`) the first time a process group
@@ -79,16 +81,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--log", type=Path, default=None,
                         help="file for the compiler's output (default: a temporary file)")
+    parser.add_argument("--stamp", type=Path, default=None,
+                        help="file to list the built operators in, once all are built")
     args = parser.parse_args(argv)
-    from common.log import torch_extension_built
+    from common.log import extension_folder, torch_extension_built
 
     log_path = args.log or Path(tempfile.mkstemp(prefix="course-ops-", suffix=".log")[1])
     try:
         with output_to(log_path):  # DeepSpeed's import says which accelerator it found
-            todo = [b for b in builders() if not torch_extension_built(b.NAME)]
+            found = builders()
+        needed = [b.NAME for b in found]
+        todo = [b for b in found if not torch_extension_built(b.NAME)]
     except ImportError:
         say("DeepSpeed is not installed: no operator to build (chapters 06, 12, 18, 19 need it)")
-        todo = []
+        needed = todo = []
     for builder in todo:
         say(f"building DeepSpeed's {builder.NAME} operator (once per machine; about a minute "
             f"on two idle cores) ...")
@@ -103,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         say(f"built {builder.NAME} in {time.perf_counter() - start:.0f} s")
     if args.log is None:  # kept only when a build failed
         log_path.unlink(missing_ok=True)
+    if args.stamp is not None:
+        args.stamp.parent.mkdir(parents=True, exist_ok=True)
+        args.stamp.write_text("".join(f"{extension_folder(n) / (n + '.so')}\n" for n in needed))
     return 0
 
 
