@@ -127,7 +127,7 @@ def test_simulated_spot_run_matches_the_model_and_the_control_does_not():
     cfg = T.Config()
     tau = C.daly_interval(cfg.save_s, cfg.mtbf_h * H)
     args = (cfg.work_h * H, tau, cfg.save_s, cfg.restart_s, cfg.mtbf_h * H)
-    mean, se = C.mean_and_se(*C.simulate_waste(*args, range(10**6, 10**6 + 8000)))
+    mean, se = C.mean_and_se(*C.simulate_waste(*args, range(10**6, 10**6 + 8000))[:3])
     model = C.expected_waste(*args)
     assert abs(mean - model) <= T.SIM_SIGMAS * se
     wrong = args[0] * (cfg.save_s / tau + (tau + cfg.restart_s) / args[4])  # whole interval lost
@@ -137,7 +137,7 @@ def test_simulated_spot_run_matches_the_model_and_the_control_does_not():
     assert C.simulate_run(args[0], tau, cfg.save_s, cfg.restart_s, 1e30, 0) - args[0] == pytest.approx(n * cfg.save_s)
     # a different interval (2 tau) is also matched: the model holds off the optimum
     args2 = (args[0], 2 * tau, *args[2:])
-    mean2, se2 = C.mean_and_se(*C.simulate_waste(*args2, range(4000)))
+    mean2, se2 = C.mean_and_se(*C.simulate_waste(*args2, range(4000))[:3])
     assert abs(mean2 - C.expected_waste(*args2)) <= T.SIM_SIGMAS * se2
 
 
@@ -149,11 +149,37 @@ def test_failures_during_restarts_are_modelled_and_simulated():
     M, R, save = 4 * H, 2 * H, 180.0
     tau = C.daly_interval(save, M)
     args = (24 * H, tau, save, R, M)
-    mean, se = C.mean_and_se(*C.simulate_waste(*args, range(2 * 10**6, 2 * 10**6 + 4000)))
+    mean, se = C.mean_and_se(*C.simulate_waste(*args, range(2 * 10**6, 2 * 10**6 + 4000))[:3])
     assert abs(mean - C.expected_waste(*args)) <= T.SIM_SIGMAS * se
     # negative control, computed here: each failure costs R once, the restart itself never fails
     never_fail = sum((M + R) * math.expm1((w + save) / M) for w in C.segments(args[0], tau)) - args[0]
     assert abs(mean - never_fail) > T.SIM_SIGMAS * se
+
+
+@pytest.mark.timeout(30)
+def test_a_wait_for_capacity_is_not_restart_time():
+    """An hour's wait for capacity after each preemption, with no machine up (nothing can be
+    preempted in it): waste = Daly's waste at R + D x E[failures], E[failures] = E[wall] / M.
+    The simulation draws no failure during the wait; folding the wait into R (failures strike
+    it, the e^{R/M} factor) is the control it rejects."""
+    save, R, M, D = 180.0, 600.0, 4 * H, 1 * H
+    tau = C.daly_interval(save, M)
+    args = (24 * H, tau, save, R, M)
+    mean, se = C.mean_and_se(*C.simulate_waste(*args, range(3 * 10**6, 3 * 10**6 + 4000),
+                                               wait_s=D)[:3])
+    model = C.expected_waste(*args, wait_s=D)
+    assert model == pytest.approx(C.expected_waste(*args) + D * C.expected_failures(*args))
+    assert abs(mean - model) <= T.SIM_SIGMAS * se
+    folded = C.expected_waste(24 * H, tau, save, R + D, M)  # the wait as restart time
+    assert abs(mean - folded) > T.SIM_SIGMAS * se
+    # E[failures] = E[wall] / M, counted in the simulation: a wait of 1 s draws no random number,
+    # so the same seed with and without it differs by 1 s per failure. One segment of t = M with
+    # R = 0 has e - 1 expected failures (a task restarted from scratch)
+    assert C.expected_failures(M - save, M, save, 0.0, M) == pytest.approx(math.e - 1)
+    counts = [round(C.simulate_run(M - save, M, save, 0.0, M, seed, wait_s=1.0)
+                    - C.simulate_run(M - save, M, save, 0.0, M, seed)) for seed in range(20000)]
+    f_mean, f_se = C.mean_and_se(sum(counts), sum(c * c for c in counts), len(counts))
+    assert abs(f_mean - (math.e - 1)) <= T.SIM_SIGMAS * f_se
 
 
 @pytest.mark.timeout(30)
@@ -222,6 +248,8 @@ def test_seeds_split_over_three_ranks_give_the_one_process_mean():
     # control: one rank's share alone is not the whole
     one = C.simulate_waste(cfg.work_h * H, tau, cfg.save_s, cfg.restart_s, cfg.mtbf_h * H, range(0, 3001, 3))
     assert one[2] == 1001 and one[0] != pytest.approx(ref[0], rel=1e-3)
+    # the seed sum is added by simulate_waste as it runs each seed, not computed beside it
+    assert one[3] == sum(range(0, 3001, 3)) and ref[3] == T.seed_sum(cfg)
     # control of the seed check: with 3000 seeds, three ranks that forgot their offset (each
     # running range(0, 3000, 3)) run 3000 runs, so a count passes, but the seed sum does not
     wrong = [range(0, 3000, 3)] * 3
@@ -256,8 +284,8 @@ def test_script_on_two_ranks(tmp_path):
     # the all-reduced sums equal one process's sums over the same seeds (the test's own reference)
     cfg = T.Config()
     tau = C.daly_interval(cfg.save_s, cfg.mtbf_h * H)
-    s, s2, n = C.simulate_waste(cfg.work_h * H, tau, cfg.save_s, cfg.restart_s, cfg.mtbf_h * H,
-                                range(cfg.seeds))
+    s, s2, n, _ = C.simulate_waste(cfg.work_h * H, tau, cfg.save_s, cfg.restart_s, cfg.mtbf_h * H,
+                                   range(cfg.seeds))
     mean = summary["figures"]["simulated waste: mean, standard error"]["measured"][0]
     assert mean == pytest.approx(s / n / H, rel=1e-12)
     assert summary["figures"]["GPU-hours at the MFU (formula)"]["measured"] == pytest.approx(29491.07, abs=0.01)
@@ -314,20 +342,29 @@ def test_the_lessons_other_numbers():
     assert C.per_work_rate(young, 180, 600, 4 * H) == pytest.approx(1.22663, abs=1e-5)
     # Young's first-order waste at Daly's tau: 24 x (180/tau + (tau/2 + 600)/14 400) = 4.80 h
     assert 24 * C.first_order_overhead(tau, 180, 600, 4 * H) == pytest.approx(4.800, abs=1e-3)
-    # what R and M leave out: an hour's wait for capacity (R = 4200 s): 13.86 h (57.7 %) of a 24 h
-    # run, 57.5 % of the planned 460.8 h, spot at 0.4 x (1.575) = 0.63 of on demand
-    assert C.expected_waste(24 * H, tau, 180, 4200, 4 * H) / H == pytest.approx(13.86, abs=5e-3)
-    assert C.expected_waste(24 * H, tau, 180, 4200, 4 * H) / (24 * H) == pytest.approx(0.577, abs=5e-4)
-    late = C.expected_waste(work, tau, 180, 4200, 4 * H) / work
-    assert late == pytest.approx(0.575, abs=5e-4)
-    assert C.spot_break_even(98.32, 98.32 * 0.4, late)["cost_ratio"] == pytest.approx(0.63, abs=5e-3)
+    # what R and M leave out: an hour's wait for capacity after each preemption, no machine up,
+    # nothing preempted in it (D = 3600 s beside R = 600 s): 5.482 h + 7.371 failures x 1 h =
+    # 12.85 h (53.6 %) of a 24 h run; 53.3 % of the planned 460.8 h (141.3 failures)
+    fails24 = C.expected_failures(24 * H, tau, 180, 600, 4 * H)
+    assert fails24 == pytest.approx(7.371, abs=1e-3)
+    assert C.expected_waste(24 * H, tau, 180, 600, 4 * H, wait_s=H) / H == pytest.approx(12.85, abs=5e-3)
+    assert C.expected_waste(24 * H, tau, 180, 600, 4 * H, wait_s=H) / (24 * H) == pytest.approx(0.536, abs=5e-4)
+    late = C.expected_waste(work, tau, 180, 600, 4 * H, wait_s=H) / work
+    assert late == pytest.approx(0.533, abs=5e-4)
+    assert C.expected_failures(work, tau, 180, 600, 4 * H) == pytest.approx(141.3, abs=0.05)
+    # dollars: spot price x (useful + exposed waste + billed share of the wait); the whole job
+    # reclaimed bills nothing while it waits (0.49 x on demand); one of the 8 machines reclaimed
+    # with the 7 others kept bills 7/8 of the wait (0.60 x)
+    wait = late - waste
+    assert C.spot_break_even(98.32, 98.32 * 0.4, waste + 0 * wait)["cost_ratio"] == pytest.approx(0.49, abs=5e-3)
+    assert C.spot_break_even(98.32, 98.32 * 0.4, waste + 7 / 8 * wait)["cost_ratio"] == pytest.approx(0.60, abs=5e-3)
     # 16 machines of 64 h: independent, M = 4 h (22.8 %); always together, M = 64 h, tau 2.50 h:
-    # 4.4 % at R = 600 s, 6.0 % at R = 4200 s
+    # 4.4 % at R = 600 s, 6.0 % with the hour's wait
     assert C.job_mtbf(64 * H, 16) == 4 * H
     tau64 = C.daly_interval(180, 64 * H)
     assert tau64 / H == pytest.approx(2.50, abs=5e-3)
     assert C.expected_waste(24 * H, tau64, 180, 600, 64 * H) / (24 * H) == pytest.approx(0.044, abs=5e-4)
-    assert C.expected_waste(24 * H, tau64, 180, 4200, 64 * H) / (24 * H) == pytest.approx(0.060, abs=5e-4)
+    assert C.expected_waste(24 * H, tau64, 180, 600, 64 * H, wait_s=H) / (24 * H) == pytest.approx(0.060, abs=5e-4)
     # the capacity-block rate: $39.33 per instance-hour = 8 x $4.916 per accelerator-hour (the
     # page's two columns), and the assumed spot price 0.4 x $98.32 = 39.328 rounds to it
     cb = C.instance("aws-p5-capacity-block")

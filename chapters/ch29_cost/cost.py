@@ -228,10 +228,22 @@ def expected_wall_time(work_s: float, tau: float, save_s: float, restart_s: floa
     return sum(segment_time(w + save_s, restart_s, mtbf_s) for w in segments(work_s, tau))
 
 
+def expected_failures(work_s: float, tau: float, save_s: float, restart_s: float,
+                      mtbf_s: float) -> float:
+    """Expected preemptions over the run. They arrive at rate 1/M while the job's machines run
+    (work, saves, restarts), so their expected number is the expected wall time of Daly's model
+    divided by M (Wald's identity for a Poisson process stopped at the run's end)."""
+    return expected_wall_time(work_s, tau, save_s, restart_s, mtbf_s) / mtbf_s
+
+
 def expected_waste(work_s: float, tau: float, save_s: float, restart_s: float,
-                   mtbf_s: float) -> float:
-    """Wall time beyond the useful work: saves, lost work, restarts."""
-    return expected_wall_time(work_s, tau, save_s, restart_s, mtbf_s) - work_s
+                   mtbf_s: float, wait_s: float = 0.0) -> float:
+    """Wall time beyond the useful work: saves, lost work, restarts (Daly's model), and a wait D
+    (`wait_s`) for capacity after each preemption. No machine of the job runs during the wait, so
+    nothing can be preempted in it: it is not part of R (a restart can be interrupted, which is
+    the e^{R/M} factor) but D × `expected_failures`."""
+    wall = expected_wall_time(work_s, tau, save_s, restart_s, mtbf_s)
+    return wall - work_s + wait_s * wall / mtbf_s
 
 
 def per_work_rate(tau: float, save_s: float, restart_s: float, mtbf_s: float) -> float:
@@ -259,10 +271,11 @@ def golden_section(f, lo: float, hi: float, rel_tol: float = 1e-10) -> float:
 
 
 def simulate_run(work_s: float, tau: float, save_s: float, restart_s: float, mtbf_s: float,
-                 seed: int) -> float:
+                 seed: int, wait_s: float = 0.0) -> float:
     """One spot run, event by event: failures at exponential inter-arrival times of mean M
     (memoryless: a fresh draw after each), a save of δ after every τ of work (work is safe
-    only once its save ends), a restart of R after each failure (which can fail too).
+    only once its save ends), after each failure a wait of D for capacity (`wait_s`: no machine
+    runs, so no failure is drawn in it), then a restart of R (which can fail too).
     Returns the wall time."""
     rng = random.Random(seed)
     wall = 0.0
@@ -274,20 +287,21 @@ def simulate_run(work_s: float, tau: float, save_s: float, restart_s: float, mtb
             if x >= length:
                 wall += length
                 break
-            wall += x
+            wall += x + wait_s
             restarting = True
     return wall
 
 
 def simulate_waste(work_s: float, tau: float, save_s: float, restart_s: float, mtbf_s: float,
-                   seeds) -> tuple[float, float, int]:
-    """Σ waste, Σ waste² and the count over the given seeds (what ranks add up)."""
+                   seeds, wait_s: float = 0.0) -> tuple[float, float, int, int]:
+    """Σ waste, Σ waste², the count, and Σ of the seeds actually simulated (what ranks add up;
+    the last proves each seed ran once)."""
     s = s2 = 0.0
-    n = 0
+    n = seed_sum = 0
     for seed in seeds:
-        waste = simulate_run(work_s, tau, save_s, restart_s, mtbf_s, seed) - work_s
-        s, s2, n = s + waste, s2 + waste * waste, n + 1
-    return s, s2, n
+        waste = simulate_run(work_s, tau, save_s, restart_s, mtbf_s, seed, wait_s) - work_s
+        s, s2, n, seed_sum = s + waste, s2 + waste * waste, n + 1, seed_sum + seed
+    return s, s2, n, seed_sum
 
 
 def interval_grid(save_s: float, mtbf_s: float, per_doubling: int = 2) -> list[float]:

@@ -78,7 +78,7 @@ print(f"the wrong factor:  sqrt(δM) = {math.sqrt(save * mtbf):.2f} s")
 # %%
 tau = C.daly_interval(save, mtbf)
 args = (24 * H, tau, save, restart, mtbf)
-mean, se = C.mean_and_se(*C.simulate_waste(*args, range(4000)))
+mean, se = C.mean_and_se(*C.simulate_waste(*args, range(4000))[:3])
 model_waste = C.expected_waste(*args)
 wrong = args[0] * (save / tau + (tau + restart) / mtbf)
 print(f"simulated {mean / H:.3f} ± {se / H:.3f} h, model {model_waste / H:.3f} h, "
