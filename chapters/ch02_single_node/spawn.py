@@ -16,6 +16,7 @@ docstring has the multi-node and `srun` commands).
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -113,6 +114,10 @@ def main(cfg: Config) -> int:
         return 2
     address = set_rendezvous_address()
     log.info("spawning %d processes, rendezvous at %s", cfg.nprocs, address)
+    # When one rank raises, mp.spawn terminates the others and logs a warning for each one still
+    # alive (a race with how fast they notice the broken group): our own line below says the
+    # same once, so its logger shows errors only.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         # The worker must be importable by name: spawned processes re-import this file as a
         # module (its main guard keeps them from spawning again) and look run_rank up in it.
