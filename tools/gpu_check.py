@@ -43,11 +43,12 @@ sys.path.insert(0, str(REPO_ROOT))  # this checkout's code, whatever is installe
 from tools.precheck import launches_itself, script_module  # noqa: E402
 
 # Scripts whose collectives on device tensors gloo runs on CUDA, so two ranks can share one GPU
-# over gloo. torch's backend table promises gloo only all-reduce and broadcast on CUDA tensors;
-# torch 2.14.1's ProcessGroupGloo also has CUDA paths (through host memory) for all-gather,
-# reduce-scatter (as an all-reduce of the whole input), reduce, gather, scatter and all-to-all, but
-# none for send/recv. Object collectives and common.distributed's number helpers use CPU tensors
-# under gloo. Left out: scripts that send/recv (pipelines, rings; chapter 22's leaders), and
+# over gloo. torch's backend table marks gloo's broadcast, all-reduce, reduce, all-gather, gather,
+# scatter and reduce-scatter for GPUs (not send/recv, all-to-all or barrier); torch 2.14.1's
+# ProcessGroupGloo runs them on CUDA tensors through host memory (reduce-scatter as an all-reduce of
+# the whole input; coalesced collectives are CPU-only), and has a CUDA all-to-all the table does not
+# list, but no CUDA path for send/recv. Object collectives and common.distributed's number
+# helpers use CPU tensors under gloo. Left out: scripts that send/recv (pipelines, rings; chapter 22's leaders), and
 # DTensor/FSDP2 and sequence parallelism, untested under gloo on CUDA (chapter 10 skips its FSDP2
 # stage there and says so; chapter 05 refuses; chapter 30 skips its pipeline layout).
 GLOO_ON_CUDA = {
@@ -147,7 +148,8 @@ def plan(gpus: int, only: list[str] = (), python: str = sys.executable,
                 continue
             if backend == "gloo" and sid not in GLOO_ON_CUDA:
                 run.status = "n/a"
-                run.reason = "on one GPU: needs NCCL (collectives gloo cannot run on CUDA)"
+                run.reason = ("on one GPU: not run over gloo (send/recv, which gloo cannot do on CUDA "
+                              "tensors, or DTensor/FSDP2, untested there)")
                 continue
             device_args = ["--device", "cuda", "--backend", backend]
             why = refusal(path, world, device_args)

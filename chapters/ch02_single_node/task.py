@@ -128,8 +128,8 @@ def mean_over_ranks(value: torch.Tensor, world_size: int) -> torch.Tensor:
 
 def rows_held(local_indices: torch.Tensor, n_samples: int, device: torch.device) -> torch.Tensor:
     """How many ranks hold each data row this step (a collective): each rank counts its rows in
-    a vector over the data set and a SUM all-reduce adds the ranks' vectors. An all-reduce, so
-    it also runs where only all-reduce and broadcast take CUDA tensors (gloo sharing one GPU)."""
+    a vector over the data set and a SUM all-reduce adds the ranks' vectors. An all-reduce, the
+    collective every backend runs on CUDA tensors, gloo sharing one GPU included."""
     held = torch.bincount(local_indices.to(device), minlength=n_samples)
     dist.all_reduce(held, op=dist.ReduceOp.SUM)
     return held
