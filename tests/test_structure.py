@@ -197,3 +197,27 @@ def test_readme_times_and_routes_are_the_lessons_own():
         total = sum(minutes[n][0] for n in chapters.split(" → ")) / 60
         stated = int(re.match(r"\d+", hours).group()) + quarters[hours.lstrip("0123456789")]
         assert abs(total - stated) <= 0.125, f"route {chapters}: {total:.2f} h, README says {hours} h"
+
+
+COMMAND_START = re.compile(r"^\s*(?:\$\s*)?(?:#SBATCH\b|srun\b|sbatch\b|salloc\b|torchrun\b|python\b)")
+
+
+def per_task_gpu_commands(text: str) -> list[str]:
+    """Command lines (srun/sbatch/salloc/#SBATCH/torchrun/python at the line's start) that bind one
+    GPU to each task: where Slurm confines devices, a task then cannot reach its neighbours' GPUs
+    and NCCL has no NVLink between ranks (chapter 22's pitfall). Prose may name the option."""
+    return [line.strip() for line in text.splitlines()
+            if "--gpus-per-task" in line and COMMAND_START.match(line)]
+
+
+def test_no_command_binds_one_gpu_per_task():
+    files = [p for p in (ROOT / "README.md", *(ROOT / "chapters").rglob("*"))
+             if p.is_file() and p.suffix in (".md", ".py", ".sbatch", ".sh", ".yaml", ".json")]
+    found = {str(p.relative_to(ROOT)): hits for p in files if (hits := per_task_gpu_commands(p.read_text()))}
+    assert not found, f"commands with --gpus-per-task (use --gpus-per-node): {found}"
+    # negative controls: a command line is caught in a README block, a docstring and an sbatch
+    # header; prose naming the option is not
+    assert per_task_gpu_commands("    srun --nodes=2 --gpus-per-task=1 python train.py")
+    assert per_task_gpu_commands("#SBATCH --gpus-per-task=1")
+    assert per_task_gpu_commands("$ sbatch --gpus-per-task=1 job.sbatch")
+    assert not per_task_gpu_commands("- **`srun --gpus-per-task=1` for the ranks of one job.**")

@@ -11,8 +11,8 @@ would take to train (6·N·D FLOPs at a measured or an assumed rate).
         --nproc_per_node=8 --rdzv-backend=c10d \\
         --rdzv-endpoint=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1):29500 \\
         chapters/ch01_overview/train.py'                                     # Slurm, 2 nodes
-    srun --nodes=2 --ntasks-per-node=8 --gpus-per-task=1 python chapters/ch01_overview/train.py
-                                                   # Slurm starting every rank, one GPU per task
+    srun --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 python chapters/ch01_overview/train.py
+                                                   # Slurm starting every rank, 8 GPUs per node
 
 Project another run: --project-params 70e9 --project-tokens 2e12 --project-devices 1024.
 """

@@ -13,7 +13,7 @@ Run:
     torchrun --standalone --nproc_per_node=8 chapters/ch03_data_parallel/train.py   # 8 GPUs, NCCL
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
         chapters/ch03_data_parallel/train.py                                     # two nodes
-    srun --ntasks=16 --ntasks-per-node=8 --gpus-per-task=1 python chapters/ch03_data_parallel/train.py
+    srun --ntasks=16 --ntasks-per-node=8 --gpus-per-node=8 python chapters/ch03_data_parallel/train.py
                                                                                  # Slurm, 16 GPUs
 The default global batch, 96 = ranks x 2 micro-batches x samples, divides over 1, 2, 3, 4, 8
 and 16 ranks.
