@@ -42,7 +42,7 @@ from common.testing import rank_info
 
 SCRIPT = Path(train.__file__)
 STEPS = 30
-NOTICE_AFTER = 5  # the fake endpoint answers 404 to this many polls, then the notice
+ARM_AFTER_STEP = 2  # the fake endpoint schedules the notice once the run has logged this step
 GRACE_TOO_SHORT = 1e-4  # seconds: shorter than any save (the deadline check's control)
 
 
@@ -120,7 +120,7 @@ def _ranks(folder: str, imds_url: str) -> dict:
     try:
         out["main_code"] = train.main(train.Config(
             steps=STEPS, device="cpu", out=f"{folder}/main", ckpt_url=bucket, step_seconds=0.05,
-            spot_notice=imds_url, spot_poll_s=0.02, grace_s=GRACE_TOO_SHORT))
+            log_every=1, spot_notice=imds_url, spot_poll_s=0.02, grace_s=GRACE_TOO_SHORT))
     finally:
         train.teardown_distributed = teardown
     store = train.ObjectStoreCheckpoints(bucket)
@@ -134,11 +134,23 @@ def _ranks(folder: str, imds_url: str) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("ranks")
-    with FakeIMDS(notice_after=NOTICE_AFTER) as imds:
+    armed_at: list[int] = []
+
+    def mid_run() -> bool:
+        """True once `main` has logged training step ARM_AFTER_STEP (its metrics line is written
+        after the step): the notice is scheduled mid-run, never before the first step."""
+        step = last_logged_step(folder / "main" / "metrics.jsonl")
+        if step >= ARM_AFTER_STEP:
+            armed_at.append(step)
+        return step >= ARM_AFTER_STEP
+
+    with FakeIMDS(arm_when=mid_run) as imds:
         results = run_on_ranks(_ranks, 2, str(folder), imds.url, timeout=90)
     summary = json.loads((folder / "main" / "summary.json").read_text())
     return {**results[0], "main_codes": [r["main_code"] for r in results],
-            "main_summary": summary, "imds_requests": imds.requests}
+            "main_summary": summary, "imds_requests": imds.requests,
+            "armed_at_step": armed_at[0] if armed_at else None,
+            "polls_before_notice": imds.armed_after_polls}
 
 
 @pytest.mark.timeout(120)
@@ -158,7 +170,11 @@ def test_spot_notice_checkpoints_exits_143_and_resumes_to_the_undisturbed_result
     assert reference["main_codes"] == [143, 143]
     summary = reference["main_summary"]
     stopped = summary["figures"]["preempted, checkpoint committed at step"]["measured"]
-    assert 0 < stopped < STEPS and reference["main_committed"][-1] == stopped
+    # the notice was scheduled only after the run had logged step ARM_AFTER_STEP (the poller had
+    # been told 404 until then), so it arrived mid-run, and the run stopped after that step
+    armed = reference["armed_at_step"]
+    assert armed is not None and ARM_AFTER_STEP <= armed < stopped < STEPS
+    assert reference["main_committed"][-1] == stopped
     assert reference["main_resumed_from"] == stopped
     assert max_diff(reference["main_resumed"], reference["full"]) == 0.0  # the same computation
     # the requests the fake endpoint received: one token by PUT (one poller: rank 0 is the node's
@@ -173,9 +189,11 @@ def test_spot_notice_checkpoints_exits_143_and_resumes_to_the_undisturbed_result
     gets = [r for r in reqs if r["method"] == "GET"]
     assert all(r["path"] == "/latest/meta-data/spot/instance-action" and r["token"] == token
                for r in gets)
-    assert [r["status"] for r in gets][:NOTICE_AFTER + 1] == [404] * NOTICE_AFTER + [200]
+    waited = reference["polls_before_notice"]
+    assert waited >= 1  # the poller was polling (and told 404) before the notice existed
+    assert [r["status"] for r in gets][:waited + 1] == [404] * waited + [200]
     polls = summary["figures"]["spot notice: polls answered (this node's local rank 0)"]
-    assert polls["measured"] == NOTICE_AFTER + 1
+    assert polls["measured"] == waited + 1
     # the deadline check can fail: with --grace-s 1e-4 no save commits in time
     checks = {c["name"]: c for c in summary["checks"]}
     late = checks["notice -> checkpoint committed before the deadline (s)"]
@@ -235,6 +253,79 @@ def test_spot_notice_poller_speaks_imdsv2_and_a_tokenless_poller_never_sees_the_
         assert poller.seen["action"] == "terminate" and notice.source.startswith("spot notice")
         # the deadline: the earlier of notice + grace (30 s) and the time the notice names (~10 s)
         assert 5 < notice.deadline() - notice.signal_time <= 11
+
+
+@pytest.mark.timeout(60)
+def test_spot_notice_poller_bypasses_proxies_and_survives_a_broken_answer(monkeypatch):
+    """IMDS is link-local: a proxy named by the environment cannot reach it, so the poller must
+    not use one (the control: urllib's default opener does, and fails). A poll that fails in a
+    way that is no OSError (a line that is not HTTP: `http.client.BadStatusLine`) is logged and
+    the thread keeps polling until it hears the notice."""
+    import urllib.request
+
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # the discard port: nothing listens
+    with FakeIMDS(notice_after=1, broken_polls=2, notice_in_s=60) as imds:
+        proxied = train.SpotNoticePoller(imds.url, train.Preemption(), interval_s=0.02)
+        proxied._opener = urllib.request.build_opener()  # urlopen's default: the proxy
+        with pytest.raises(OSError):
+            proxied.poll_once()
+        assert imds.requests == []  # it went to the proxy, never to the endpoint
+        notice = train.Preemption(grace_s=30.0)
+        poller = train.SpotNoticePoller(imds.url, notice, interval_s=0.02).start()
+        assert wait_for(lambda: notice.signal_time is not None, 10), poller.errors
+        poller.stop()
+    assert [e.split(":")[0] for e in poller.errors] == ["BadStatusLine"] * 2
+    assert imds.statuses("GET", "/latest/meta-data/spot/instance-action") == [
+        "not HTTP", "not HTTP", 404, 200]
+    assert poller.seen["action"] == "terminate"
+
+
+class _TimedLock:
+    """A lock whose acquire gives up after 1 s with an error instead of waiting forever: a
+    deadlock becomes a failure this process survives."""
+
+    def __init__(self, lock) -> None:
+        self.lock = lock
+
+    def __enter__(self):
+        if not self.lock.acquire(timeout=1.0):
+            raise RuntimeError("the lock waited for its own holder: a deadlock")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+
+
+@pytest.mark.timeout(30)
+def test_a_sigterm_while_the_main_thread_records_a_notice_does_not_deadlock():
+    """Python runs a signal handler in the main thread between two bytecodes; when that thread is
+    inside `notify` (holding the notice's lock), the handler's `notify` must get the lock again:
+    a re-entrant lock. Control: a plain Lock in the same place waits for itself."""
+    def signal_while_holding(notice: train.Preemption) -> None:
+        old = signal.getsignal(signal.SIGTERM)
+        try:
+            notice.install()
+            with notice._lock:
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, in this thread
+                for _ in range(1000):
+                    if notice.signal_time is not None:
+                        break
+                    time.sleep(0.001)
+        finally:
+            signal.signal(signal.SIGTERM, old)
+
+    notice = train.Preemption()
+    notice._lock = _TimedLock(notice._lock)  # the lock the class made, behind a time limit
+    signal_while_holding(notice)
+    assert notice.source == "SIGTERM" and notice.signal_time is not None
+    import threading
+    plain = train.Preemption()
+    plain._lock = _TimedLock(threading.Lock())
+    with pytest.raises(RuntimeError, match="deadlock"):
+        signal_while_holding(plain)
 
 
 @pytest.mark.timeout(10)
@@ -387,6 +478,30 @@ def test_launcher_template_validates_and_starts_a_real_script(cloud):
         launchers.check_template(cloud, broken(bad_script))
     with pytest.raises(launchers.TemplateError, match="does not accept"):
         launchers.check_template(cloud, broken(bad_option))
+    # --grace-s promises no more than torchrun's --shutdown-timeout (it SIGKILLs the ranks then:
+    # 110 s under SageMaker's documented 120 s, torchrun's default 30 s elsewhere), and torchrun
+    # must end before SageMaker kills it; one second more of either is refused
+    words, _ = launchers.template_command(cloud, request)
+    limit = {"sagemaker": 110, "vertex": 30, "pai": 30}[cloud]
+    assert launchers.check_grace(cloud, words, cfg) == limit == cfg.grace_s
+
+    def longer_grace(r):
+        if cloud == "sagemaker":
+            args = r["AlgorithmSpecification"]["ContainerArguments"]
+            args[args.index("--grace-s") + 1] = str(limit + 1)
+        elif cloud == "vertex":
+            args = r["jobSpec"]["workerPoolSpecs"][0]["containerSpec"]["args"]
+            args[args.index("--grace-s") + 1] = str(limit + 1)
+        else:
+            r["UserCommand"] = r["UserCommand"].replace(f"--grace-s {limit}", f"--grace-s {limit + 1}")
+    with pytest.raises(launchers.TemplateError, match="--grace-s"):
+        launchers.check_template(cloud, broken(longer_grace))
+    if cloud == "sagemaker":
+        def longer_shutdown(r):
+            args = r["AlgorithmSpecification"]["ContainerArguments"]
+            args[args.index("--shutdown-timeout") + 1] = "121"
+        with pytest.raises(launchers.TemplateError, match="outlives sagemaker's 120 s"):
+            launchers.check_template(cloud, broken(longer_shutdown))
 
 
 @pytest.mark.timeout(10)

@@ -9,10 +9,15 @@ What it serves, as IMDS does with IMDSv2 required (`HttpTokens=required`):
   gets 400 ("Missing or Invalid Parameters").
 - `GET /latest/meta-data/spot/instance-action` with the header `X-aws-ec2-metadata-token: <a
   token that has not expired>` answers 404 while no interruption is scheduled, then
-  `{"action": "terminate", "time": "<UTC, ISO 8601>"}` once `arm()` was called or after the
-  first `notice_after` answered polls. Without a valid token: 401 ("Unauthorized"; IMDSv1's
+  `{"action": "terminate", "time": "<UTC, ISO 8601>"}` once `arm()` was called, after the
+  first `notice_after` answered polls, or at the first poll at which `arm_when()` is true (a
+  test's condition, such as "the run has logged a training step"). Without a valid token: 401 ("Unauthorized"; IMDSv1's
   plain GET is refused when IMDSv2 is required).
 - Anything else: 404.
+
+`broken_polls=k` answers the first k GETs of instance-action with a line that is not HTTP (what
+a broken proxy or endpoint can send; `http.client` raises `BadStatusLine`, which is no OSError):
+a poller must survive it.
 
 Every request is logged (method, path, the two headers, the status returned) in `requests`.
 """
@@ -32,8 +37,12 @@ class FakeIMDS:
     point the poller at `imds.url`."""
 
     def __init__(self, notice_after: int | None = None, action: str = "terminate",
-                 notice_in_s: float = 120.0, max_ttl_s: float | None = None) -> None:
+                 notice_in_s: float = 120.0, max_ttl_s: float | None = None,
+                 arm_when=None, broken_polls: int = 0) -> None:
         self.notice_after = notice_after  # answered polls before the notice appears (None: arm())
+        self.arm_when = arm_when  # or: arm at the first valid poll at which this returns True
+        self.broken_polls = broken_polls  # GETs answered with a line that is not HTTP
+        self.armed_after_polls: int | None = None  # valid polls answered 404 before the notice
         self.action = action
         self.notice_in_s = notice_in_s  # the notice's "time": this long after it appears
         self.max_ttl_s = max_ttl_s  # expire tokens sooner than asked (to test a refresh)
@@ -54,10 +63,13 @@ class FakeIMDS:
     def arm(self) -> None:
         """Schedule the interruption now: the next valid poll gets the notice."""
         with self._lock:
-            if self.notice is None:
-                when = datetime.now(timezone.utc) + timedelta(seconds=self.notice_in_s)
-                self.notice = {"action": self.action,
-                               "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")}
+            self._arm()
+
+    def _arm(self) -> None:  # with the lock held
+        if self.notice is None:
+            when = datetime.now(timezone.utc) + timedelta(seconds=self.notice_in_s)
+            self.notice = {"action": self.action, "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")}
+            self.armed_after_polls = self.polls
 
     def expire_tokens(self) -> None:
         """Every token issued so far expires now (what IMDS does when a token's TTL is over)."""
@@ -95,12 +107,11 @@ class FakeIMDS:
             if method == "GET" and path == "/latest/meta-data/spot/instance-action":
                 if token is None or self.tokens.get(token, 0.0) < time.monotonic():
                     return 401, b""
+                if self.notice is None and (
+                        (self.notice_after is not None and self.polls >= self.notice_after)
+                        or (self.arm_when is not None and self.arm_when())):
+                    self._arm()
                 self.polls += 1
-                if self.notice is None and self.notice_after is not None \
-                        and self.polls > self.notice_after:
-                    when = datetime.now(timezone.utc) + timedelta(seconds=self.notice_in_s)
-                    self.notice = {"action": self.action,
-                                   "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")}
                 if self.notice is None:
                     return 404, b""
                 return 200, json.dumps(self.notice).encode()
@@ -111,6 +122,16 @@ class FakeIMDS:
 
         class Handler(BaseHTTPRequestHandler):
             def _serve(self, method: str) -> None:
+                if method == "GET" and self.path.endswith("/spot/instance-action"):
+                    with imds._lock:
+                        broken = imds.broken_polls > 0
+                        imds.broken_polls -= broken
+                    if broken:
+                        imds.requests.append({"method": method, "path": self.path,
+                                              "status": "not HTTP", "ttl": None, "token": None})
+                        self.wfile.write(b"garbage\r\n\r\n")
+                        self.close_connection = True
+                        return
                 status, body = imds._answer(method, self.path, self.headers)
                 imds.requests.append({
                     "method": method, "path": self.path, "status": status,

@@ -8,7 +8,9 @@
 Each template starts a course script; `template_command` pulls the command out of the request and
 `check_command` proves that the script exists, that its options parse, and that `validate(cfg,
 world)` accepts them at the world size the request asks for (nodes x --nproc_per_node);
-`check_image` refuses an image that is not pinned (`:latest`). Nothing here talks to a cloud: no
+`check_image` refuses an image that is not pinned (`:latest`); `check_grace` refuses a `--grace-s`
+longer than torchrun's `--shutdown-timeout` or the platform's documented SIGTERM-to-SIGKILL time,
+and a shutdown timeout that outlives the platform's. Nothing here talks to a cloud: no
 credentials, no network.
 """
 
@@ -147,9 +149,41 @@ def check_command(words: list[str], nodes: int):
     return cfg, nodes * nproc
 
 
+TORCHRUN_SHUTDOWN_S = 30
+"""torchrun's --shutdown-timeout when none is given (torch 2.14.1, distributed/run.py): seconds
+between forwarding SIGTERM to the workers and SIGKILLing them."""
+
+PLATFORM_STOP_S = {"sagemaker": 120}
+"""Seconds from SIGTERM to SIGKILL where the platform documents them: SageMaker's StopTrainingJob
+(and StoppingCondition) "sends the algorithm the SIGTERM signal, which delays job termination for
+120 seconds" (SageMaker API reference). Vertex AI and PAI-DLC document no such number."""
+
+
+def check_grace(cloud: str, words: list[str], cfg) -> float:
+    """The ranks' real deadline after SIGTERM: torchrun's --shutdown-timeout, and the platform's
+    own where documented. torchrun must end before the platform kills it, and --grace-s (what
+    the run times its save against) may not promise more than torchrun gives. Returns it."""
+    limit = float("inf")
+    if "torchrun" in words[:2]:
+        given = _opt(words, "--shutdown-timeout") or _opt(words, "--shutdown_timeout")
+        limit = float(given) if given is not None else float(TORCHRUN_SHUTDOWN_S)
+        platform = PLATFORM_STOP_S.get(cloud)
+        if platform is not None and limit > platform:
+            raise TemplateError(f"torchrun --shutdown-timeout {limit:g} s outlives {cloud}'s "
+                                f"{platform} s from SIGTERM to SIGKILL")
+    limit = min(limit, PLATFORM_STOP_S.get(cloud, float("inf")))
+    if getattr(cfg, "grace_s", None) is not None and cfg.grace_s > limit:
+        raise TemplateError(f"--grace-s {cfg.grace_s:g} but the ranks are killed {limit:g} s "
+                            f"after SIGTERM (torchrun --shutdown-timeout, or the platform)")
+    return limit
+
+
 def check_template(cloud: str, request: dict | None = None):
     """Validate a template's request and its command: (Config, world size)."""
     request = load_template(cloud) if request is None else request
     validate_request(cloud, request)
     check_image(template_image(cloud, request))
-    return check_command(*template_command(cloud, request))
+    words, nodes = template_command(cloud, request)
+    cfg, world = check_command(words, nodes)
+    check_grace(cloud, words, cfg)
+    return cfg, world

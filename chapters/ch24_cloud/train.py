@@ -3,8 +3,11 @@ within the grace period, a clean exit, and a restarted job that resumes bit-iden
 
 A cloud that reclaims a spot/preemptible machine first sends SIGTERM, then SIGKILL once its grace
 period is over (GCP spot/preemptible: 30 s; Kubernetes: terminationGracePeriodSeconds, 30 s by
-default). AWS gives its two minutes' notice in the instance metadata instead, and SIGTERM only at
-the shutdown that ends them: with `--spot-notice`, a thread on each node's local rank 0 polls it
+default; SageMaker's StopTrainingJob: 120 s). Behind torchrun the ranks have at most its
+--shutdown-timeout (30 s by default): it SIGKILLs them that long after it forwarded the SIGTERM,
+so --grace-s is the smaller of the two (SageMaker's template: 110 s of its 120). AWS spot gives
+its two minutes' notice in the instance metadata instead, and SIGTERM only at the shutdown that
+ends them: with `--spot-notice`, a thread on each node's local rank 0 polls it
 (IMDSv2: a token by PUT, then GET spot/instance-action). The signal handler and the poller only
 set a flag; at every step boundary the ranks all-reduce that flag (MAX), so every rank stops at
 the same step even if only one node was told, and they write one checkpoint together, timed
@@ -34,6 +37,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -75,7 +79,7 @@ class Config(RunConfig):
     ckpt_every: int = 5
     """Also checkpoint after every this many steps (a preemption can come without notice)."""
     grace_s: float = 30.0
-    """Seconds from the notice until the platform kills the job (30 s: GCP spot, Kubernetes' default; AWS's spot notice: 120 s before the time it names). The save on notice is timed against it (a warning and a failed timing check when late), and a periodic save slower than it is reported at once."""
+    """Seconds from the notice until the job is killed (30 s: GCP spot, Kubernetes' default; 120 s: SageMaker's StopTrainingJob, AWS's spot notice before the time it names), and no more than torchrun's --shutdown-timeout, after which torchrun SIGKILLs the ranks. The save on notice is timed against it (a warning and a failed timing check when late), and a periodic save slower than it is reported at once."""
     spot_notice: str = ""
     """Poll AWS's spot interruption notice (IMDSv2) from each node's local rank 0: 'aws' (the real endpoint, http://169.254.169.254), 'auto' (the real one if this machine says it is EC2, else off), a URL (another endpoint, such as a test's), or '' (off)."""
     spot_poll_s: float = 5.0
@@ -149,7 +153,12 @@ class Preemption:
         self.signal_time: float | None = None  # wall clock of the first notice (any source)
         self.source: str | None = None
         self.action_time: float | None = None  # wall clock the spot notice names, if any
-        self._lock = threading.Lock()
+        # Re-entrant: the SIGTERM handler runs in the main thread between two bytecodes, possibly
+        # while the main thread is itself inside `notify` holding this lock (StopAtStep calls it
+        # there); a plain Lock would then wait for itself forever. The poller's thread still
+        # waits its turn (an RLock excludes other threads), and a nested call finds the notice
+        # being recorded and may only overwrite it with a time a few bytecodes apart.
+        self._lock = threading.RLock()
 
     def install(self) -> "Preemption":
         signal.signal(signal.SIGTERM, self._handler)
@@ -219,16 +228,18 @@ class SpotNoticePoller:
         self.polls = 0  # GETs of instance-action answered (any status)
         self.seen: dict | None = None  # the notice's JSON, once seen
         self.errors: list[str] = []
+        # never through HTTP(S)_PROXY: IMDS is link-local, a proxy cannot reach it (urlopen's
+        # default opener sends every request to the proxy the environment names)
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="spot-notice", daemon=True)
 
     def _request(self, method: str, path: str, headers: dict) -> tuple[int, bytes]:
         import urllib.error
-        import urllib.request
         req = urllib.request.Request(self.url + path, method=method, headers=headers,
                                      data=b"" if method == "PUT" else None)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+            with self._opener.open(req, timeout=self.timeout_s) as r:
                 return r.status, r.read()
         except urllib.error.HTTPError as e:
             return e.code, b""
@@ -254,7 +265,10 @@ class SpotNoticePoller:
             if status == 404:
                 return None
             if status == 200:
-                return json.loads(body)
+                found = json.loads(body)
+                if not isinstance(found, dict):
+                    raise ValueError(f"instance-action answered {body[:60]!r}, not an object")
+                return found
             if status == 401 and self.imdsv2 and attempt == 0:
                 self.token = None  # expired or revoked: one new token, then try again
                 continue
@@ -263,24 +277,32 @@ class SpotNoticePoller:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
+            try:  # any error, not only the expected ones: a dead thread would hear nothing
                 found = self.poll_once()
-            except (OSError, ValueError) as e:  # unreachable, refused, 401 without a token
-                if not self.errors:
-                    log.warning("spot notice: %s: %s (still polling every %g s)", self.url, e,
-                                self.interval_s)
-                self.errors.append(str(e))
-                found = None
-            if found is not None:
-                self.seen = found
-                when = found.get("time")
-                try:
-                    stamp = datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()
-                except (AttributeError, ValueError):
-                    stamp = None
-                self.notice.notify(f"spot notice: {found.get('action')} at {when}", stamp)
-                return
+                if found is not None:
+                    self._notify(found)
+                    return
+            except Exception as e:  # unreachable, refused, 401, a malformed answer ...
+                self._failed(e)
             self._stop.wait(self.interval_s)
+
+    def _notify(self, found: dict) -> None:
+        self.seen = found
+        when = found.get("time")
+        try:
+            stamp = datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()
+        except (AttributeError, ValueError):
+            stamp = None  # no usable time: the deadline is --grace-s after the notice
+        self.notice.notify(f"spot notice: {found.get('action')} at {when}", stamp)
+
+    def _failed(self, e: Exception) -> None:
+        """Log a failed poll (each new kind of failure once, then a count) and keep polling."""
+        what = f"{type(e).__name__}: {e}"
+        if what not in self.errors:
+            log.warning("spot notice: %s: %s", self.url, what[:120])
+            log.warning("  (poll %d failed; still polling every %g s)", len(self.errors) + 1,
+                        self.interval_s)
+        self.errors.append(what)
 
     def start(self) -> "SpotNoticePoller":
         self._thread.start()
