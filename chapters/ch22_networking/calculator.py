@@ -75,6 +75,15 @@ def rail_time(size: float, g: int, m: int, intra: Fabric, inter: Fabric, nics: i
     return hierarchical_time(size, g, m, intra.alpha, beta(intra), inter.alpha, share * beta(inter))
 
 
+# The 8 compute-fabric HCAs of a DGX H100/H200 (one ConnectX-7 port per GPU): NVIDIA DGX H100
+# User Guide, "Network Modules" table (OSFP ports -> default RDMA device): mlx5_0 (GPU 0),
+# mlx5_3 (1), mlx5_4 (2), mlx5_5 (3), mlx5_6 (4), mlx5_9 (5), mlx5_10 (6), mlx5_11 (7). The
+# node's other four mlx5 names belong to the two dual-port ConnectX-7 cards for storage and
+# in-band management (12 devices in all).
+DGX_H100_DEVICES = [f"mlx5_{i}" for i in range(12)]
+DGX_H100_COMPUTE_HCAS = ["mlx5_0", "mlx5_3", "mlx5_4", "mlx5_5", "mlx5_6", "mlx5_9", "mlx5_10", "mlx5_11"]
+
+
 def nccl_ib_hca_selected(value: str | None, devices: list[str]) -> list[str]:
     """The HCAs (device names, optionally `name:port`) NCCL uses given NCCL_IB_HCA, transcribed from
     NCCL (src/transport/net_ib/init.cc with matchIfList in src/misc/utils.cc; NCCL docs,
@@ -178,7 +187,7 @@ def worked_examples() -> dict:
         "bisection k=64, 400G, 1:1 (TB/s)": bisection_bandwidth(fat_tree_hosts(64), 50e9) / 1e12,
         "bisection k=64, 400G, 2:1 (TB/s)": bisection_bandwidth(fat_tree_hosts(64), 50e9, 2) / 1e12,
         "16 MiB ring, 2 nodes, 100 Mbit/s (s)": shaped_time(16 * 2**20, 2, 100e6),
-        # NCCL_IB_HCA=mlx5_0,mlx5_1 on a node with one NIC per GPU: 2 NICs carry the 8 rails
+        # NCCL_IB_HCA naming 2 of a DGX H100's 8 compute HCAs (=mlx5_0,mlx5_3): 2 NICs carry 8 rails
         "rails on 2 of 8 NICs, NVLink+IB (s)": rail_time(size, g, m, nv, ib, nics=2),
         # the same 16 nodes in the clouds, rails on each machine's GPU NICs
         "rails, 16 x p5.48xlarge, EFA (s)": rail_time(size, g, m, nv, FABRICS["efa_p5"]),

@@ -43,13 +43,16 @@ for f in calculator.FABRICS.values():
 
 # %% [markdown]
 # `NCCL_IB_HCA` is a list of prefixes (NCCL's `matchIfList`), and leaving it unset uses every
-# adapter. What three settings select on a node with twelve adapters, and what 2 of 8 NICs cost
-# the rails of the worked example:
+# adapter. What five settings select on a DGX H100 (12 mlx5 devices; the 8 compute HCAs are
+# `calculator.DGX_H100_COMPUTE_HCAS`, from NVIDIA's user guide), and what 2 of 8 NICs cost the
+# rails of the worked example:
 
 # %%
-devices = [f"mlx5_{i}" for i in range(12)]
-for value in (None, "mlx5_0,mlx5_1", "mlx5_1", "=mlx5_1", "^=mlx5_10,mlx5_11"):
-    print(f"NCCL_IB_HCA={value!s:20} -> {calculator.nccl_ib_hca_selected(value, devices)}")
+devices, compute = calculator.DGX_H100_DEVICES, calculator.DGX_H100_COMPUTE_HCAS
+for value in (None, "mlx5_0,mlx5_1", "mlx5_1", "=" + ",".join(compute), "^=mlx5_1,mlx5_2,mlx5_7,mlx5_8"):
+    chosen = calculator.nccl_ib_hca_selected(value, devices)
+    print(f"NCCL_IB_HCA={value!s:16.16} -> {len(chosen):2d} HCAs, {len(set(chosen) & set(compute))} of 8 compute, "
+          f"{len(set(chosen) - set(compute))} others: {','.join(d[5:] for d in chosen)}")
 nv, ib = calculator.FABRICS["nvlink4"], calculator.FABRICS["ib_ndr"]
 for nics in (8, 2):
     print(f"rails on {nics} NICs: {calculator.rail_time(14e9, 8, 16, nv, ib, nics=nics):.3f} s")

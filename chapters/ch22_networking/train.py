@@ -59,10 +59,10 @@ from common.timing import benchmark
 # what a node sends here, and TCP/IP and Ethernet headers only add bytes (~5 %, measured by
 # --wire-bytes): a ratio under 0.95 means the link was faster than predicted, or fewer bytes
 # crossed than the ring sends. Upper side: CPU time on a loaded 2-core machine. It tells a rate
-# off by 2x only where the link sets the time: with links shaped to 25 Mbit/s and 1 MiB, 4 nodes
-# gave 1.15-1.17 at a load of 17-20, links twice as fast as predicted 0.59-0.61 and twice as
-# slow 2.31-2.47; at 200 Mbit/s and 2 MiB the same load gave 2.6-3.2 (CPU-bound). The system
-# tests use 25 Mbit/s (figures/data.json records both, and the two controls).
+# off by 2x only where the link sets the time: in figures/data.json (2026-12-01, load 19 -> 7),
+# with links shaped to 25 Mbit/s and 1 MiB, 4x1 and 2x2 gave 1.16-1.30, 4 nodes with links twice
+# as fast as predicted 0.61-0.65 and twice as slow 2.40-2.56; at 200 Mbit/s and 2 MiB the same
+# recording gave 2.05-2.92 on 4 nodes (CPU-bound). The system tests use 25 Mbit/s.
 TIME_BAND = (0.95, 1.8)
 # Bytes a node's interface sends (its tx_bytes) / payload bytes the formula says leave the node.
 # Lower side 1: TCP delivers every payload byte, once or more. Upper side: per TCP segment of at
@@ -215,6 +215,17 @@ def interface_tx_bytes() -> int | None:
     return int(path.read_text()) if ifname and path.exists() else None
 
 
+def wire_agreed(enabled: bool) -> bool:
+    """Whether the ranks read the wire, decided once for the whole world: every rank then joins
+    the barrier and the sum of what each node's interface sent, so one node that cannot read its
+    interface (GLOO_SOCKET_IFNAME unset or naming none there) turns it off everywhere (the min
+    over the ranks of "my interface is readable"), instead of leaving the others in a collective
+    it skips. `enabled` must be the same on every rank (it is: --wire-bytes and the node count)."""
+    if not enabled:
+        return False
+    return reduce_number(int(interface_tx_bytes() is not None), "min") == 1
+
+
 def wire_band(payload: float) -> list[float]:
     """The range measured / payload may take (WIRE_OVERHEAD, WIRE_SLACK above)."""
     return [1.0, 1.0 + WIRE_OVERHEAD + WIRE_SLACK / payload]
@@ -248,9 +259,9 @@ def time_all_reduces(rec: RunRecorder, cfg: Config, info, g: int) -> None:
     if g == 1:
         runs["library all_reduce"] = (lambda: dist.all_reduce(x.clone()), "flat_ring", shaped_time(size, n, rate))
     shaped = cfg.rate_mbit > 0 and m > 1
-    wire = cfg.wire_bytes and m > 1 and interface_tx_bytes() is not None
+    wire = wire_agreed(cfg.wire_bytes and m > 1)
     if cfg.wire_bytes and not wire:
-        rec.figure("bytes on the wire", "n/a: one node, or GLOO_SOCKET_IFNAME names no interface here")
+        rec.figure("bytes on the wire", "n/a: one node, or GLOO_SOCKET_IFNAME names no interface on some node")
     for name, (fn, scheme, predicted) in runs.items():
         leaving = bytes_leaving_node(scheme, size, g, m)  # per node, per call
         before = interface_tx_bytes() if wire and nodes.local == 0 else 0
