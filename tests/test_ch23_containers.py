@@ -65,6 +65,16 @@ def test_dockerfile_lints_clean_and_does_what_the_lesson_says(tmp_path):
         assert variant != text and o.dockerfile_problems(o.dockerfile_facts(path)), name
     rc, findings = o.hadolint(tmp_path / "Dockerfile.latest")
     assert rc != 0 and "DL3007" in findings
+    # A base whose tag does not name its torch and CUDA (NGC's) cannot be checked against the pin,
+    # and torchrun started as `python -m torch.distributed.run` is still held to one rank per GPU.
+    ngc = {**facts, "base": "nvcr.io/nvidia/pytorch:25.01-py3"}
+    assert any(p.startswith("cannot read torch and CUDA") for p in o.dockerfile_problems(ngc))
+    module = {**facts, "cmd": ["python", "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node=2", "chapters/ch23_containers/train.py"]}
+    assert o.dockerfile_problems(module) == ["the command starts 2 ranks, not one per GPU (--nproc_per_node=gpu)"]
+    spaced = {**module, "cmd": [w.replace("=2", "") for w in module["cmd"]]}
+    spaced["cmd"].insert(spaced["cmd"].index("--nproc_per_node") + 1, "gpu")
+    assert o.dockerfile_problems(spaced) == []  # the same module, one rank per GPU: accepted
 
 
 @pytest.mark.timeout(30)
@@ -82,6 +92,15 @@ def test_pinned_torch_cuda_and_the_driver_it_needs():
     assert f"driver >= {need}" in o.DOCKERFILE.read_text()
     readme = (o.CHAPTER / "README.md").read_text()
     assert f"branch {need} and later" in readme and "580.65.06" in readme
+    # What the image's CMD prints where CUDA is unusable (no GPU here; a driver too old there):
+    # torchrun's --nproc_per_node=gpu stops with torch's own message, which the lesson quotes.
+    from torch.distributed.run import determine_local_world_size
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="^Cuda is not available.$"):
+            determine_local_world_size("gpu")
+    assert "ValueError: Cuda is not available." in readme
+    assert "The NVIDIA driver on your system is too old" in readme
 
 
 # --- the manifests ------------------------------------------------------------------------------
@@ -179,6 +198,45 @@ def test_pytorchjob_container_and_port_names():
     assert o.pytorchjob_admission_errors(elastic) == []
     elastic["spec"]["pytorchReplicaSpecs"]["Master"] = elastic["spec"]["pytorchReplicaSpecs"].pop("Worker")
     assert any("elastic policy" in e for e in o.pytorchjob_admission_errors(elastic))
+
+
+@pytest.mark.timeout(30)
+def test_pytorchjob_backoff_limit_survives_whole_job_restarts():
+    """The operator sums every pod's container restarts and fails the job at runPolicy.backoffLimit
+    (training-operator v1.9.0 PastBackoffLimit, transcribed in past_backoff_limit). One crashed
+    rank of the 4-pod job restarts all 4 containers (its peers' collectives fail): the manifest's
+    limit, 13, lets the world re-form after 3 faults and fails the job at the 4th; 3, the old
+    value, and 4, the pod count, end it at the first fault, and the lint refuses both."""
+    job = BY_NAME["ch23-ddp"]
+    pods = [h for h, _ in o.pytorchjob_pods(job)]
+    one_fault = {h: 1 for h in pods}  # rank 0's crash, then its 3 peers' restarts
+    assert job["spec"]["runPolicy"]["backoffLimit"] == 13 and o.lint_errors(job) == []
+    for faults, failed in ((1, False), (3, False), (4, True)):
+        assert o.past_backoff_limit(job, {h: faults for h in pods}) is failed, faults
+    assert not o.past_backoff_limit(job, {pods[0]: 3})  # one pod alone, 3 times: not yet
+    for limit in (3, 4):  # controls: the first fault fails the job, and the lint says so
+        low = copy.deepcopy(job)
+        low["spec"]["runPolicy"]["backoffLimit"] = limit
+        assert o.past_backoff_limit(low, one_fault)
+        assert [e.split(" ")[0] for e in o.lint_errors(low)] == ["runPolicy.backoffLimit"], limit
+    edge = dict(o.broken_variants(job))["PyTorchJob backoffLimit = its pod count"]
+    assert edge["spec"]["runPolicy"]["backoffLimit"] == 4 and o.validate_object(edge)
+    five = copy.deepcopy(job)
+    five["spec"]["runPolicy"]["backoffLimit"] = 5  # survives exactly one fault: accepted
+    assert not o.past_backoff_limit(five, one_fault) and o.lint_errors(five) == []
+    # Never is not counted (its pods fail instead); unset never fails; 0 fails at any restart
+    never = copy.deepcopy(low)
+    for r in never["spec"]["pytorchReplicaSpecs"].values():
+        r["restartPolicy"] = "Never"
+    assert not o.past_backoff_limit(never, one_fault) and o.lint_errors(never) == []
+    unset = copy.deepcopy(job)
+    del unset["spec"]["runPolicy"]["backoffLimit"]
+    assert not o.past_backoff_limit(unset, {h: 99 for h in pods}) and o.lint_errors(unset) == []
+    zero = copy.deepcopy(job)
+    zero["spec"]["runPolicy"]["backoffLimit"] = 0
+    assert o.past_backoff_limit(zero, {pods[3]: 1}) and o.lint_errors(zero)
+    # The elastic job restarts its workers inside torchrun, not its containers: not linted.
+    assert "PyTorchJob backoffLimit = its pod count" not in dict(o.broken_variants(BY_NAME["ch23-elastic"]))
 
 
 @pytest.mark.timeout(30)

@@ -74,16 +74,18 @@ SRUN_CPUS = "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK"
 
 
 def cluster_problems(text: str) -> list[str]:
-    """What a real cluster needs of a script: from Slurm 22.05 on, srun does not inherit
-    --cpus-per-task (man sbatch, --cpus-per-task), so SRUN_CPUS_PER_TASK is exported before the
-    first srun; and no --gpus-per-task (with devices confined, a task sees only its own GPU: no
-    CUDA peer-to-peer, no NVLink between the ranks; NVIDIA/nccl#1066, NVIDIA/pyxis#73)."""
+    """What a real cluster needs of a script: in Slurm 22.05 and 23.02 srun does not inherit
+    --cpus-per-task but reads SRUN_CPUS_PER_TASK (RELEASE_NOTES 22.05; 23.11 reads
+    SLURM_CPUS_PER_TASK again and ignores it), so SRUN_CPUS_PER_TASK is exported before the first
+    srun; and no --gpus-per-task (with devices confined, a task sees only its own GPU: NCCL was
+    reported not to work that way, NVIDIA/nccl#1066, and without P2P it has no NVLink between the
+    ranks; under pyxis one of two tasks got no GPU, NVIDIA/pyxis#73)."""
     lines = [line.strip() for line in text.splitlines()]
     srun = next((i for i, line in enumerate(lines) if re.match(r"srun\b", line)), None)
     export = next((i for i, line in enumerate(lines) if line == SRUN_CPUS), None)
     problems = []
     if srun is not None and "cpus-per-task" in directives(text) and (export is None or export > srun):
-        problems.append("srun without SRUN_CPUS_PER_TASK: its tasks get one CPU each (Slurm >= 22.05)")
+        problems.append("srun without SRUN_CPUS_PER_TASK: its tasks get one CPU each (Slurm 22.05-23.02)")
     if "--gpus-per-task" in text:
         problems.append("--gpus-per-task: ranks cannot reach each other's GPUs (use --gpus-per-node)")
     return problems

@@ -54,7 +54,11 @@ print("hadolint   :", o.hadolint())
 # Core objects go to Kubernetes' own schemas (kubernetes-validate, strict: an unknown field is an
 # error); a custom resource's pod templates go there too, as PodTemplates, the rest to the
 # operator's CRD schema (cut into `schemas/`), then through the operator's admission webhook
-# (transcribed) and the course's lints. Each broken copy must be rejected.
+# (transcribed) and the course's lints. Each broken copy must be rejected. Below, the pitfalls
+# with what the checks say: a container not named `pytorch` (the webhook); a port under another
+# name, a PyTorchJob backoff limit that the first fault reaches (the operator sums every pod's
+# container restarts, and one crashed rank restarts all 4 pods), Volcano pods restarted in place
+# (the lints: the operators accept all three).
 
 # %%
 manifests = o.load_manifests()
@@ -66,6 +70,7 @@ for fname, obj in manifests:
 by_name = {obj["metadata"]["name"]: obj for _, obj in manifests}
 for name, what in (("ch23-ddp", "PyTorchJob container not named pytorch"),
                    ("ch23-ddp", "PyTorchJob port not named pytorchjob-port"),
+                   ("ch23-ddp", "PyTorchJob backoffLimit = its pod count"),
                    ("ch23-gang", "Volcano pods restarted in place (OnFailure)")):
     print(f"\n{name}, {what}:")
     for error in o.validate_object(dict(o.broken_variants(by_name[name]))[what]):

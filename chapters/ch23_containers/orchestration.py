@@ -7,7 +7,8 @@ No cluster is needed for any of it:
   rest against the operator's own CRD schema (`schemas/`, cut from the CRD by `schema_from_crd`),
   then through the operator's admission checks (`admission_errors`, transcribed from its webhook)
   and the course's lints of settings the operator accepts but that break the job
-  (`lint_errors`: a Volcano pod restarted in place, a PyTorchJob port under another name).
+  (`lint_errors`: a Volcano pod restarted in place, a PyTorchJob port under another name, a
+  PyTorchJob backoff limit that its first fault reaches).
 - `pytorchjob_env`, `volcano_env`, `indexed_job_env`, `slurm_env` give the environment each
   launcher hands a pod or task, written from the operators' own code (Kubeflow training-operator
   `pkg/controller.v1/pytorch/envvar.go`, `master.go`, `elastic.go`; Volcano
@@ -52,6 +53,9 @@ CRD_SOURCES = {
 # Kubeflow training-operator v1.9.0, pkg/apis/kubeflow.org/v1/pytorch_types.go: the container the
 # operator configures, the port it reads MASTER_PORT from, and that port's default.
 PYTORCH_CONTAINER, PYTORCH_PORT_NAME, PYTORCH_DEFAULT_PORT = "pytorch", "pytorchjob-port", 23456
+# The replica restart policy the defaulter sets (PyTorchJobDefaultRestartPolicy) and the ones whose
+# container restarts PastBackoffLimit counts (v1.9.0 pkg/core/job.go).
+PYTORCH_DEFAULT_RESTART, RESTARTS_IN_PLACE = "OnFailure", ("OnFailure", "Always", "ExitCode")
 CUSTOM = {("kubeflow.org/v1", "PyTorchJob"): "pytorchjob.schema.json",
           ("batch.volcano.sh/v1alpha1", "Job"): "volcano-job.schema.json"}
 SCRIPT_RE = re.compile(r"chapters/(ch\d\d_\w+)/(\w+)\.py")
@@ -219,7 +223,12 @@ def lint_errors(obj: dict) -> list[str]:
     `PodFailed` policy (RestartJob) and `maxRetry` never act; `Never` lets them.
     PyTorchJob: a `pytorch` container whose ports do not include one named `pytorchjob-port`
     gets that port added with 23456 by the defaulter (setPyTorchDefaultPort), and MASTER_PORT is
-    23456, not the port the manifest declared."""
+    23456, not the port the manifest declared. And a `runPolicy.backoffLimit` of at most the
+    number of pods whose containers restart in place (OnFailure, the default, Always, ExitCode):
+    the operator sums the restart counts of every container of the job's running pods and fails
+    the job when the sum reaches the limit (v1.9.0 pkg/core/job.go, PastBackoffLimit), and one
+    crashed rank restarts every pod of a non-elastic job once (its peers' collectives fail and
+    they restart too), so the first fault ends the job instead of re-forming the world."""
     errors = []
     if obj.get("kind") == "Job" and is_custom(obj):
         spec = obj.get("spec") or {}
@@ -240,7 +249,35 @@ def lint_errors(obj: dict) -> list[str]:
                     errors.append(f"{rtype}: container {PYTORCH_CONTAINER} declares ports {ports} but none "
                                   f"named {PYTORCH_PORT_NAME}: the operator adds {PYTORCH_PORT_NAME}: "
                                   f"{PYTORCH_DEFAULT_PORT} and sets MASTER_PORT={PYTORCH_DEFAULT_PORT}")
+        spec = obj.get("spec") or {}
+        limit = (spec.get("runPolicy") or {}).get("backoffLimit")
+        restarting = sum(r.get("replicas", 1) for r in (spec.get("pytorchReplicaSpecs") or {}).values()
+                         if isinstance(r, dict) and isinstance(r.get("replicas", 1), int)
+                         and r.get("restartPolicy", PYTORCH_DEFAULT_RESTART) in RESTARTS_IN_PLACE)
+        if isinstance(limit, int) and restarting and "elasticPolicy" not in spec and limit <= restarting:
+            errors.append(f"runPolicy.backoffLimit {limit} <= {restarting} pods restarted in place: the "
+                          "operator sums every pod's container restarts (PastBackoffLimit) and one "
+                          f"crashed rank restarts all {restarting}, so the first fault fails the job "
+                          f"(use >= {restarting} x restarts wanted + 1)")
     return errors
+
+
+def past_backoff_limit(job: dict, restarts: dict[str, int]) -> bool:
+    """Whether the training operator fails a PyTorchJob whose running pods' containers have
+    restarted `restarts[pod name]` times (training-operator v1.9.0 pkg/core/job.go,
+    PastBackoffLimit, transcribed): the restart counts of every pod of a replica type whose
+    restart policy is OnFailure, Always or ExitCode are summed over the job, and the job fails when
+    the sum reaches runPolicy.backoffLimit (any restart at all when it is 0; never when unset)."""
+    spec = job["spec"]
+    limit = (spec.get("runPolicy") or {}).get("backoffLimit")
+    if limit is None:
+        return False
+    name = job["metadata"]["name"]
+    total = sum(restarts.get(f"{name}-{rtype.lower()}-{i}", 0)
+                for rtype, r in spec["pytorchReplicaSpecs"].items()
+                if r.get("restartPolicy", PYTORCH_DEFAULT_RESTART) in RESTARTS_IN_PLACE
+                for i in range(r.get("replicas", 1)))
+    return total > 0 if limit == 0 else total >= limit
 
 
 def validate_object(obj: dict) -> list[str]:
@@ -312,9 +349,15 @@ def broken_variants(obj: dict) -> list[tuple[str, dict]]:
     of which a validator must reject (a custom resource's are broken in the part the CRD schema
     checks and in a pod template, which Kubernetes' schema checks); for a custom resource also
     the pitfalls the admission webhook and the lints catch: a PyTorchJob whose container is not
-    named `pytorch` or whose port is not named `pytorchjob-port`, a Volcano Job whose pods
-    restart in place (`restartPolicy: OnFailure`)."""
+    named `pytorch` or whose port is not named `pytorchjob-port`, a (non-elastic) PyTorchJob whose
+    `backoffLimit` equals its pod count (one fault reaches it), a Volcano Job whose pods restart in
+    place (`restartPolicy: OnFailure`)."""
     out = []
+    if obj.get("kind") == "PyTorchJob" and "elasticPolicy" not in obj["spec"]:
+        b = copy.deepcopy(obj)
+        pods = sum(r.get("replicas", 1) for r in b["spec"]["pytorchReplicaSpecs"].values())
+        b["spec"].setdefault("runPolicy", {})["backoffLimit"] = pods
+        out.append(("PyTorchJob backoffLimit = its pod count", b))
     if obj.get("kind") == "PyTorchJob":
         b = copy.deepcopy(obj)
         for rspec in b["spec"]["pytorchReplicaSpecs"].values():
@@ -670,13 +713,18 @@ def dockerfile_problems(facts: dict, torch_pin: str | None = None) -> list[str]:
     """What the lesson says the Dockerfile does, checked: a pinned CUDA + PyTorch base whose
     torch is the pinned one, built for the pinned wheel's CUDA; the pinned requirements copied
     and installed; PYTORCH_VERSION (what enroot's pytorch hook reads) equal to the pin; the last
-    USER is not root; a torchrun command starts one rank per GPU (`--nproc_per_node=gpu`)."""
+    USER is not root; a torchrun command (or `python -m torch.distributed.run`) starts one rank per
+    GPU (`--nproc_per_node=gpu`). A base whose tag does not say its torch and CUDA (an NGC
+    `nvcr.io/nvidia/pytorch:YY.MM-py3`, a digest) is a problem too: the pin cannot be checked."""
     torch_pin = torch_pin or pinned_version("torch")
     problems = []
     base = facts["base"] or ""
     if ":" not in base or base.endswith(":latest") or not ("cuda" in base and "pytorch" in base):
         problems.append(f"base image {base!r} is not a pinned CUDA + PyTorch image")
     versions = base_image_versions(base)
+    if not versions:
+        problems.append(f"cannot read torch and CUDA from the base {base!r} (not a "
+                        "pytorch/pytorch:<torch>-cuda<X.Y>-... tag): its torch may differ from the pin")
     if versions and versions["torch"] != torch_pin:
         problems.append(f"the base's torch {versions['torch']} is not the pinned {torch_pin}: pip "
                         "installs a second torch over it")
@@ -694,8 +742,13 @@ def dockerfile_problems(facts: dict, torch_pin: str | None = None) -> list[str]:
     if user in ("root", "0"):
         problems.append(f"the container runs as root (USER {facts['user']})")
     cmd = facts["cmd"] or []
-    if cmd and "torchrun" in cmd[0]:
-        nproc = next((w.split("=", 1)[1] for w in cmd if w.startswith(("--nproc_per_node=", "--nproc-per-node="))),
+    # torchrun, or the module it runs: python -m torch.distributed.run (or its old name, launch)
+    launcher = (cmd and "torchrun" in cmd[0]) or any(
+        w == "-m" and i + 1 < len(cmd) and cmd[i + 1] in ("torch.distributed.run", "torch.distributed.launch")
+        for i, w in enumerate(cmd))
+    if launcher:
+        nproc = next((w.split("=", 1)[1] if "=" in w else (cmd[i + 1] if i + 1 < len(cmd) else None)
+                      for i, w in enumerate(cmd) if w.split("=")[0] in ("--nproc_per_node", "--nproc-per-node")),
                      None)
         if nproc != "gpu":
             problems.append(f"the command starts {nproc} ranks, not one per GPU (--nproc_per_node=gpu)")
