@@ -30,7 +30,8 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 
 @pytest.fixture(scope="module")
 def run2(tmp_path_factory):
-    """One real `torchrun --nproc_per_node=2` launch of train.py, shared by the tests below."""
+    """One real `torchrun --nproc_per_node=2` launch of train.py, shared by the tests below (the
+    notebook launches the same command, so the tests hand it this run: common.launch)."""
     out = tmp_path_factory.mktemp("ch01_run2")
     return run_torchrun(SCRIPT, nproc=2, args=["--steps", "6", "--log-every", "2"],
                         timeout=120, out_dir=out)

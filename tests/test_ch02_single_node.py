@@ -28,7 +28,7 @@ from common.launch import run_on_ranks, run_python, run_torchrun
 from common.results import REPO_ROOT
 
 CH = REPO_ROOT / "chapters" / "ch02_single_node"
-STEPS, SEED = 12, 3  # not the defaults: the options must reach every rank
+STEPS, SEED = 12, 3  # not the defaults: the options must reach every rank (the notebook's too)
 ARGS = ["--steps", STEPS, "--seed", SEED, "--log-every", 1, "--device", "cpu"]
 TOL = PARITY_TOLERANCE["float64"]  # 1e-12: same sums, different order, float64 rounding
 CPU = torch.device("cpu")

@@ -141,7 +141,8 @@ for launcher, env in (("torchrun", {"RANK": "5"}), ("srun", srun_one_gpu)):
 
 # %%
 result = run_torchrun(REPO_ROOT / "chapters/ch01_overview/train.py", nproc=2,
-                      args=["--steps", "10"], out_dir=REPO_ROOT / "runs/ch01_overview/notebook",
+                      args=["--steps", "6", "--log-every", "2"],
+                      out_dir=REPO_ROOT / "runs" / "notebooks" / "ch01",
                       timeout=120)
 print("\n".join(result.output.strip().splitlines()[-30:]))
 
