@@ -8,27 +8,56 @@ from pathlib import Path
 from chapters.ch21_hyperparameters import schedules as S
 from common.results import save_figure
 
-MEASURE_S = 10
+MEASURE_S = 120  # measured: 126 s under load (the seed and problem sweeps, 91 experiments)
+DATA_SEEDS = [1000 * k for k in range(1, 11)]  # the same problem (seed 0's w*), other data
+PROBLEMS = list(range(10))  # --seed 0-9: ten problems (each its own w*)
+RUNS_PER_POINT = 8  # data seeds 1000, 2000, ..., 8000 on each problem, averaged per batch size
+
+
+def _fit(cfg, data_seed=None) -> dict:
+    from chapters.ch21_hyperparameters.train import fit_critical_batch, scaling_experiment
+
+    exp = scaling_experiment(cfg, 0, 1, data_seed)
+    steps = {b: v["best_steps"] for b, v in exp["table"].items()}
+    assert min(steps.values()) >= 0, steps  # every batch size reached the target
+    s_min, b_crit = fit_critical_batch(steps)
+    return {"steps": list(steps.values()), "s_min": s_min, "b_crit": b_crit, "exp": exp}
 
 
 def measure() -> dict:
-    """The batch-size experiment of train.py's defaults, in one process."""
+    """The batch-size experiment of train.py's defaults, in one process; the same experiment on
+    ten other data seeds of the same problem; and on ten problems, each point the mean of
+    RUNS_PER_POINT runs (every run at its own best rate), with each problem's B_noise."""
     from chapters.ch21_hyperparameters.train import (
         Config,
         closed_form_noise_scales,
         fit_critical_batch,
-        scaling_experiment,
         target_point,
     )
 
     cfg = Config()
-    exp = scaling_experiment(cfg, 0, 1)
-    steps = {b: v["best_steps"] for b, v in exp["table"].items()}
-    s_min, b_crit = fit_critical_batch(steps)
+    default = _fit(cfg)
+    exp = default.pop("exp")
+    batch = list(exp["table"])
     closed = closed_form_noise_scales(cfg, target_point(cfg))
-    return {"batch": list(steps), "steps": list(steps.values()),
-            "linear": [exp["linear"][b] for b in steps], "s_min": s_min, "b_crit": b_crit,
-            "b_simple_at_target": closed["b_simple"], "b_noise_at_target": closed["b_noise"]}
+    seeds = [_fit(cfg, ds) for ds in DATA_SEEDS]
+    problems = []
+    for p in PROBLEMS:
+        pcfg = Config(seed=p)
+        runs = [_fit(pcfg, 1000 * k)["steps"] for k in range(1, RUNS_PER_POINT + 1)]
+        mean = [sum(r[i] for r in runs) / len(runs) for i in range(len(batch))]
+        s_min, b_crit = fit_critical_batch(dict(zip(batch, mean)))
+        b_noise = closed_form_noise_scales(pcfg, target_point(pcfg))["b_noise"]
+        problems.append({"seed": p, "mean_steps": mean, "s_min": s_min, "b_crit": b_crit,
+                         "b_noise_at_target": b_noise})
+    return {"batch": batch, "steps": default["steps"],
+            "linear": [exp["linear"][b] for b in batch], "s_min": default["s_min"],
+            "b_crit": default["b_crit"],
+            "b_simple_at_target": closed["b_simple"], "b_noise_at_target": closed["b_noise"],
+            "data_seeds": {"seeds": DATA_SEEDS, "steps": [r["steps"] for r in seeds],
+                           "b_crit": [r["b_crit"] for r in seeds]},
+            "problems": {"runs_per_point": RUNS_PER_POINT, "data_seeds": DATA_SEEDS[:RUNS_PER_POINT],
+                         "fits": problems}}
 
 
 def make_figures(fig_dir: Path, data: dict) -> list[Path]:
@@ -50,7 +79,12 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     b, s = data["batch"], data["steps"]
-    ax.loglog(b, s, "o-", label="measured, best lr per batch")
+    other = data["data_seeds"]
+    for i, steps in enumerate(other["steps"]):
+        ax.loglog(b, steps, "-", color="0.75", lw=0.7,
+                  label=f"data seeds {other['seeds'][0]}-{other['seeds'][-1]}, same problem"
+                  if i == 0 else None)
+    ax.loglog(b, s, "o-", label="measured (seed 0), best lr per batch")
     lin = [(x, y) for x, y in zip(b, data["linear"]) if y is not None]
     ax.loglog(*zip(*lin), "s--", label="linear-scaled lr (diverges beyond)")
     fit = [data["s_min"] * (1 + data["b_crit"] / x) for x in b]

@@ -6,8 +6,9 @@ give unbiased estimates of |G|^2 and tr(Sigma), whose ratio is the gradient nois
 B_simple (McCandlish et al., 2018): the batch size beyond which a bigger batch stops cutting
 the number of steps; in the Hessian's metric the same two norms give B_noise. This script
 checks the learning-rate schedules against their formulas, the distributed noise-scale
-estimator against per-example gradients and both noise scales against their closed forms for
-this Gaussian problem, and measures steps to a target loss against the batch size.
+estimator against per-example gradients, both noise scales and their four parts against their
+closed forms for this Gaussian problem, and measures steps to a target loss against the batch
+size.
 
 Run:
     python chapters/ch21_hyperparameters/train.py                                  # one process
@@ -79,10 +80,12 @@ class Config(RunConfig):
 # The estimator and the per-example reference compute the same sums of squares in another order:
 # a few hundred float64 operations on numbers of order one, u = 1.1e-16, relative error ~1e-13.
 GNS_TOLERANCE = 1e-10  # relative
-# The noise scales measured at the target point against their closed forms: a sample of
-# noise_batches x B per-example gradients, so a statistical tolerance. Over 10 problems (seeds
-# 0-9) at 800 batches of 48 the measured values fell within 5.7 % of the closed forms (standard
-# error about 2.5 %); the big-batch norm taken for |G|^2 misses by 23-39 % (the lesson).
+# The noise scales and their four parts measured at the target point against their closed
+# forms: a sample of noise_batches x B per-example gradients, so a statistical tolerance. Over 10
+# problems (seeds 0-9) at 800 batches of 48 (micro-batches of 1 and of 4) the parts fell within
+# 4.4 % of their closed forms and the ratios within 5.7 % (standard error about 2.5 %); the
+# big-batch norm taken for |G|^2 misses by 23-39 %, a metric of standard deviations instead of
+# variances puts tr(H Sigma) 23-29 % off (the lesson).
 CLOSED_FORM_TOLERANCE = 0.10  # relative
 
 
@@ -222,17 +225,20 @@ def steps_to_target(cfg: Config, batch: int, lr: float, seed: int,
 LR_GRID = [2.0**-e for e in range(1, 11)]  # 0.5 ... 0.001: the Hessian 2 diag(var) allows lr < 1
 
 
-def scaling_experiment(cfg: Config, rank: int, world: int) -> dict:
+def scaling_experiment(cfg: Config, rank: int, world: int, data_seed: int | None = None) -> dict:
     """Steps to target against batch size, each batch size at its best lr on the grid and at
-    the linearly scaled lr of the smallest batch's best. Ranks split the batch sizes."""
+    the linearly scaled lr of the smallest batch's best. Ranks split the batch sizes. The i-th
+    batch size draws its samples from seed `data_seed + i` (default: cfg.seed, which also
+    picks the problem, w*): another data_seed reruns the same problem on other data."""
     sizes = [int(b) for b in cfg.batch_sizes.split(",")]
+    data_seed = cfg.seed if data_seed is None else data_seed
     out = {}
     for i, b in enumerate(sizes):
         if i % world != rank:
             continue
         best, best_steps = float("nan"), None
         for lr in LR_GRID:  # from the largest: the smallest lr among the fastest wins ties
-            s = steps_to_target(cfg, b, lr, cfg.seed + i, give_up=best_steps)
+            s = steps_to_target(cfg, b, lr, data_seed + i, give_up=best_steps)
             if s is not None and (best_steps is None or s <= best_steps):
                 best, best_steps = lr, s
         out[b] = {"best_lr": best, "best_steps": -1 if best_steps is None else best_steps}
@@ -244,7 +250,7 @@ def scaling_experiment(cfg: Config, rank: int, world: int) -> dict:
     table = {b: v for part in merged for b, v in part.items()}
     table = dict(sorted(table.items()))
     b0 = sizes[0]
-    lin = {b: steps_to_target(cfg, b, S.linear_scaled(table[b0]["best_lr"], b, b0), cfg.seed + i)
+    lin = {b: steps_to_target(cfg, b, S.linear_scaled(table[b0]["best_lr"], b, b0), data_seed + i)
            for i, b in enumerate(sizes)} if rank == 0 else {}
     return {"table": table, "linear": lin}
 
@@ -267,48 +273,78 @@ def target_point(cfg: Config) -> torch.Tensor:
 
 
 def closed_form_noise_scales(cfg: Config, w: torch.Tensor) -> dict:
-    """B_simple = tr(Sigma)/|G|^2 and B_noise = tr(H Sigma)/(G^T H G) at `w`, exactly, for
-    x ~ N(0, V), V = diag(v), y = x.w* + N(0, sigma^2), per-example loss (x.w - y)^2. With
-    e = w - w* and L = e^T V e + sigma^2 (the population loss): G = 2Ve, H = 2V, and by
-    Isserlis' theorem Sigma = 4(L V + V e e^T V). Hence
-    B_simple = 1 + L tr(V) / (e^T V^2 e) and B_noise = 1 + L tr(V^2) / (e^T V^3 e)."""
+    """B_simple = tr(Sigma)/|G|^2 and B_noise = tr(H Sigma)/(G^T H G) at `w`, exactly, and
+    their four parts, for x ~ N(0, V), V = diag(v), y = x.w* + N(0, sigma^2), per-example loss
+    (x.w - y)^2. With e = w - w* and L = e^T V e + sigma^2 (the population loss): G = 2Ve,
+    H = 2V, and by Isserlis' theorem Sigma = 4(L V + V e e^T V). Hence |G|^2 = 4 e^T V^2 e,
+    tr(Sigma) = 4(L tr V + e^T V^2 e), G^T H G = 8 e^T V^3 e, tr(H Sigma) = 8(L tr V^2 +
+    e^T V^3 e), B_simple = 1 + L tr(V) / (e^T V^2 e) and B_noise = 1 + L tr(V^2) / (e^T V^3 e)."""
     v, e = feature_scales(cfg) ** 2, w - teacher(cfg)
     loss = (e * e * v).sum().item() + cfg.label_noise**2
-    return {"b_simple": 1 + loss * v.sum().item() / (e * e * v**2).sum().item(),
-            "b_noise": 1 + loss * (v**2).sum().item() / (e * e * v**3).sum().item(),
+    ev2, ev3 = (e * e * v**2).sum().item(), (e * e * v**3).sum().item()
+    return {"b_simple": 1 + loss * v.sum().item() / ev2,
+            "b_noise": 1 + loss * (v**2).sum().item() / ev3,
+            "g2": 4 * ev2, "trace": 4 * (loss * v.sum().item() + ev2),
+            "g2_h": 8 * ev3, "trace_h": 8 * (loss * (v**2).sum().item() + ev3),
             "loss": loss}
 
 
-def measure_noise_scales(w: torch.Tensor, cfg: Config, info) -> dict:
+def measure_noise_scales(w: torch.Tensor, cfg: Config, info,
+                         h: torch.Tensor | None = None) -> dict:
     """The noise scales at fixed weights `w`, measured the data-parallel way over
     `noise_batches` fresh global batches: each batch's two norms give unbiased estimates of
     |G|^2 and tr(Sigma) (and, in the Hessian's metric h = 2v, of G^T H G and tr(H Sigma));
     numerators and denominators are averaged separately, then divided. Also the biased
-    version that takes the big-batch norm alone for |G|^2 (the control)."""
+    versions that take the big-batch norm alone for |G|^2 and G^T H G (the controls)."""
     g = torch.Generator().manual_seed(cfg.seed + 54321)  # the same batches on every rank
-    h = (2 * feature_scales(cfg) ** 2).to(info.device)  # the Hessian of the loss, diagonal
-    B, m, sums = cfg.global_batch_size, cfg.micro_batch_size, torch.zeros(5, dtype=torch.float64)
+    if h is None:
+        h = 2 * feature_scales(cfg) ** 2  # the Hessian of the loss, diagonal
+    h = h.to(info.device)
+    B, m, sums = cfg.global_batch_size, cfg.micro_batch_size, torch.zeros(6, dtype=torch.float64)
     for _ in range(cfg.noise_batches):
         x, y = sample(cfg, B, g)
         n = dp_step_norms(w.to(info.device), x.to(info.device), y.to(info.device), cfg,
                           info.rank, info.world_size, h)
         plain, metric = noise_scale(n.small_sq, n.big_sq, m, B), noise_scale(n.small_h, n.big_h, m, B)
-        sums += torch.tensor([plain["trace"], plain["g2"], metric["trace"], metric["g2"], n.big_sq],
-                             dtype=torch.float64)
-    tr, g2, tr_h, g2_h, big = sums.tolist()
-    return {"b_simple": tr / g2, "b_noise": tr_h / g2_h, "b_simple_biased": tr / big}
+        sums += torch.tensor([plain["trace"], plain["g2"], metric["trace"], metric["g2"], n.big_sq,
+                              n.big_h], dtype=torch.float64)
+    tr, g2, tr_h, g2_h, big, big_h = (s / cfg.noise_batches for s in sums.tolist())
+    return {"b_simple": tr / g2, "b_noise": tr_h / g2_h, "b_simple_biased": tr / big,
+            "g2": g2, "trace": tr, "g2_h": g2_h, "trace_h": tr_h, "g2_biased": big,
+            "g2_h_biased": big_h}
+
+
+PARTS = (("g2", "|G|^2 at target == 4 e'V^2 e"),
+         ("trace", "tr(Sigma) at target == 4(L trV + e'V^2 e)"),
+         ("g2_h", "G'HG at target == 8 e'V^3 e"),
+         ("trace_h", "tr(H Sigma) at target == 8(L trV^2 + e'V^3 e)"))
 
 
 def check_noise_scales(rec: RunRecorder, cfg: Config, info) -> dict:
-    """Both noise scales at the target point, measured, against their closed forms; the biased
-    estimate (big-batch norm alone) fails the same tolerance."""
+    """Both noise scales at the target point, and the four unbiased estimates they are ratios
+    of, measured, against their closed forms (a ratio alone lets errors in its two parts
+    cancel); the biased estimates (big-batch norm alone) fail the same tolerance."""
     w = target_point(cfg)
     exact, meas = closed_form_noise_scales(cfg, w), measure_noise_scales(w, cfg, info)
+    for key, name in PARTS:
+        rec.check(f"{name} (DP estimator, rel.)", "formula", meas[key], exact[key],
+                  CLOSED_FORM_TOLERANCE, relative=True)
     for key, name in (("b_simple", "B_simple"), ("b_noise", "B_noise")):
         rec.check(f"{name} at target, DP estimator == closed form (rel.)", "formula", meas[key],
                   exact[key], CLOSED_FORM_TOLERANCE, relative=True)
     off = abs(meas["b_simple_biased"] / exact["b_simple"] - 1)
     rec.check("B_simple, big-batch norm alone: off the closed form (control)", "formula", off,
+              CLOSED_FORM_TOLERANCE, compare=">")
+    off = min(abs(meas["g2_biased"] / exact["g2"] - 1), abs(meas["g2_h_biased"] / exact["g2_h"] - 1))
+    rec.check("|G|^2 and G'HG, big-batch norms alone: off (control, the smaller)", "formula", off,
+              CLOSED_FORM_TOLERANCE, compare=">")
+    # the metric of standard deviations, 2 sqrt(v), for the Hessian 2v: the ratio B_noise moves
+    # less than the tolerance, tr(H Sigma) more, so only the parts catch it
+    wrong = measure_noise_scales(w, cfg, info, h=2 * feature_scales(cfg))
+    rec.figure("B_noise, metric 2·std for 2·var: off the closed form (rel.)",
+               round(abs(wrong["b_noise"] / exact["b_noise"] - 1), 4))
+    off = abs(wrong["trace_h"] / exact["trace_h"] - 1)
+    rec.check("tr(H Sigma), metric 2·std for 2·var: off (control)", "formula", off,
               CLOSED_FORM_TOLERANCE, compare=">")
     return exact
 
