@@ -220,6 +220,68 @@ def _conservation(method: str, keying, model, X, Y, steps: int = 3) -> dict:
             "residual_norm": sum(r.norm() ** 2 for r in residual.values()).sqrt().item() / scale}
 
 
+def _warm_start(control, model, X, Y, steps: int = 3) -> dict:
+    """PowerSGD's warm start, read off the wire over `steps` steps across DDP's bucket rebuild.
+    At step t this rank's P (the input of the all-reduce of P) must be M_t·Q̄_{t-1} per
+    parameter: Q̄_{t-1} the mean of the Qs the ranks put on the wire at step t-1 (at step 0 the
+    seeded draw every rank shares), M_t = g_t + e_t with g_t the gradient of a plain copy of the
+    model and e_t what the wire says was dropped, e_{t+1} = M_t - P̂_t·q_tᵀ (P̂_t from the summed
+    P, q_t this rank's Q). Nothing here is read from the hook's state. Returns each step's
+    largest error relative to |M_t·Q̄_{t-1}|. Controls: "position" keys the state by
+    (bucket index, position) as the old code did; "redraw" draws Q afresh every step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=100)
+    names = {p: n for n, p in ddp.module.named_parameters()}
+    shape_of = {n: tuple(p.shape) for n, p in ddp.module.named_parameters()}
+    layouts = []
+
+    def recording(state, bucket):
+        layouts.append([names[p] for p in bucket.parameters()])
+        if control == "redraw":
+            state.warm_q.clear()
+        return hooks.powersgd_hook(state, bucket)
+
+    ddp.register_comm_hook(hooks.HookState(rank=1, seed=0), recording)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    q_mean, dropped, errors = {}, {}, []
+    original = hooks.keyed_gradients
+    hooks.keyed_gradients = _old_position_keys if control == "position" else original
+    try:
+        for step in range(steps):
+            x = X[16 * step:16 * step + 16].chunk(world)[rank]
+            y = Y[16 * step:16 * step + 16].chunk(world)[rank]
+            ref = copy.deepcopy(ddp.module)
+            F.mse_loss(ref(x), y).backward()
+            g = {n: p.grad.view(p.shape[0], -1) for n, p in ref.named_parameters()}
+            opt.zero_grad()
+            with WireTap(keep=True) as tap:
+                F.mse_loss(ddp(x), y).backward()
+            _, p_mine, q_mine = tap.tensors()
+            p_sum, q_sum = p_mine.clone(), q_mine.clone()
+            dist.all_reduce(p_sum)
+            dist.all_reduce(q_sum)
+            layout = layouts[-1]
+            plan = hooks.powersgd_plan([torch.Size(shape_of[n]) for n in layout], 1)
+            mats = [n for n, r in zip(layout, plan) if r]
+            rows = [g[n].shape[0] for n in mats]
+            cols = [g[n].shape[1] for n in mats]
+            worst = 0.0
+            for n, p, ps, q, qs in zip(mats, p_mine.split(rows), p_sum.split(rows),
+                                       q_mine.split(cols), q_sum.split(cols)):
+                m = g[n] + dropped.get(n, 0.0)
+                if n not in q_mean:  # step 0: the draw every rank makes from the shared seed
+                    q_mean[n] = torch.randn(m.shape[1], 1, generator=torch.Generator().manual_seed(0))
+                want = m @ q_mean[n]
+                worst = max(worst, ((p.view(-1, 1) - want).abs().max() / want.abs().max()).item())
+                dropped[n] = m - torch.linalg.qr(ps.view(-1, 1)).Q @ q.view(1, -1)
+                q_mean[n] = qs.view(-1, 1) / world
+            errors.append(worst)
+            opt.step()
+    finally:
+        hooks.keyed_gradients = original
+    return {"errors": errors, "layouts": [layouts[0], layouts[-1]]}
+
+
 def _hooks_on_ranks() -> dict:
     """Each hand-written hook's one-step output against a reference computed here."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -315,6 +377,11 @@ def _hooks_on_ranks() -> dict:
         out[f"law_{method}"] = _conservation(method, None, model, X, Y)
         out[f"law_{method}_old_keys"] = _conservation(method, old_keys, model, X, Y)
 
+    # PowerSGD's warm start over 3 steps, across the rebuild: P_t = M_t Q̄_{t-1} per parameter,
+    # read off the wire; state kept by position, and Q drawn afresh each step, break it (controls).
+    for control in (None, "position", "redraw"):
+        out[f"warm_{control}"] = _warm_start(control, model, X, Y)
+
     # Majority vote: every rank applies (mean over ranks of mean |g| per tensor) * sign(sum of
     # the ranks' signs), sent as int8 votes and fp32 scales, both all-reduced (summed), not gathered.
     tap = WireTap()
@@ -379,6 +446,15 @@ def test_hooks_match_references_on_three_ranks():
             assert law["residual_norm"] > 1e-2, method  # something was held back
             assert law["gap"] < 1e-5, (method, law["gap"])
             assert old["gap"] > 1e-2, (method, old["gap"])
+        # PowerSGD's power iteration continues from last step's mean Q, per parameter, across
+        # the rebuild; keyed by position it restarts at step 1 (the keys moved), redrawn at every
+        # step after the first.
+        warm = r["warm_None"]
+        assert warm["layouts"][0] == list(reversed(warm["layouts"][1])), warm["layouts"]
+        assert max(warm["errors"]) < 1e-5, warm["errors"]
+        position, redraw = r["warm_position"]["errors"], r["warm_redraw"]["errors"]
+        assert position[0] < 1e-5 and position[1] > 1e-1, position
+        assert redraw[0] < 1e-5 and min(redraw[1:]) > 1e-1, redraw
         assert r["vote"] < 1e-7
         assert r["vote_wire"] == [("all_reduce", "torch.int8", n), ("all_reduce", "torch.float32", 24)]
         assert 0 < r["qsgd_err"] <= r["qsgd_bound"]
@@ -473,6 +549,9 @@ def test_gathered_payloads_stop_paying_at_large_worlds():
     assert hooks.break_even_world("qsgd", shapes_, state) == 8       # 2 x 21252 / 5460 = 7.8
     assert hooks.break_even_world("signsgd", shapes_, state) == 62   # 2 x 21252 / 689 = 61.7
     assert hooks.break_even_world("powersgd", shapes_, state) is None
+    # int8 votes (n + 24 bytes) up to 127 ranks, fp16 (2n + 24) to 2048: less than dense's 4n;
+    # int32 votes and fp32 scales from 2049 ranks on: 4n + 24, more than dense
+    assert hooks.break_even_world("majority_vote", shapes_, state) == 2049
     assert hooks.received_bytes("dense", shapes_, state, 2) == 21252
 
 
@@ -534,8 +613,61 @@ def test_bad_settings_exit_with_one_line():
                            world_size=3)
     assert e.value.code == 2
     # gloo all-gathers CUDA tensors (torch's ProcessGroupGloo: AsyncAllgatherCUDAWork), so every
-    # method is accepted on one GPU shared by gloo ranks; int8 votes overflow past 127 ranks.
+    # method is accepted on one GPU shared by gloo ranks; the majority vote at 200 ranks too (its
+    # votes widen: test_vote_dtype_holds_the_sum_of_every_rank).
     train.validate(train.Config(device="cuda", backend="gloo"), 2)
-    with pytest.raises(ValueError, match="at most 127 ranks"):
-        train.validate(train.Config(global_batch_size=128), 128)
-    train.validate(train.Config(global_batch_size=128, methods=("dense", "topk")), 128)
+    train.validate(train.Config(global_batch_size=200), 200)
+
+
+class _Bucket:
+    """What majority_vote_hook reads of a DDP GradBucket: the flat buffer and its views."""
+
+    def __init__(self, grads):
+        self.shapes = [g.shape for g in grads]
+        self.flat = torch.cat([g.flatten() for g in grads])
+
+    def buffer(self):
+        return self.flat
+
+    def gradients(self):
+        return [p.view(s) for p, s in zip(self.flat.split([math.prod(s) for s in self.shapes]),
+                                          self.shapes)]
+
+
+def _sum_one_at_a_time(votes: int, dtype: torch.dtype) -> float:
+    """votes x (+1) added one by one in `dtype`, as a reduction that keeps its dtype adds them."""
+    total, one = torch.zeros((), dtype=dtype), torch.ones((), dtype=dtype)
+    for _ in range(votes):
+        total += one
+    return total.item()
+
+
+def test_vote_dtype_holds_the_sum_of_every_rank():
+    """The majority vote's sum of W votes of ±1 must be exact: int8 to 127 ranks, fp16 to 2048,
+    int32 beyond. Negative controls: 128 votes of +1 in int8 wrap to -128, and 2049 in fp16 stop
+    at 2048. At 127, 128, 200 and 2049 ranks (a fake process group: one process, collectives that
+    move nothing) the hook hands the all-reduce votes of that dtype, counted on the wire."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    choice = {w: hooks.vote_dtype(w) for w in (2, 127, 128, 200, 2048, 2049)}
+    assert choice == {2: torch.int8, 127: torch.int8, 128: torch.float16, 200: torch.float16,
+                      2048: torch.float16, 2049: torch.int32}
+    for world, dtype in choice.items():  # every rank voting +1: the largest sum there is
+        assert _sum_one_at_a_time(world, dtype) == world, (world, dtype)
+    assert _sum_one_at_a_time(128, torch.int8) == -128  # why not int8 at 128 ranks
+    assert _sum_one_at_a_time(2049, torch.float16) == 2048  # why not fp16 past 2048
+    grads = [torch.randn(6, 5, generator=torch.Generator().manual_seed(0)), torch.randn(7)]
+    n = 6 * 5 + 7
+    for world in (127, 128, 200, 2049):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        try:
+            bucket = _Bucket(grads)
+            with WireTap() as tap:
+                hooks.majority_vote_hook(hooks.HookState(), bucket).wait()
+        finally:
+            dist.destroy_process_group()
+        size = choice[world].itemsize
+        assert [(s.kind, s.dtype, s.nbytes) for s in tap.sent] == \
+            [("all_reduce", choice[world], size * n), ("all_reduce", torch.float32, 8)], world
+        assert hooks.expected_bytes("majority_vote", [g.shape for g in grads], hooks.HookState(),
+                                    world=world) == size * n + 8

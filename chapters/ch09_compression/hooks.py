@@ -269,21 +269,33 @@ def signsgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     return completed(buf)
 
 
-MAX_VOTERS = 127  # the largest sum of ±1 votes that int8 holds
+INT8_VOTERS = 127  # the largest sum of ±1 votes that int8 holds
+FP16_VOTERS = 2048  # fp16 holds every integer up to 2¹¹ exactly, so every partial sum too
+
+
+def vote_dtype(world: int) -> torch.dtype:
+    """The narrowest dtype whose sums of `world` votes of ±1 are exact, that both NCCL and gloo
+    all-reduce: int8 up to 127 ranks (128 votes of +1 wrap to −128), fp16 up to 2048 (every
+    partial sum is an integer of magnitude ≤ 2048, which fp16 represents exactly; 2049 does not
+    exist in fp16), int32 beyond. Not int16: NCCL has no 16-bit integer type."""
+    if world <= INT8_VOTERS:
+        return torch.int8
+    if world <= FP16_VOTERS:
+        return torch.float16
+    return torch.int32
 
 
 def majority_vote_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """signSGD with majority vote (Bernstein et al., 2018 and 2019): every rank votes with the
-    sign of each coordinate, ±1 in int8, and an all-reduce *sums* the votes (a quantised payload
-    that is reduced, not gathered: the ranks share the scale, 1); every rank applies
-    sign(Σ votes), the majority's verdict (0 on a tie), times the ranks' mean of each tensor's
-    ||g||₁/numel (fp32, all-reduced too). No error feedback, as in the papers: the vote itself
-    is not a rank's own compression, so there is no residual of this rank's to keep."""
+    sign of each coordinate, ±1 in `vote_dtype(world)` (int8 up to 127 ranks), and an all-reduce
+    *sums* the votes (a quantised payload that is reduced, not gathered: the ranks share the
+    scale, 1); every rank applies sign(Σ votes), the majority's verdict (0 on a tie), times the
+    ranks' mean of each tensor's ||g||₁/numel (fp32, all-reduced too). No error feedback, as in
+    the papers: the vote itself is not a rank's own compression, so there is no residual of this
+    rank's to keep."""
     buf = bucket.buffer()
     world, sizes = dist.get_world_size(), [g.numel() for g in bucket.gradients()]
-    if world > MAX_VOTERS:
-        raise ValueError(f"majority vote sums int8 votes: at most {MAX_VOTERS} ranks, not {world}")
-    votes = all_reduce_sum(torch.where(buf >= 0, 1, -1).to(torch.int8))
+    votes = all_reduce_sum(torch.where(buf >= 0, 1, -1).to(vote_dtype(world)))
     scales = all_reduce_sum(torch.stack([g.abs().mean() for g in buf.split(sizes)])) / world
     per_coord = scales.repeat_interleave(torch.tensor(sizes, device=buf.device))
     buf.copy_(per_coord * votes.sign().to(buf.dtype))
@@ -345,8 +357,10 @@ def powersgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
 # --- Bytes each method should send per step (the formulas the lesson states) ----------
 
-def expected_bytes(method: str, shapes: list[torch.Size], state: HookState, elem: int = 4) -> int:
-    """Bytes one rank hands to collectives per step, for one bucket holding `shapes`."""
+def expected_bytes(method: str, shapes: list[torch.Size], state: HookState, elem: int = 4,
+                   world: int = 2) -> int:
+    """Bytes one rank hands to collectives per step, for one bucket holding `shapes`, at
+    `world` ranks (only the majority vote's depends on it: `vote_dtype`)."""
     n = sum(math.prod(s) for s in shapes)
     if method == "dense":
         return elem * n
@@ -360,7 +374,8 @@ def expected_bytes(method: str, shapes: list[torch.Size], state: HookState, elem
     if method.startswith("signsgd"):
         return math.ceil(n / 8) + elem * len(shapes)  # packed bits + a scale per tensor
     if method == "majority_vote":
-        return n + elem * len(shapes)  # an int8 vote per coordinate + a scale per tensor
+        votes = torch.empty((), dtype=vote_dtype(world)).element_size()
+        return votes * n + elem * len(shapes)  # a vote per coordinate + a scale per tensor
     if method.startswith("powersgd"):
         total = 0
         for s, r in zip(shapes, powersgd_plan(shapes, state.rank)):
@@ -379,8 +394,8 @@ def received_bytes(method: str, shapes: list[torch.Size], state: HookState, worl
     A payload that each rank encodes in its own terms (Top-K's own indices, QSGD's own norms,
     packed sign bits with their own scales) cannot be summed on the way, so it is gathered: what
     a rank receives grows with W, while an all-reduce's stays below 2B. Integers on a scale all
-    ranks share can be summed: the majority vote's int8 signs are all-reduced."""
-    sent = expected_bytes(method, shapes, state)
+    ranks share can be summed: the majority vote's signs are all-reduced."""
+    sent = expected_bytes(method, shapes, state, world=world)
     if method.startswith(GATHERED):
         return (world - 1) * sent
     return 2 * (world - 1) / world * sent
@@ -389,10 +404,13 @@ def received_bytes(method: str, shapes: list[torch.Size], state: HookState, worl
 def break_even_world(method: str, shapes: list[torch.Size], state: HookState,
                      max_world: int = 1 << 20) -> int | None:
     """The smallest world size at which `method` receives at least as many bytes per rank as
-    the dense all-reduce does (None if it never does, as for the all-reduced methods)."""
-    for world in range(2, max_world + 1):
+    the dense all-reduce does (None if it never does). The ratio of two all-reduces changes only
+    where the vote's dtype widens (`vote_dtype`), so for them only those worlds are tried."""
+    if method.startswith(GATHERED):
+        worlds = range(2, max_world + 1)
+    else:
+        worlds = (2, INT8_VOTERS + 1, FP16_VOTERS + 1)
+    for world in worlds:
         if received_bytes(method, shapes, state, world) >= received_bytes("dense", shapes, state, world):
             return world
-        if not method.startswith(GATHERED):
-            return None  # the ratio of two all-reduces does not depend on W
     return None

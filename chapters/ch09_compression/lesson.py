@@ -97,8 +97,12 @@ print(inspect.getsource(hooks.topk_hook))
 
 # %% [markdown]
 # ## signSGD with majority vote: a quantised payload that is reduced
-# Votes of ±1 in int8 can be summed on the way, so they go through an all-reduce: what a rank
-# receives does not grow with the world size, unlike the gathered payloads below.
+# Votes of ±1 can be summed on the way, so they go through an all-reduce: what a rank receives
+# does not grow with the world size, unlike the gathered payloads below. The sum must fit its
+# dtype: int8 holds 127 votes, fp16 every integer up to 2048, int32 the rest.
+
+# %%
+print({w: hooks.vote_dtype(w) for w in (2, 127, 128, 2048, 2049)})
 
 # %%
 print(inspect.getsource(hooks.majority_vote_hook))
@@ -139,7 +143,8 @@ for method in train.METHODS:
 # ## ... and what a rank receives
 # A ring all-reduce of B bytes brings 2(W−1)/W·B into each rank; an all-gather of B-byte
 # payloads brings (W−1)·B. Gathered payloads (Top-K, QSGD, SignSGD) stop paying at some world
-# size; all-reduced ones (PowerSGD, majority vote, fp16) never do:
+# size; all-reduced ones (PowerSGD, fp16) never do, and the majority vote only where its votes
+# have widened to int32 (from 2049 ranks):
 
 # %%
 print(f"{'method':13s}" + "".join(f"{'W=' + str(w):>10s}" for w in (2, 8, 64, 256)) + "   break-even W")
