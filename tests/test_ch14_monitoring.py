@@ -264,3 +264,36 @@ def test_learning_rate_warms_up_then_decays_to_ten_percent():
     assert lrs[:4] == pytest.approx([0.025, 0.05, 0.075, 0.1])
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
     assert train.learning_rate(cfg.steps, cfg) == pytest.approx(0.01)
+
+
+def test_the_ranges_the_lesson_quotes_are_the_recorded_runs():
+    """figures/runs.json (`plots.record_runs`) holds the six runs "What you should see" sums up:
+    the ranges the README quotes are that file's, rounded, and every logged MFU in it is
+    6·N·(B/W) / (t·P) recomputed from the step time and the run's measured peak."""
+    data = json.loads((SCRIPT.parent / "figures" / "runs.json").read_text())
+    readme = (SCRIPT.parent / "README.md").read_text()
+    slowed = [r for r in data["runs"] if r["args"]]
+    plain = [r for r in data["runs"] if not r["args"]]
+    assert len(slowed) == len(plain) == 3
+
+    def span(runs, key, i=None, digits=0):
+        xs = [r["figures"][key] if i is None else r["figures"][key][i] for r in runs]
+        return round(min(xs), digits), round(max(xs), digits)
+
+    peak = "peak used for MFU"
+    assert span(data["runs"], peak) == (40, 75) and "40 to 75 GFLOP/s" in readme
+    assert span(slowed, peak) == (62, 75) and span(plain, peak) == (40, 59)
+    assert span(slowed, "median compute per rank", 1, 1) == (31.1, 31.4)
+    assert span(slowed, "median wait in all-reduce per rank", 0) == (39, 45)
+    assert span(slowed, "median wait in all-reduce per rank", 1, 1) == (9.6, 16.8)
+    assert all(r["checks"]["stragglers flagged (median/MAD of compute times)"] == [1] for r in slowed)
+    assert all(r["checks"]["stragglers flagged (median/MAD of compute times)"] == [] for r in plain)
+    for r in data["runs"]:
+        assert r["checks"]["stragglers flagged from whole step times (hidden)"] == []
+        for line in r["logged"]:
+            want = 6 * 5313 * 64 / (line["step_time_s"] * r["figures"][peak] * 1e9)
+            assert line["mfu"] == pytest.approx(want, rel=1e-9)
+    medians = [100 * statistics.median(x["mfu"] for x in r["logged"]) for r in slowed]
+    assert (round(min(medians), 3), round(max(medians), 3)) == (0.064, 0.072)
+    medians = [100 * statistics.median(x["mfu"] for x in r["logged"]) for r in plain]
+    assert (round(min(medians), 3), round(max(medians), 2)) == (0.097, 0.31)

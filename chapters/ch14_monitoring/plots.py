@@ -1,7 +1,9 @@
 """Figures for the chapter 14 lesson (`python tools/figures.py ch14`; `--rerun` re-measures).
 
 They come from a real run recorded in figures/data.json by `measure`: three CPU ranks under
-torchrun, rank 1 slowed by 30 ms per step.
+torchrun, rank 1 slowed by 30 ms per step. `record_runs` keeps, in figures/runs.json, the
+numbers "What you should see" quotes over several runs (two ranks, slowed and not): each run's
+figures, its logged MFU and step times, and the machine's load.
 """
 
 from __future__ import annotations
@@ -70,6 +72,38 @@ def measure() -> dict:
         lines = [json.loads(t) for t in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     return {"step_times_s": {k: times[k].tolist() for k in ("compute", "wait")},
             "metrics": [{k: line[k] for k in ("step", *DASHBOARD)} for line in lines]}
+
+
+def record_runs(repeats: int = 3, path: Path | None = None) -> dict:
+    """The lesson's command on two ranks, `repeats` times with rank 1 slowed by 30 ms and
+    `repeats` times with nobody slowed: per run its summary figures and checks, every logged
+    step's MFU and step time, and the 1-minute load average before and after, written to
+    figures/runs.json."""
+    import os
+    import time
+
+    from common.launch import run_torchrun
+
+    path = path or Path(__file__).with_name("figures") / "runs.json"
+    runs = []
+    for slowed in (True, False):
+        for _ in range(repeats):
+            args = ["--slow-rank", "1", "--slow-ms", "30"] if slowed else []
+            load = os.getloadavg()[0]
+            with tempfile.TemporaryDirectory(prefix="ch14-") as tmp:
+                res = run_torchrun(Path(train.__file__), nproc=2, out_dir=tmp, timeout=300, args=args,
+                                   expect_ok=False)  # a failed check is data too
+                lines = [json.loads(t) for t in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+            runs.append({
+                "args": args, "load_1min": [round(load, 2), round(os.getloadavg()[0], 2)],
+                "figures": {k: v["measured"] for k, v in res.summary["figures"].items()},
+                "checks": {c["name"]: c["measured"] for c in res.summary["checks"]},
+                "logged": [{k: line[k] for k in ("step", "step_time_s", "mfu")} for line in lines]})
+            print(json.dumps(runs[-1]["figures"])[:300], runs[-1]["load_1min"], flush=True)
+    data = {"what": "train.py on 2 ranks, slowed (rank 1 +30 ms) and not",
+            "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": runs}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data
 
 
 def make_figures(fig_dir: Path, data: dict) -> list[Path]:
