@@ -35,8 +35,10 @@ from common.testing import Verdicts
 
 SCRIPT = Path(train.__file__)
 TOL = train.TOLERANCE["float64"]
-# 38 tokens per rank: k·n/E is not a whole number at E = 4, 6 or 8 (9.5, 6.33, 4.75), so a
-# capacity rounded down instead of up keeps fewer choices and fails the counts
+# 38 tokens per rank (one routing group each): CF·k·n/E slots per expert is not a whole number for
+# top-1 at any E tested (E = 4, 6, 8 at 2, 3, 4 or 8 ranks: 9.5, 6.33, 4.75), nor for top-2 at
+# E = 6 and 8 (12.67, 9.5; at E = 4 it is 19), so there a capacity rounded down instead of up has
+# one slot fewer and an expert that fills its slots keeps one choice fewer: the counts catch it
 D, DFF, N_TOK, CF, ALPHA, BETA = 16, 32, 38, 1.0, 0.01, 0.001
 
 

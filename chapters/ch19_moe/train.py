@@ -13,7 +13,7 @@ Run (experts = --experts-per-rank x world size; any world works):
     python chapters/ch19_moe/train.py                                    # one process: 2 experts
     torchrun --standalone --nproc_per_node=2 chapters/ch19_moe/train.py  # 4 experts, 2 per rank
     torchrun --standalone --nproc_per_node=3 chapters/ch19_moe/train.py  # 6 experts on 3 ranks
-    torchrun --standalone --nproc_per_node=4 chapters/ch19_moe/train.py  # 8: some ranks get no rows
+    torchrun --standalone --nproc_per_node=4 chapters/ch19_moe/train.py  # 8 experts; a rank may get no row
     torchrun --standalone --nproc_per_node=4 chapters/ch19_moe/train.py --top-k 1 --capacity-factor 2
     torchrun --standalone --nproc_per_node=8 chapters/ch19_moe/train.py \\
         --d-model 512 --d-ff 2048 --seq-len 256 --dtype float32          # 8 GPUs, NCCL
