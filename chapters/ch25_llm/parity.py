@@ -38,21 +38,31 @@ def global_batch(ids: torch.Tensor, step: int, global_size: int, seq_len: int, s
     return x, y
 
 
-def seen_fraction(n_ids: int, steps: range, global_size: int, seq_len: int, seed: int) -> float:
+def sequential_starts(n_ids: int, step: int, global_size: int, seq_len: int,
+                      seed: int = 0) -> list[int]:
+    """The control sampler: windows read in order, back to back, without replacement (a
+    sequential sampler; `seed` unused): no target repeats within a pass over the corpus."""
+    per_pass = (n_ids - 1) // seq_len
+    return [((step * global_size + i) % per_pass) * seq_len for i in range(global_size)]
+
+
+def seen_fraction(n_ids: int, steps: range, global_size: int, seq_len: int, seed: int,
+                  starts=batch_starts) -> float:
     """Of the target tokens of the batches of `steps`, the fraction already a target in an earlier
     step's batch (counted position by position): how much of a training batch the model has
-    already been trained on when it is scored."""
+    already been trained on when it is scored. `starts` is the sampler (`batch_starts`, the
+    run's; `sequential_starts`, the control's)."""
     covered = torch.zeros(n_ids, dtype=torch.bool)
     for step in range(steps.start):
-        for s in batch_starts(n_ids, step, global_size, seq_len, seed):
+        for s in starts(n_ids, step, global_size, seq_len, seed):
             covered[s + 1:s + 1 + seq_len] = True
     seen = total = 0
     for step in steps:
-        starts = batch_starts(n_ids, step, global_size, seq_len, seed)
-        for s in starts:
+        starts_now = starts(n_ids, step, global_size, seq_len, seed)
+        for s in starts_now:
             seen += int(covered[s + 1:s + 1 + seq_len].sum())
             total += seq_len
-        for s in starts:
+        for s in starts_now:
             covered[s + 1:s + 1 + seq_len] = True
     return seen / total
 
@@ -62,6 +72,13 @@ def expected_seen_fraction(n_ids: int, step: int, global_size: int, seq_len: int
     earlier window with probability T/(n − T − 1), so by at least one of the step·B earlier
     windows with 1 − (1 − T/(n − T − 1))^(step·B) (ends of the corpus neglected)."""
     return 1 - (1 - seq_len / (n_ids - seq_len - 1)) ** (step * global_size)
+
+
+def seen_tolerance(p: float, windows: int) -> float:
+    """Four standard errors of a fraction averaged over `windows` windows: one window's fraction
+    lies in [0, 1] with mean p, so its variance is at most p(1 − p) (Bhatia–Davis); the windows
+    are drawn independently."""
+    return 4 * (p * (1 - p) / windows) ** 0.5
 
 
 def rank_slice(batch, rank: int, world_size: int):
