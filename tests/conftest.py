@@ -25,6 +25,24 @@ def pytest_configure(config):
     if "COURSE_RUN_RECORD" not in os.environ:
         config._course_runs = tempfile.TemporaryDirectory(prefix="course-runs-")
         os.environ["COURSE_RUN_RECORD"] = config._course_runs.name
+    config._course_op = _operator_state()
+
+
+def _operator_state() -> int | None:
+    """When DeepSpeed's CPU operator was last built (its .so's mtime), None if not built: a build
+    during the tests (a minute or more) lands in whichever chapter first started DeepSpeed."""
+    from common.log import extension_folder
+
+    so = extension_folder("deepspeed_shm_comm") / "deepspeed_shm_comm.so"
+    return so.stat().st_mtime_ns if so.is_file() else None
+
+
+def _replays(folder: str | None) -> tuple[int, int]:
+    """(runs this session recorded, how many of them a notebook was handed: common.launch)."""
+    from pathlib import Path
+
+    runs = [p for p in Path(folder).iterdir() if p.is_dir()] if folder and Path(folder).is_dir() else []
+    return len(runs), sum((p / "replayed_into.txt").is_file() for p in runs)
 
 
 def pytest_unconfigure(config):
@@ -42,12 +60,19 @@ def pytest_runtest_logreport(report):
         _chapter_seconds[found.group(1)] += report.duration
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_terminal_summary(terminalreporter, config):
     """Each chapter's time beside its budget, at the end of every run (reported, never failed:
-    shared machines are noisy)."""
+    shared machines are noisy); whether DeepSpeed's operator was built during the run; how many
+    recorded runs the notebooks reused."""
     if not _chapter_seconds:
         return
     write = terminalreporter.write_line
+    if _operator_state() != getattr(config, "_course_op", None):
+        write("DeepSpeed's CPU operator was built during these tests (its minute or more counts in "
+              "the chapter that first started DeepSpeed): `./course setup` builds it ahead")
+    recorded, replayed = _replays(os.environ.get("COURSE_RUN_RECORD"))
+    if recorded:
+        write(f"chapter runs recorded by the tests: {recorded}, of which notebooks reused {replayed}")
     write(f"chapter time, tests + notebook (budget {BUDGET_S} s; {HEAVY_BUDGET_S} s with "
           "DeepSpeed, Ray, TRL, transformers, Slurm, namespaces):")
     for chapter, seconds in sorted(_chapter_seconds.items()):
