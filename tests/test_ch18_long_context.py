@@ -15,7 +15,9 @@ uses.
 from __future__ import annotations
 
 import math
+import types
 import weakref
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -143,18 +145,47 @@ def _deepspeed_uneven_heads(info, dtype) -> dict:
     them unevenly (`uneven_heads_all2all`, ranks hold ⌈H/N⌉ or ⌊H/N⌋), but reads the rank's place
     from its own sequence-parallel registry (`groups._get_sequence_parallel_rank`), which says 0
     on every rank unless an mpu or a mesh is registered: register a minimal one for the call."""
-    import types
-
     from deepspeed.utils import groups
 
     heads = 2 * info.world_size + 1
     cfg = train.Config(heads=heads, seq_len=8 * info.world_size)
     saved, groups.mpu = groups.mpu, types.SimpleNamespace(get_sequence_parallel_rank=dist.get_rank)
     try:
-        return {"qkvw": parity.make_qkv(cfg, info.device, dtype),
-                "results": parity.deepspeed_parity(Verdicts(), cfg, info, dtype)}
+        out = {"qkvw": parity.make_qkv(cfg, info.device, dtype),
+               "results": parity.deepspeed_parity(Verdicts(), cfg, info, dtype)}
     finally:
         groups.mpu = saved
+    out["controls"] = _deepspeed_uneven_controls(cfg, info, dtype)
+    return out
+
+
+def _deepspeed_uneven_controls(cfg, info, dtype) -> dict:
+    """The same call with the ranks registered swapped (N − 1 − r), then with none registered
+    (DeepSpeed takes every rank for rank 0): what each rank raised. Both run on a group with a
+    5 s timeout, so a rank left waiting in the all-to-all returns with an error, never hangs."""
+    from deepspeed.utils import groups
+
+    from chapters.ch18_long_context.deepspeed_ulysses import deepspeed_ulysses_attention
+
+    rank, world = info.rank, info.world_size
+    q, k, v = (ring.shard_sequence(t, rank, world, "contiguous", dim=2)
+               for t in parity.make_qkv(cfg, info.device, dtype)[:3])
+    dist.barrier()  # both ranks build the short-timeout group together
+    short = dist.new_group(timeout=timedelta(seconds=5))
+    raised = {}
+    saved = groups.mpu
+    for mode, mpu in (("swapped", types.SimpleNamespace(get_sequence_parallel_rank=lambda: world - 1 - rank)),
+                      ("none registered", None)):
+        groups.mpu = mpu
+        try:
+            deepspeed_ulysses_attention(q, k, v, False, group=short)
+            raised[mode] = None
+        except RuntimeError as e:
+            raised[mode] = str(e)
+        finally:
+            groups.mpu = saved
+    dist.barrier()  # the rank that failed at once waits here for the one that timed out
+    return raised
 
 
 def _ranks(train_too: bool) -> dict:
@@ -272,8 +303,12 @@ def _assert_world(results: list[dict], world: int) -> None:
             "ring forward: hops in flight during a block product",
             "ring backward: hops in flight during a block product"}
     _assert_smallest(results, world)
-    for r in results:  # score-sized temporaries alive at once: 3 in forward, 4 in backward (the lesson)
-        assert 2.5 < r["transient"]["forward"] < 3.5 and 3.5 < r["transient"]["backward"] < 4.5, r["transient"]
+    for r in results:  # score-sized temporaries alive at once (causal): ~3 in forward; in backward
+        # at most ring.TRANSIENT_BLOCKS, the count the lesson's memory budget uses, and more than
+        # one block fewer (so the budget neither undercounts nor pads a whole block)
+        t = r["transient"]
+        assert 2.5 < t["forward"] < 3.5, t
+        assert ring.TRANSIENT_BLOCKS - 1 < t["backward"] <= ring.TRANSIENT_BLOCKS, (t, ring.TRANSIENT_BLOCKS)
     if "trained" not in results[0]:
         return
     assert all(r["activations"]["activation bytes per rank x N = one rank's"] for r in results)
@@ -339,6 +374,13 @@ def _assert_deepspeed(results: list[dict]) -> None:
         for key, expected in {"out": ref.detach(), "dq": qq.grad, "dk": kk.grad, "dv": vv.grad}.items():
             got = reassemble([r["deepspeed uneven"]["results"][causal][key] for r in results], "contiguous")
             assert ((got - expected).abs().max() / expected.abs().max()).item() < TOL, ("uneven", causal, key)
+    # negative controls: the registered rank is what makes it work (the lesson)
+    length_check = "inLengthPerRank[myRank] == outLengthPerRank[myRank]"
+    swapped = [r["deepspeed uneven"]["controls"]["swapped"] for r in results]
+    assert all(m is not None and length_check in m for m in swapped), swapped  # both at once
+    bare = [r["deepspeed uneven"]["controls"]["none registered"] for r in results]
+    assert bare[1] is not None and length_check in bare[1], bare  # rank 1 expects rank 0's 3 heads
+    assert bare[0] is not None and "Timed out" in bare[0], bare  # rank 0's check passes: it waits
 
 
 @pytest.mark.timeout(150)

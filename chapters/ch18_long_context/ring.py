@@ -304,8 +304,16 @@ def ring_bytes_per_rank(batch: int, heads: int, local_len: int, head_dim: int, e
     return {"forward": 2 * (world - 1) * block, "backward": (2 * (world - 1) + 2 * dkv_hops) * block}
 
 
-# Score-sized tensors alive at once in `block_backward` (P, dP, dP − δ, dS; `block_forward` peaks at
-# three). A live-tensor count in the tests measures 3.7–4.1 blocks at T/N = 512.
+# Score blocks (B·H·c·2c·e, `score_block_bytes`) alive at once in causal ring attention under the
+# zigzag split (what the TinyGPT runs): a measured upper bound. `block_forward` peaks at three
+# (scores, scores − lse, exp). `block_backward` peaks while dP − δ is made: P, dP and dP − δ (one
+# block each) plus the previous query chunk's dS, still bound to `ds` until the next one replaces
+# it (half a block: under zigzag a chunk before a whole one covers one key chunk, not two), plus
+# the mask and the small tensors. A live-tensor count in the tests measures 3.2 blocks forward
+# and 3.8 backward at T/N = 512 on 2 and 4 ranks (3.18 and 3.76 on one) and checks
+# TRANSIENT_BLOCKS − 1 < backward ≤ TRANSIENT_BLOCKS. Without a mask, or under the contiguous
+# split, the previous chunk's P and dS can both be whole blocks, alive while the next scores are
+# made: 4.35 blocks on 2 and 4 ranks (measured by the same count, not checked), above this bound.
 TRANSIENT_BLOCKS = 4
 
 
