@@ -60,22 +60,30 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
 
     fig_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     for ax, name in zip(axes, planner.WORKED):
         spec, cluster = planner.WORKED[name]
         lays = alternatives(name)
+        longest = 0.0
         for i, lay in enumerate(lays):
             terms, left = planner.step_terms(spec, cluster, lay), 0.0
             for term, value in terms.items():
-                ax.barh(i, value, left=left, color=COLORS[term], label=term if i == 0 else None)
+                ax.barh(i, value, left=left, color=COLORS[term])
                 left += value
-            ax.text(left, i, f" {planner.memory_bytes(spec, lay) / 1e9:.0f} GB", va="center", fontsize=7)
+            longest = max(longest, left)
+            # every term by value: a segment a few pixels wide is still read here
+            values = "  ".join(f"{t.replace('_comm', '')} {v:.2f}" for t, v in terms.items())
+            ax.text(left, i, f" {left:.2f} s, {planner.memory_bytes(spec, lay) / 1e9:.0f} GB\n"
+                    f" {values}", va="center", fontsize=6.5)
+        ax.set_xlim(0, longest * 2.0)  # room for the labels right of the longest bar
         ax.set_yticks(range(len(lays)), [str(lay).replace(" rc=", "\nrc=") for lay in lays], fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("predicted step time (s)")
         ax.set_title(f"{name}: chosen (top) vs best of other shapes", fontsize=9)
-        ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[t]) for t in COLORS]
+    fig.legend(handles, [t if t == "compute" else f"{t} ({t.replace('_comm', '')})" for t in COLORS],
+               loc="lower center", ncol=len(COLORS), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))  # the legend below both panels, over no bar
     paths.append(save_figure(fig, fig_dir / "planner_terms.png"))
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.6))
