@@ -116,7 +116,7 @@ plt.show()
 # TinyGPT against one process.
 
 # %%
-out = REPO_ROOT / "runs" / "ch18_long_context" / "notebook"
+out = REPO_ROOT / "runs" / "notebooks" / "ch18"
 res = run_torchrun(REPO_ROOT / "chapters" / "ch18_long_context" / "train.py", nproc=2, out_dir=out, timeout=300)
 summary = json.loads((out / "summary.json").read_text())
 for c in summary["checks"]:
