@@ -199,14 +199,17 @@ def test_readme_times_and_routes_are_the_lessons_own():
         assert abs(total - stated) <= 0.125, f"route {chapters}: {total:.2f} h, README says {hours} h"
 
 
-COMMAND_START = re.compile(r"^\s*(?:\$\s*)?(?:#SBATCH\b|srun\b|sbatch\b|salloc\b|torchrun\b|python\b)")
+COMMAND_START = re.compile(r"^\s*(?:\$\s*)?(?:[A-Z_][A-Z0-9_]*=\S*\s+)*"
+                           r"(?:#SBATCH\b|srun\b|sbatch\b|salloc\b|torchrun\b|python\b)")
 
 
 def per_task_gpu_commands(text: str) -> list[str]:
-    """Command lines (srun/sbatch/salloc/#SBATCH/torchrun/python at the line's start) that bind one
-    GPU to each task: where Slurm confines devices, a task then cannot reach its neighbours' GPUs
-    and NCCL has no NVLink between ranks (chapter 22's pitfall). Prose may name the option."""
-    return [line.strip() for line in text.splitlines()
+    """Commands (srun/sbatch/salloc/#SBATCH/torchrun/python at the line's start, after any
+    VAR=value, with their backslash-continued lines joined) that bind one GPU to each task: where
+    Slurm confines devices, a task then cannot reach its neighbours' GPUs and NCCL has no NVLink
+    between ranks (chapter 22's pitfall). Prose may name the option."""
+    commands = re.sub(r"\\\n\s*", " ", text).splitlines()  # one line per command
+    return [line.strip() for line in commands
             if "--gpus-per-task" in line and COMMAND_START.match(line)]
 
 
@@ -220,4 +223,6 @@ def test_no_command_binds_one_gpu_per_task():
     assert per_task_gpu_commands("    srun --nodes=2 --gpus-per-task=1 python train.py")
     assert per_task_gpu_commands("#SBATCH --gpus-per-task=1")
     assert per_task_gpu_commands("$ sbatch --gpus-per-task=1 job.sbatch")
+    assert per_task_gpu_commands("    srun --nodes=2 \\\n        --gpus-per-task=1 python train.py")
+    assert per_task_gpu_commands("NCCL_DEBUG=INFO srun --gpus-per-task=1 python train.py")
     assert not per_task_gpu_commands("- **`srun --gpus-per-task=1` for the ranks of one job.**")
