@@ -204,9 +204,11 @@ def test_pytorchjob_container_and_port_names():
 def test_pytorchjob_backoff_limit_survives_whole_job_restarts():
     """The operator sums every pod's container restarts and fails the job at runPolicy.backoffLimit
     (training-operator v1.9.0 PastBackoffLimit, transcribed in past_backoff_limit). One crashed
-    rank of the 4-pod job restarts all 4 containers (its peers' collectives fail): the manifest's
-    limit, 13, lets the world re-form after 3 faults and fails the job at the 4th; 3, the old
-    value, and 4, the pod count, end it at the first fault, and the lint refuses both."""
+    rank of the 4-pod job restarts all 4 containers at least once (its peers' collectives fail;
+    a restarted worker can fail again, costing more): the manifest's limit, 13, lets the world
+    re-form after up to 3 faults of 4 restarts each (the fewest a fault costs) and fails the job
+    at the 4th; 3, the old value, and 4, the pod count, end it at the first fault, and the lint
+    refuses both."""
     job = BY_NAME["ch23-ddp"]
     pods = [h for h, _ in o.pytorchjob_pods(job)]
     one_fault = {h: 1 for h in pods}  # rank 0's crash, then its 3 peers' restarts
@@ -222,7 +224,7 @@ def test_pytorchjob_backoff_limit_survives_whole_job_restarts():
     edge = dict(o.broken_variants(job))["PyTorchJob backoffLimit = its pod count"]
     assert edge["spec"]["runPolicy"]["backoffLimit"] == 4 and o.validate_object(edge)
     five = copy.deepcopy(job)
-    five["spec"]["runPolicy"]["backoffLimit"] = 5  # survives exactly one fault: accepted
+    five["spec"]["runPolicy"]["backoffLimit"] = 5  # survives one fault of 4 restarts: accepted
     assert not o.past_backoff_limit(five, one_fault) and o.lint_errors(five) == []
     # Never is not counted (its pods fail instead); unset never fails; 0 fails at any restart
     never = copy.deepcopy(low)

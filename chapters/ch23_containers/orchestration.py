@@ -227,8 +227,9 @@ def lint_errors(obj: dict) -> list[str]:
     number of pods whose containers restart in place (OnFailure, the default, Always, ExitCode):
     the operator sums the restart counts of every container of the job's running pods and fails
     the job when the sum reaches the limit (v1.9.0 pkg/core/job.go, PastBackoffLimit), and one
-    crashed rank restarts every pod of a non-elastic job once (its peers' collectives fail and
-    they restart too), so the first fault ends the job instead of re-forming the world."""
+    crashed rank restarts every pod of a non-elastic job at least once (its peers' collectives
+    fail and they restart too; a restarted worker can fail again), so the first fault ends the
+    job instead of re-forming the world."""
     errors = []
     if obj.get("kind") == "Job" and is_custom(obj):
         spec = obj.get("spec") or {}
