@@ -504,6 +504,62 @@ def test_launcher_template_validates_and_starts_a_real_script(cloud):
             launchers.check_template(cloud, broken(longer_shutdown))
 
 
+@pytest.mark.timeout(30)
+def test_torchrun_shutdown_timeout_is_read_from_the_templates_environment(monkeypatch):
+    """torchrun takes its shutdown timeout from --shutdown-timeout, else PET_SHUTDOWN_TIMEOUT,
+    else TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s: `torchrun_shutdown_s` agrees with torch's own
+    parser and LaunchConfig under each environment, and `check_template` reads the template's
+    environment (SageMaker's Environment, Vertex's containerSpec.env): a Vertex template whose
+    environment shortens torchrun's timeout below --grace-s, or a SageMaker one without the
+    option whose environment outlives the platform's 120 s, is refused."""
+    from torch.distributed.launcher.api import LaunchConfig
+    from torch.distributed.run import parse_args
+
+    for name in launchers.TORCHRUN_SHUTDOWN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    bare = ["torchrun", "--standalone", "--nproc_per_node=8", "chapters/ch24_cloud/train.py"]
+    given = bare[:3] + ["--shutdown-timeout", "110"] + bare[3:]
+    envs = [{}, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "20"}, {"PET_SHUTDOWN_TIMEOUT": "45"},
+            {"PET_SHUTDOWN_TIMEOUT": "45", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "20"}]
+    seen = []
+    for words in (bare, given):
+        for env in envs:
+            with monkeypatch.context() as m:
+                for k, v in env.items():
+                    m.setenv(k, v)
+                args = parse_args(words[1:])  # PET_* are read when the parser is built
+                torch_s = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=8,
+                                       shutdown_timeout=args.shutdown_timeout).shutdown_timeout
+            assert launchers.torchrun_shutdown_s(words, env)[0] == torch_s, (words, env)
+            seen.append(torch_s)
+    assert seen == [30, 20, 45, 45, 110, 110, 110, 110]
+    # the image sets neither variable (chapter 23's Dockerfile)
+    dockerfile = (Path(launchers.REPO) / "chapters/ch23_containers/Dockerfile").read_text()
+    assert not any(name in dockerfile for name in launchers.TORCHRUN_SHUTDOWN_ENV)
+
+    vertex = launchers.load_template("vertex")  # --grace-s 30, torchrun's default 30 s
+    spec = vertex["jobSpec"]["workerPoolSpecs"][0]["containerSpec"]
+    assert launchers.template_env("vertex", vertex) == {}
+    spec["env"] = [{"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "30"}]
+    launchers.check_template("vertex", vertex)
+    spec["env"][0]["value"] = "20"  # control: the ranks are killed 20 s after SIGTERM
+    with pytest.raises(launchers.TemplateError, match="--grace-s 30 but the ranks are killed 20"):
+        launchers.check_template("vertex", vertex)
+    sagemaker = launchers.load_template("sagemaker")  # --shutdown-timeout 110 --grace-s 110
+    sagemaker["Environment"] = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "200"}
+    launchers.check_template("sagemaker", sagemaker)  # the option wins
+    args = sagemaker["AlgorithmSpecification"]["ContainerArguments"]
+    del args[args.index("--shutdown-timeout"):args.index("--shutdown-timeout") + 2]
+    sagemaker["Environment"] = {"PET_SHUTDOWN_TIMEOUT": "110"}
+    launchers.check_template("sagemaker", sagemaker)
+    sagemaker["Environment"] = {"PET_SHUTDOWN_TIMEOUT": "121"}
+    with pytest.raises(launchers.TemplateError, match="PET_SHUTDOWN_TIMEOUT .*outlives"):
+        launchers.check_template("sagemaker", sagemaker)
+    sagemaker["Environment"] = {}  # no option, no environment: 30 s < --grace-s 110
+    with pytest.raises(launchers.TemplateError, match="--grace-s 110 but the ranks are killed 30"):
+        launchers.check_template("sagemaker", sagemaker)
+
+
 @pytest.mark.timeout(10)
 def test_grace_budget_worked_example():
     """The lesson's worked example: 7e9 parameters x 12 B (fp32 weights, Adam m and v) over two

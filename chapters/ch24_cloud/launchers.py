@@ -9,8 +9,9 @@ Each template starts a course script; `template_command` pulls the command out o
 `check_command` proves that the script exists, that its options parse, and that `validate(cfg,
 world)` accepts them at the world size the request asks for (nodes x --nproc_per_node);
 `check_image` refuses an image that is not pinned (`:latest`); `check_grace` refuses a `--grace-s`
-longer than torchrun's `--shutdown-timeout` or the platform's documented SIGTERM-to-SIGKILL time,
-and a shutdown timeout that outlives the platform's. Nothing here talks to a cloud: no
+longer than torchrun's shutdown timeout (`--shutdown-timeout`, else PET_SHUTDOWN_TIMEOUT or
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT in the template's environment, else 30 s) or the platform's
+documented SIGTERM-to-SIGKILL time, and a shutdown timeout that outlives the platform's. Nothing here talks to a cloud: no
 credentials, no network.
 """
 
@@ -150,8 +151,44 @@ def check_command(words: list[str], nodes: int):
 
 
 TORCHRUN_SHUTDOWN_S = 30
-"""torchrun's --shutdown-timeout when none is given (torch 2.14.1, distributed/run.py): seconds
-between forwarding SIGTERM to the workers and SIGKILLing them."""
+"""torchrun's shutdown timeout when neither the option nor the environment sets it (torch 2.14.1,
+distributed/launcher/api.py): seconds between forwarding SIGTERM to the workers and SIGKILLing
+them."""
+
+TORCHRUN_SHUTDOWN_ENV = ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+"""Where torchrun (torch 2.14.1) reads its shutdown timeout when `--shutdown-timeout` is not given,
+in this order: PET_SHUTDOWN_TIMEOUT, the option's default (distributed/run.py, `action=env`,
+argparse_util.py), then TORCH_ELASTIC_SHUTDOWN_TIMEOUT (launcher/api.py, LaunchConfig's
+__post_init__), then 30 s."""
+
+
+def template_env(cloud: str, request: dict) -> dict[str, str]:
+    """The environment the request gives the container that runs the command: SageMaker's
+    `Environment`, the first Vertex worker pool's `containerSpec.env` (the pool whose command
+    `template_command` reads). The PAI-DLC schema here has no environment field (a PAI template
+    could only set one in its shell command, which `check_command` would not take for torchrun).
+    The image's own ENV counts too: chapter 23's Dockerfile sets neither shutdown variable
+    (tested)."""
+    if cloud == "sagemaker":
+        return dict(request.get("Environment") or {})
+    if cloud == "vertex":
+        pools = [p for p in request["jobSpec"]["workerPoolSpecs"] if p]
+        return {e["name"]: e["value"] for e in pools[0]["containerSpec"].get("env", [])}
+    if cloud == "pai":
+        return {}
+    raise KeyError(cloud)
+
+
+def torchrun_shutdown_s(words: list[str], env: dict[str, str]) -> tuple[float, str]:
+    """torchrun's shutdown timeout for this command line and environment, and where it came
+    from, in torchrun's own order (`TORCHRUN_SHUTDOWN_ENV`)."""
+    given = _opt(words, "--shutdown-timeout") or _opt(words, "--shutdown_timeout")
+    if given is not None:
+        return float(given), "torchrun --shutdown-timeout"
+    for name in TORCHRUN_SHUTDOWN_ENV:
+        if env.get(name):
+            return float(env[name]), f"{name} in the template's environment"
+    return float(TORCHRUN_SHUTDOWN_S), "torchrun's default"
 
 PLATFORM_STOP_S = {"sagemaker": 120}
 """Seconds from SIGTERM to SIGKILL where the platform documents them: SageMaker's StopTrainingJob
@@ -159,22 +196,22 @@ PLATFORM_STOP_S = {"sagemaker": 120}
 120 seconds" (SageMaker API reference). Vertex AI and PAI-DLC document no such number."""
 
 
-def check_grace(cloud: str, words: list[str], cfg) -> float:
-    """The ranks' real deadline after SIGTERM: torchrun's --shutdown-timeout, and the platform's
-    own where documented. torchrun must end before the platform kills it, and --grace-s (what
-    the run times its save against) may not promise more than torchrun gives. Returns it."""
+def check_grace(cloud: str, words: list[str], cfg, env: dict[str, str] | None = None) -> float:
+    """The ranks' real deadline after SIGTERM: torchrun's shutdown timeout (its option, else the
+    template's environment `env`, else 30 s: `torchrun_shutdown_s`), and the platform's own
+    where documented. torchrun must end before the platform kills it, and --grace-s (what the
+    run times its save against) may not promise more than torchrun gives. Returns it."""
     limit = float("inf")
     if "torchrun" in words[:2]:
-        given = _opt(words, "--shutdown-timeout") or _opt(words, "--shutdown_timeout")
-        limit = float(given) if given is not None else float(TORCHRUN_SHUTDOWN_S)
+        limit, source = torchrun_shutdown_s(words, env or {})
         platform = PLATFORM_STOP_S.get(cloud)
         if platform is not None and limit > platform:
-            raise TemplateError(f"torchrun --shutdown-timeout {limit:g} s outlives {cloud}'s "
-                                f"{platform} s from SIGTERM to SIGKILL")
+            raise TemplateError(f"torchrun's shutdown timeout {limit:g} s ({source}) outlives "
+                                f"{cloud}'s {platform} s from SIGTERM to SIGKILL")
     limit = min(limit, PLATFORM_STOP_S.get(cloud, float("inf")))
     if getattr(cfg, "grace_s", None) is not None and cfg.grace_s > limit:
         raise TemplateError(f"--grace-s {cfg.grace_s:g} but the ranks are killed {limit:g} s "
-                            f"after SIGTERM (torchrun --shutdown-timeout, or the platform)")
+                            f"after SIGTERM (torchrun's shutdown timeout, or the platform)")
     return limit
 
 
@@ -185,5 +222,5 @@ def check_template(cloud: str, request: dict | None = None):
     check_image(template_image(cloud, request))
     words, nodes = template_command(cloud, request)
     cfg, world = check_command(words, nodes)
-    check_grace(cloud, words, cfg)
+    check_grace(cloud, words, cfg, template_env(cloud, request))
     return cfg, world
