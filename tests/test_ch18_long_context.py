@@ -162,11 +162,15 @@ def _deepspeed_uneven_heads(info, dtype) -> dict:
 def _deepspeed_uneven_controls(cfg, info, dtype) -> dict:
     """The same call with the ranks registered swapped (N − 1 − r), then with none registered
     (DeepSpeed takes every rank for rank 0): what each rank raised. Both run on a group with a
-    5 s timeout, so a rank left waiting in the all-to-all returns with an error, never hangs."""
+    5 s timeout, so a rank left waiting in the all-to-all returns with an error, never hangs.
+    gloo only: the failures read are gloo's (its local length check in alltoallv, then its
+    timeout). On NCCL nothing checks that the split sizes agree across ranks: the bare group
+    would hang until the watchdog aborts it, or fill the wrong heads without an error."""
     from deepspeed.utils import groups
 
     from chapters.ch18_long_context.deepspeed_ulysses import deepspeed_ulysses_attention
 
+    assert dist.get_backend() == "gloo", "these controls read gloo's failure modes"
     rank, world = info.rank, info.world_size
     q, k, v = (ring.shard_sequence(t, rank, world, "contiguous", dim=2)
                for t in parity.make_qkv(cfg, info.device, dtype)[:3])
@@ -374,7 +378,8 @@ def _assert_deepspeed(results: list[dict]) -> None:
         for key, expected in {"out": ref.detach(), "dq": qq.grad, "dk": kk.grad, "dv": vv.grad}.items():
             got = reassemble([r["deepspeed uneven"]["results"][causal][key] for r in results], "contiguous")
             assert ((got - expected).abs().max() / expected.abs().max()).item() < TOL, ("uneven", causal, key)
-    # negative controls: the registered rank is what makes it work (the lesson)
+    # negative controls (gloo only: its length check and its timeout; NCCL checks neither and
+    # would hang or mix heads): the registered rank is what makes it work (the lesson)
     length_check = "inLengthPerRank[myRank] == outLengthPerRank[myRank]"
     swapped = [r["deepspeed uneven"]["controls"]["swapped"] for r in results]
     assert all(m is not None and length_check in m for m in swapped), swapped  # both at once
