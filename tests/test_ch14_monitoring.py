@@ -266,34 +266,103 @@ def test_learning_rate_warms_up_then_decays_to_ten_percent():
     assert train.learning_rate(cfg.steps, cfg) == pytest.approx(0.01)
 
 
+def _quoted(xs, decimals=None, sig=None, dash="–") -> str:
+    """A range as the README writes it: min and max of `xs`, each to `decimals` decimals or to
+    `sig` significant figures (0.297 -> 0.30, 16.78 -> 17)."""
+    def one(x):
+        d = decimals if sig is None else max(0, sig - 1 - math.floor(math.log10(abs(x))))
+        return f"{x:.{d}f}"
+    return f"{one(min(xs))}{dash}{one(max(xs))}"
+
+
 def test_the_ranges_the_lesson_quotes_are_the_recorded_runs():
     """figures/runs.json (`plots.record_runs`) holds the six runs "What you should see" sums up:
-    the ranges the README quotes are that file's, rounded, and every logged MFU in it is
-    6·N·(B/W) / (t·P) recomputed from the step time and the run's measured peak."""
+    every range the README quotes is built here from that file and must appear in the README
+    (an edited number, or a re-recorded runs.json with other numbers, fails), and every logged
+    MFU in it is 6·N·(B/W) / (t·P) recomputed from the step time and the run's measured peak."""
     data = json.loads((SCRIPT.parent / "figures" / "runs.json").read_text())
-    readme = (SCRIPT.parent / "README.md").read_text()
+    readme = " ".join((SCRIPT.parent / "README.md").read_text().split())
     slowed = [r for r in data["runs"] if r["args"]]
     plain = [r for r in data["runs"] if not r["args"]]
     assert len(slowed) == len(plain) == 3
 
-    def span(runs, key, i=None, digits=0):
-        xs = [r["figures"][key] if i is None else r["figures"][key][i] for r in runs]
-        return round(min(xs), digits), round(max(xs), digits)
+    def fig(runs, key, ranks=(0, 1)):
+        return [r["figures"][key] if ranks is None else r["figures"][key][i]
+                for r in runs for i in ([0] if ranks is None else ranks)]
 
-    peak = "peak used for MFU"
-    assert span(data["runs"], peak) == (40, 75) and "40 to 75 GFLOP/s" in readme
-    assert span(slowed, peak) == (62, 75) and span(plain, peak) == (40, 59)
-    assert span(slowed, "median compute per rank", 1, 1) == (31.1, 31.4)
-    assert span(slowed, "median wait in all-reduce per rank", 0) == (39, 45)
-    assert span(slowed, "median wait in all-reduce per rank", 1, 1) == (9.6, 16.8)
-    assert all(r["checks"]["stragglers flagged (median/MAD of compute times)"] == [1] for r in slowed)
-    assert all(r["checks"]["stragglers flagged (median/MAD of compute times)"] == [] for r in plain)
+    peak, compute = "peak used for MFU", "median compute per rank"
+    wait, whole = "median wait in all-reduce per rank", "median whole step per rank"
+    mfu_median = {name: [100 * statistics.median(x["mfu"] for x in r["logged"]) for r in runs]
+                  for name, runs in (("slowed", slowed), ("plain", plain))}
+    mfu_step = {name: [100 * x["mfu"] for r in runs for x in r["logged"]]
+                for name, runs in (("slowed", slowed), ("plain", plain))}
+    step_ms = {name: [1e3 * x["step_time_s"] for r in runs for x in r["logged"]]
+               for name, runs in (("slowed", slowed), ("plain", plain))}
+
+    def flagged(runs, check):  # what every run of `runs` flagged, the same in all of them
+        found = {json.dumps(r["checks"][check]) for r in runs}
+        assert len(found) == 1, (check, found)
+        return f"`{found.pop()}`"
+
+    by_compute = "stragglers flagged (median/MAD of compute times)"
+    by_step = "stragglers flagged from whole step times (hidden)"
+    quoted = [
+        f"{flagged(slowed, by_compute)} flagged from compute times and "
+        f"{flagged(slowed, by_step)} from whole step times in all three",
+        f"flagged {flagged(plain, by_compute)} from compute and from whole step times",
+        f"{_quoted(fig(data['runs'], peak, None), 0, dash=' to ')} GFLOP/s over the six runs",
+        f"load {_quoted([x for r in slowed for x in r['load_1min']], 0)}):",
+        f"rank 1 computed {_quoted(fig(slowed, compute, [1]), 1)} ms",
+        f"rank 0 {_quoted(fig(slowed, compute, [0]), 2)} ms",
+        f"rank 0 waited {_quoted(fig(slowed, wait, [0]), 0)} ms",
+        f"rank 1 {_quoted(fig(slowed, wait, [1]), sig=2)} ms; whole steps",
+        f"whole steps {_quoted(fig(slowed, whole), 0)} ms",
+        f'"peak" {_quoted(fig(slowed, peak, None), 0)} GFLOP/s. Three runs with nobody slowed',
+        f"compute {_quoted(fig(plain, compute), 2)} ms on both ranks",
+        f"thresholds {_quoted(fig(plain, 'straggler threshold per rank'), 1)} ms",
+        f"each rank waiting {_quoted(fig(plain, wait), 0)} ms",
+        f'the "peak" {_quoted(fig(plain, peak, None), 0)} GFLOP/s.',
+        f"({_quoted(fig(slowed, wait, [1]), sig=2)} ms in the three recorded runs)",
+        f"median logged MFU was {_quoted(mfu_median['slowed'], sig=2)} %",
+        f"(single logged steps {_quoted(mfu_step['slowed'], sig=2)} %, "
+        f"steps of {_quoted(step_ms['slowed'], sig=2)} ms",
+        f"with nobody slowed {_quoted(mfu_median['plain'], sig=2)} % "
+        f"(single steps {_quoted(mfu_step['plain'], sig=2)} %, {_quoted(step_ms['plain'], sig=2)} ms)",
+    ]
+    missing = [q for q in quoted if q not in readme]
+    assert not missing, f"README does not quote these ranges from figures/runs.json: {missing}"
+
+    assert all(r["checks"][by_compute] == [1] for r in slowed)
+    assert all(r["checks"][by_compute] == [] for r in plain)
     for r in data["runs"]:
-        assert r["checks"]["stragglers flagged from whole step times (hidden)"] == []
+        assert r["checks"][by_step] == []
         for line in r["logged"]:
             want = 6 * 5313 * 64 / (line["step_time_s"] * r["figures"][peak] * 1e9)
             assert line["mfu"] == pytest.approx(want, rel=1e-9)
-    medians = [100 * statistics.median(x["mfu"] for x in r["logged"]) for r in slowed]
-    assert (round(min(medians), 3), round(max(medians), 3)) == (0.064, 0.072)
-    medians = [100 * statistics.median(x["mfu"] for x in r["logged"]) for r in plain]
-    assert (round(min(medians), 3), round(max(medians), 2)) == (0.097, 0.31)
+
+
+def test_record_runs_stops_with_one_sentence_when_a_run_leaves_no_summary(tmp_path, monkeypatch):
+    """`plots.record_runs` (how runs.json is re-recorded) refuses a run that crashed before writing
+    summary.json instead of a TypeError, and writes nothing; a run that has one is recorded."""
+    import common.launch
+    from chapters.ch14_monitoring import plots
+
+    line = {"step": 0, "step_time_s": 0.01, "mfu": 0.001}
+    summary = {"figures": {"peak used for MFU": {"measured": 50.0}},
+               "checks": [{"name": "stragglers flagged (median/MAD of compute times)", "measured": []}]}
+
+    def fake(script, nproc, out_dir, timeout, args, expect_ok):
+        (Path(out_dir) / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+        return common.launch.LaunchResult(0 if ok else 1, "Traceback ...\nBoom", Path(out_dir),
+                                          summary if ok else None)
+
+    monkeypatch.setattr(common.launch, "run_torchrun", fake)
+    out = tmp_path / "runs.json"
+    ok = False
+    with pytest.raises(RuntimeError, match=r"exited 1 without writing summary.json(.|\n)*Boom"):
+        plots.record_runs(1, out)
+    assert not out.exists()
+    ok = True  # the control: with a summary the same call records both runs
+    data = plots.record_runs(1, out)
+    assert json.loads(out.read_text()) == data and len(data["runs"]) == 2
+    assert data["runs"][0]["figures"] == {"peak used for MFU": 50.0} and data["runs"][1]["logged"] == [line]

@@ -3,11 +3,19 @@
 They come from a real run recorded in figures/data.json by `measure`: three CPU ranks under
 torchrun, rank 1 slowed by 30 ms per step. `record_runs` keeps, in figures/runs.json, the
 numbers "What you should see" quotes over several runs (two ranks, slowed and not): each run's
-figures, its logged MFU and step times, and the machine's load.
+figures, its logged MFU and step times, and the machine's load. tools/figures.py does not call
+it (it redraws figures); re-record runs.json with
+
+    ./course python -m chapters.ch14_monitoring.plots --record-runs [--repeats 3]
+
+(six torchrun launches; runs.json is written only if every one leaves a summary.json), then
+update the ranges the README quotes: tests/test_ch14_monitoring.py builds each of them from
+runs.json and fails until the README says the same.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -93,6 +101,10 @@ def record_runs(repeats: int = 3, path: Path | None = None) -> dict:
             with tempfile.TemporaryDirectory(prefix="ch14-") as tmp:
                 res = run_torchrun(Path(train.__file__), nproc=2, out_dir=tmp, timeout=300, args=args,
                                    expect_ok=False)  # a failed check is data too
+                if res.summary is None:  # it crashed or timed out: nothing to record
+                    raise RuntimeError(f"train.py {' '.join(args)} exited {res.returncode} without "
+                                       f"writing summary.json; nothing was recorded. Its output "
+                                       f"ends:\n{res.output[-2000:]}")
                 lines = [json.loads(t) for t in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
             runs.append({
                 "args": args, "load_1min": [round(load, 2), round(os.getloadavg()[0], 2)],
@@ -112,3 +124,17 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     found = monitor.find_stragglers(times["compute"])
     return [straggler_figure(times, found, fig_dir / "straggler.png"),
             dashboard_figure(data["metrics"], fig_dir / "dashboard.png")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Re-record figures/runs.json (the figures are "
+                                     "drawn by tools/figures.py ch14).")
+    parser.add_argument("--record-runs", action="store_true", required=True,
+                        help="run train.py on 2 ranks, slowed and not, and write figures/runs.json")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each kind (default 3)")
+    args = parser.parse_args(argv)
+    record_runs(args.repeats)
+
+
+if __name__ == "__main__":
+    main()
