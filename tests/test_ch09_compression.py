@@ -448,13 +448,14 @@ def test_hooks_match_references_on_three_ranks():
             assert old["gap"] > 1e-2, (method, old["gap"])
         # PowerSGD's power iteration continues from last step's mean Q, per parameter, across
         # the rebuild; keyed by position it restarts at step 1 (the keys moved), redrawn at every
-        # step after the first.
+        # step after the first: both miss by more than twice |M_t Q̄_{t-1}| there, the bound the
+        # README quotes (measured, ranks 0-2: 2.90, 3.66, 8.16 and 3.61 to 13.3).
         warm = r["warm_None"]
         assert warm["layouts"][0] == list(reversed(warm["layouts"][1])), warm["layouts"]
         assert max(warm["errors"]) < 1e-5, warm["errors"]
         position, redraw = r["warm_position"]["errors"], r["warm_redraw"]["errors"]
-        assert position[0] < 1e-5 and position[1] > 1e-1, position
-        assert redraw[0] < 1e-5 and min(redraw[1:]) > 1e-1, redraw
+        assert position[0] < 1e-5 and position[1] > 2, position
+        assert redraw[0] < 1e-5 and min(redraw[1:]) > 2, redraw
         assert r["vote"] < 1e-7
         assert r["vote_wire"] == [("all_reduce", "torch.int8", n), ("all_reduce", "torch.float32", 24)]
         assert 0 < r["qsgd_err"] <= r["qsgd_bound"]
