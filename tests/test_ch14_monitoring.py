@@ -311,7 +311,7 @@ def test_the_ranges_the_lesson_quotes_are_the_recorded_runs():
         f"{flagged(slowed, by_step)} from whole step times in all three",
         f"flagged {flagged(plain, by_compute)} from compute and from whole step times",
         f"{_quoted(fig(data['runs'], peak, None), 0, dash=' to ')} GFLOP/s over the six runs",
-        f"load {_quoted([x for r in slowed for x in r['load_1min']], 0)}):",
+        f"load {_quoted([x for r in slowed for x in r['load_1min']], 0)};",
         f"rank 1 computed {_quoted(fig(slowed, compute, [1]), 1)} ms",
         f"rank 0 {_quoted(fig(slowed, compute, [0]), 2)} ms",
         f"rank 0 waited {_quoted(fig(slowed, wait, [0]), 0)} ms",

@@ -6,7 +6,7 @@ numbers "What you should see" quotes over several runs (two ranks, slowed and no
 figures, its logged MFU and step times, and the machine's load. tools/figures.py does not call
 it (it redraws figures); re-record runs.json with
 
-    ./course python -m chapters.ch14_monitoring.plots --record-runs [--repeats 3]
+    ./course python -c "from chapters.ch14_monitoring import plots; plots.record_runs()"
 
 (six torchrun launches; runs.json is written only if every one leaves a summary.json), then
 update the ranges the README quotes: tests/test_ch14_monitoring.py builds each of them from
@@ -15,7 +15,6 @@ runs.json and fails until the README says the same.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -125,16 +124,3 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     return [straggler_figure(times, found, fig_dir / "straggler.png"),
             dashboard_figure(data["metrics"], fig_dir / "dashboard.png")]
 
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Re-record figures/runs.json (the figures are "
-                                     "drawn by tools/figures.py ch14).")
-    parser.add_argument("--record-runs", action="store_true", required=True,
-                        help="run train.py on 2 ranks, slowed and not, and write figures/runs.json")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each kind (default 3)")
-    args = parser.parse_args(argv)
-    record_runs(args.repeats)
-
-
-if __name__ == "__main__":
-    main()
