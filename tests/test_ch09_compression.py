@@ -165,6 +165,16 @@ def _decode_own(method: str, wire_tensors, shapes) -> torch.Tensor:
     return torch.cat([next(compressed if r else plain_parts).flatten() for r in plan])
 
 
+def _shard_and_plain_gradients(ddp, X, Y, step: int, rank: int, world: int):
+    """This rank's shard of step `step`'s batch of 16, and a plain copy of the DDP model with the
+    gradient of that shard (no hook, no all-reduce): the independent value the wire is held to."""
+    x = X[16 * step:16 * step + 16].chunk(world)[rank]
+    y = Y[16 * step:16 * step + 16].chunk(world)[rank]
+    ref = copy.deepcopy(ddp.module)
+    F.mse_loss(ref(x), y).backward()
+    return x, y, ref
+
+
 def _conservation(method: str, keying, model, X, Y, steps: int = 3) -> dict:
     """Train `steps` steps with the method's hook and check, per parameter, that everything this
     rank sent plus its residual equals every gradient it computed (error feedback's law), across
@@ -189,10 +199,7 @@ def _conservation(method: str, keying, model, X, Y, steps: int = 3) -> dict:
     hooks.keyed_gradients = keying or original
     try:
         for step in range(steps):
-            x = X[16 * step:16 * step + 16].chunk(world)[rank]
-            y = Y[16 * step:16 * step + 16].chunk(world)[rank]
-            ref = copy.deepcopy(ddp.module)
-            F.mse_loss(ref(x), y).backward()
+            x, y, ref = _shard_and_plain_gradients(ddp, X, Y, step, rank, world)
             for n, p in ref.named_parameters():
                 grads[n] += p.grad.flatten()
             opt.zero_grad()
@@ -248,10 +255,7 @@ def _warm_start(control, model, X, Y, steps: int = 3) -> dict:
     hooks.keyed_gradients = _old_position_keys if control == "position" else original
     try:
         for step in range(steps):
-            x = X[16 * step:16 * step + 16].chunk(world)[rank]
-            y = Y[16 * step:16 * step + 16].chunk(world)[rank]
-            ref = copy.deepcopy(ddp.module)
-            F.mse_loss(ref(x), y).backward()
+            x, y, ref = _shard_and_plain_gradients(ddp, X, Y, step, rank, world)
             g = {n: p.grad.view(p.shape[0], -1) for n, p in ref.named_parameters()}
             opt.zero_grad()
             with WireTap(keep=True) as tap:
