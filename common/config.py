@@ -194,8 +194,33 @@ def parse_config(cls: type, argv: list[str] | None = None, description: str | No
             sys.exit(2)
     if argv is None:  # a script's own command line, not a test or a precheck: a real run
         _check_device(cfg, parser.prog)
+        _check_folders(cfg, parser.prog)
         _start_library_log(cfg)
+        from common.log import one_line_errors
+
+        one_line_errors(parser.prog)
     return cfg
+
+
+FOLDER_OPTIONS = ("out", "ckpt_dir")  # the config fields that name a folder a run writes
+
+
+def _check_folders(cfg, prog: str) -> None:
+    """`--out` and a checkpoint folder must be folders this rank can write: a file, a read-only
+    place or a full path under a file ends the run in one line on every rank, before any process
+    group exists (one line a node: local rank 0 says it)."""
+    from common.checkpoint import check_writable_folder
+
+    for name in FOLDER_OPTIONS:
+        value = getattr(cfg, name, "")
+        if not value:
+            continue
+        try:
+            check_writable_folder(value, "--" + name.replace("_", "-"))
+        except ValueError as e:
+            if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
+                print(f"{prog}: error: {e}", file=sys.stderr)
+            sys.exit(2)
 
 
 def _check_device(cfg, prog: str) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.checkpoint import atomic_write
+from common.checkpoint import atomic_write, lock_folder, unlock_folder
 from common.config import config_dict
 from common.log import library_log, library_output, log, name_library_log, shown_path
 
@@ -173,10 +173,18 @@ class RunRecorder:
         self._untabled: set[str] = set()  # figures a check already shows (see `figure`)
         self.start = time.perf_counter()
         self._metrics = self._tb = None
+        self._locked = False
         if _is_main_script(script_file):  # not a test or notebook calling in process
             library_log(self.out, info.rank if info is not None else 0)
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
+            # One run per folder: a second run on this --out is refused here, before it truncates
+            # the first one's metrics (common.checkpoint.lock_folder; released by `finish` or when
+            # the process ends). A test or notebook calling a script's main in its own process
+            # takes no lock: the process outlives the run.
+            self._locked = _is_main_script(script_file)
+            if self._locked:
+                lock_folder(self.out, "--out")
             self._metrics = open(self.out / "metrics.jsonl", "w")
             if getattr(cfg, "tensorboard", False):
                 with library_output():
@@ -199,8 +207,11 @@ class RunRecorder:
             return
         line = {"step": step, "time_s": round(time.perf_counter() - self.start, 4)}
         line.update({k: _plain(v) for k, v in values.items()})
-        self._metrics.write(json.dumps(line) + "\n")
-        self._metrics.flush()
+        try:
+            self._metrics.write(json.dumps(line) + "\n")
+            self._metrics.flush()
+        except OSError as e:  # a full disk: say which file (a write error names none)
+            raise OSError(e.errno, e.strerror, str(self.out / "metrics.jsonl")) from e
         if self._tb is not None:
             for k, v in line.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -308,6 +319,8 @@ class RunRecorder:
                 self._tb.close()
             self.print_table()
             log.info("\nwrote %s", self.out / "summary.json")
+            if self._locked:
+                unlock_folder(self.out)
             name_library_log()
             if failed:
                 names = ", ".join(c["name"] for c in failed)

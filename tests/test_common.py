@@ -311,7 +311,7 @@ def test_checkpoint_atomic_and_clear_errors(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="no checkpoint at"):
         checkpoint.load_checkpoint(tmp_path / "missing.pt")
     (tmp_path / "bad.pt").write_bytes(b"garbage")
-    with pytest.raises(checkpoint.CheckpointError, match="not a readable checkpoint"):
+    with pytest.raises(checkpoint.CheckpointError, match="truncated or not a checkpoint"):
         checkpoint.load_checkpoint(tmp_path / "bad.pt")
 
 
