@@ -90,8 +90,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError):  # ENOSPC, EDQUOT, EIO, ...: say which file
-            raise CheckpointError(f"cannot write {path}: {e.strerror or e}") from e
+        cause = _os_error(e)
+        if cause is not None:  # ENOSPC, EDQUOT, EIO, ...: say which file
+            raise CheckpointError(f"cannot write {path}: {cause.strerror or cause}") from e
         raise
     if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable
         dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
@@ -100,6 +101,17 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         finally:
             os.close(dir_fd)
     return path
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError behind `e`, if any: torch.save's zip writer, failing on a full disk, raises a
+    RuntimeError ("unexpected pos") while it handles the OSError that started it."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict) -> Path:

@@ -732,3 +732,395 @@ def test_a_notebook_replays_a_run_the_session_recorded_and_a_test_never_does(tmp
     assert launch.run_python(failing, out_dir=tmp_path / "g", expect_ok=False).returncode == 1
     monkeypatch.setenv("COURSE_RUN_REPLAY", str(tmp_path / "record"))
     assert launch.run_python(failing, out_dir=tmp_path / "h", expect_ok=False).returncode == 1
+
+
+# --- checkpoints that cannot lie (common/checkpoint.py) ----------------------------------------
+
+def _flip(path: Path, offset: int, n: int = 16) -> None:
+    """Overwrite n bytes at `offset` with their complement (a damaged sector, a bad copy)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(n)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def _member_offset(path: Path, suffix: str) -> int:
+    """Where the bytes of the zip member ending in `suffix` start (a tensor's storage)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(suffix))
+    with open(path, "rb") as f:  # local header: 30 bytes + name + extra field
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def test_flipped_bytes_load_silently_in_torch_and_are_caught_by_their_crc(tmp_path):
+    """`torch.load` never checks the CRC-32s of its zip members: 16 flipped bytes of a weight
+    load as other weights. `load_checkpoint` checks them first and names the member; a
+    truncated file is named too. The control: the intact file loads and verifies."""
+    path = tmp_path / "w.pt"
+    w = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    checkpoint.save_checkpoint(path, {"w": w})
+    assert torch.equal(checkpoint.load_checkpoint(path)["w"], w)
+    _flip(path, _member_offset(path, "data/0") + 64)
+    silently = torch.load(path, weights_only=True)["w"]  # the problem: no error, other numbers
+    assert not torch.equal(silently, w)
+    with pytest.raises(checkpoint.CheckpointError, match=r"w\.pt is damaged: member .*data/0 fails"):
+        checkpoint.load_checkpoint(path)
+    checkpoint.save_checkpoint(path, {"w": w})
+    os.truncate(path, path.stat().st_size // 2)
+    with pytest.raises(checkpoint.CheckpointError, match="truncated or not a checkpoint"):
+        checkpoint.load_checkpoint(path)
+
+
+def _folder_checkpoint(folder: Path, step: int) -> Path:
+    folder.mkdir(parents=True)
+    for name in ("a.bin", "b.bin"):
+        (folder / name).write_bytes(bytes([step]) * 1000)
+    checkpoint.write_manifest(folder, {n: checkpoint.file_entry(folder / n) for n in ("a.bin", "b.bin")},
+                              step=step)
+    return folder
+
+
+def test_newest_verified_falls_back_past_every_kind_of_damage(tmp_path, caplog):
+    """Five checkpoints, the newest four damaged four ways (flipped bytes, truncated, a missing
+    file, a torn manifest) and one never finished: the walk takes the oldest, naming each one
+    it skipped; with that one damaged too it refuses in one line; with none it returns None."""
+    folders = [_folder_checkpoint(tmp_path / f"step{s}", s) for s in range(1, 6)]
+    before = (folders[0] / "a.bin").read_bytes()
+    _flip(folders[4] / "a.bin", 100)
+    os.truncate(folders[3] / "b.bin", 10)
+    (folders[2] / "a.bin").unlink()
+    (folders[1] / checkpoint.MANIFEST).write_text('{"format": 1, "files": {"a.b')
+    unfinished = tmp_path / "step6"
+    unfinished.mkdir()
+    (unfinished / "a.bin").write_bytes(b"x")
+    with caplog.at_level("WARNING", logger="course"):
+        got, manifest = checkpoint.newest_verified([*folders, unfinished], checkpoint.verify_manifest)
+    assert got == folders[0] and manifest["step"] == 1
+    assert (folders[0] / "a.bin").read_bytes() == before  # the one used is untouched
+    reasons = [r.getMessage() for r in caplog.records]
+    assert len(reasons) == 5
+    for needle in ("a save that did not finish", "SHA-256 differs", "10 bytes, its manifest says 1000",
+                   "in the manifest but missing", "torn or not a manifest"):
+        assert sum(needle in r for r in reasons) == 1, (needle, reasons)
+    _flip(folders[0] / "b.bin", 0)
+    with pytest.raises(checkpoint.CheckpointError, match="none of the 6 checkpoints verifies"):
+        checkpoint.newest_verified([*folders, unfinished], checkpoint.verify_manifest)
+    assert checkpoint.newest_verified([], checkpoint.verify_manifest) == (None, None)
+    outside = _folder_checkpoint(tmp_path / "evil", 7)
+    checkpoint.write_manifest(outside, {"../step1/a.bin": checkpoint.file_entry(folders[0] / "a.bin")})
+    with pytest.raises(checkpoint.CheckpointError, match="outside the folder"):
+        checkpoint.verify_manifest(outside)
+
+
+MARKER_PICKLE = """
+import os, pickle, sys
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch " + sys.argv[2],))
+pickle.dump(Evil(), open(sys.argv[1], "wb"))
+"""
+
+
+def _dcp_on_ranks(folder: str, marker: str) -> dict:
+    """Save an FSDP2 model, optimizer, scheduler and plain values with save_dcp; verify; load
+    into a model built from another seed; damage one rank's shard; read a crafted .metadata."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    def build(seed_):
+        torch.manual_seed(seed_)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        fully_shard(m)
+        o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        return m, o, torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10)
+
+    rank, out = dist.get_rank(), {}
+    m, o, s = build(0)
+    m(torch.randn(4, 8)).sum().backward()
+    o.step()
+    s.step()
+    msd, osd = get_state_dict(m, o)
+    shapes = checkpoint.training_shapes(m, o)
+    state = {"model": msd, "optim": osd, "scheduler": s.state_dict(), "progress": {"step": 7, "pos": [3, 1]}}
+    checkpoint.save_dcp(state, Path(folder) / "good", run_id="r1", step=7, shapes=shapes)
+    manifest = checkpoint.verify_dcp(Path(folder) / "good")
+    out["files"] = sorted(manifest["files"])
+    m2, o2, s2 = build(1)
+    msd2, osd2 = get_state_dict(m2, o2)
+    target = {"model": msd2, "optim": osd2, "scheduler": s2.state_dict(), "progress": {"step": 0, "pos": [0, 0]}}
+    checkpoint.check_identity(manifest, "r1", checkpoint.training_shapes(m2, o2), "good")
+    checkpoint.load_dcp(target, Path(folder) / "good")
+    set_state_dict(m2, o2, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    out["weights_equal"] = all(torch.equal(a.to_local(), b.to_local())
+                               for a, b in zip(m.parameters(), m2.parameters()))
+    out["progress"] = target["progress"]
+    out["last_epoch"] = target["scheduler"]["last_epoch"]
+    # a damaged shard: rank 1's file, damaged by rank 1; both ranks must refuse, with one verdict
+    dcp.save({"x": torch.arange(1000.0) + rank}, checkpoint_id=str(Path(folder) / "raw"))  # no manifest
+    checkpoint.save_dcp(state, Path(folder) / "bad", run_id="r1", step=8, shapes=shapes)
+    if rank == dist.get_world_size() - 1:
+        _flip(Path(folder) / "bad" / f"__{rank}_0.distcp", 200)
+    dist.barrier()
+    for name in ("bad", "raw"):
+        try:
+            checkpoint.verify_dcp(Path(folder) / name)
+            out[name] = None
+        except checkpoint.CheckpointError as e:
+            out[name] = (str(e), e.collective)
+    if rank == 0:
+        (Path(folder) / "evil").mkdir()
+        import subprocess
+
+        subprocess.run([sys.executable, "-c", MARKER_PICKLE, str(Path(folder) / "evil" / ".metadata"),
+                        marker], check=True)
+    dist.barrier()
+    for what, call in (("read", lambda: checkpoint.read_dcp_metadata(Path(folder) / "evil")),
+                       ("load", lambda: checkpoint.load_dcp({"x": torch.zeros(1)}, Path(folder) / "evil"))):
+        try:
+            call()
+            out[what] = None
+        except checkpoint.CheckpointError as e:
+            out[what] = str(e)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_dcp_saved_with_a_manifest_verified_and_loaded_safely(tmp_path):
+    """On 2 ranks: save_dcp writes every rank's shard and a manifest naming all of them; the
+    load restores weights, optimizer, scheduler and plain values (the planner's weights_only
+    path) into another seed's model; one rank's damaged shard is refused on both ranks with one
+    verdict; a folder without a manifest is unfinished; a crafted .metadata whose pickle would
+    create a marker file is refused by the reader and by the load, and the marker never appears.
+    Then 1 rank verifies and loads the 2-rank checkpoint (a resharded load)."""
+    marker = tmp_path / "PWNED"
+    got = launch.run_on_ranks(_dcp_on_ranks, 2, str(tmp_path), str(marker), timeout=100)
+    for r in got:
+        assert r["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        assert r["weights_equal"] and r["progress"] == {"step": 7, "pos": [3, 1]} and r["last_epoch"] == 1
+        assert r["bad"] == (f"{tmp_path}/bad/__1_0.distcp does not match its manifest "
+                            "(SHA-256 differs: damaged or changed)", True)
+        assert "a save that did not finish" in r["raw"][0]
+        assert "posix.system is not allowed in DCP metadata" in r["read"]
+        assert "posix.system is not allowed" in r["load"]
+    assert not marker.exists()
+    one = launch.run_on_ranks(_load_resharded, 1, str(tmp_path / "good"), timeout=60)
+    assert one == [{"step": 7, "params": 8 * 16 + 16 + 16 + 1}]
+
+
+def _load_resharded(folder: str) -> dict:
+    import torch.distributed.checkpoint as dcp  # noqa: F401 (registers the planner modules)
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    fully_shard(m)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    manifest = checkpoint.verify_dcp(folder)
+    checkpoint.check_identity(manifest, "r1", checkpoint.training_shapes(m, o), folder)
+    msd, _ = get_state_dict(m, o)
+    state = {"model": msd, "progress": {"step": 0, "pos": [0, 0]}}
+    checkpoint.load_dcp(state, folder)
+    return {"step": state["progress"]["step"], "params": sum(p.numel() for p in m.parameters())}
+
+
+def test_run_identity_refuses_another_run_or_model(tmp_path):
+    rid = checkpoint.run_id(tmp_path)
+    assert len(rid) == 12 and checkpoint.run_id(tmp_path) == rid  # kept across restarts
+    assert checkpoint.run_id(tmp_path / "other") != rid
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    saved = {"run_id": rid, "shapes": checkpoint.training_shapes(model, opt)}
+    checkpoint.check_identity(saved, rid, checkpoint.training_shapes(model, opt), "ck")
+    with pytest.raises(checkpoint.CheckpointError, match=f"ck belongs to run '{rid}', not to this run 'x"):
+        checkpoint.check_identity(saved, "x" * 12, saved["shapes"], "ck")
+    wider = torch.nn.Linear(4, 3)
+    with pytest.raises(checkpoint.CheckpointError, match=r"model\.bias is \[3\] here, \[2\] in the checkpoint"):
+        checkpoint.check_identity(saved, rid, checkpoint.training_shapes(wider, opt), "ck")
+    sgd = torch.optim.SGD(model.parameters())
+    with pytest.raises(checkpoint.CheckpointError, match="optimizer.kind is SGD here, AdamW"):
+        checkpoint.check_identity(saved, rid, checkpoint.training_shapes(model, sgd), "ck")
+
+
+HOLD_LOCK = ("import sys, time; from common.checkpoint import lock_folder; "
+             "lock_folder(sys.argv[1]); print('locked', flush=True); time.sleep(60)")
+
+
+def test_lock_refuses_a_second_holder_and_dies_with_its_process(tmp_path):
+    """A folder locked by another process is refused, naming that process; SIGKILL releases it
+    (the kernel drops a dead process's flock), so a restarted run takes it at once."""
+    import subprocess
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True, cwd=results.REPO_ROOT,
+                              env={**os.environ, "PYTHONPATH": str(results.REPO_ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(checkpoint.FolderInUseError, match=f"in use by another run \\(pid {holder.pid} on"):
+            checkpoint.lock_folder(tmp_path, "--out", wait_s=0.5)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    checkpoint.lock_folder(tmp_path, "--out", wait_s=0)
+    checkpoint.lock_folder(tmp_path, "--out", wait_s=0)  # re-entrant in one process
+    checkpoint.unlock_folder(tmp_path)
+
+
+def test_out_must_be_a_writable_folder(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="--out .*file is a file, not a folder"):
+        checkpoint.check_writable_folder(tmp_path / "file", "--out")
+    with pytest.raises(ValueError, match="is not a folder this run can write"):
+        checkpoint.check_writable_folder(tmp_path / "file" / "sub", "--ckpt-dir")
+    checkpoint.check_writable_folder(tmp_path / "new" / "deeper", "--out")
+    assert (tmp_path / "new" / "deeper").is_dir()
+
+
+FAULTS = """
+import sys
+from dataclasses import dataclass
+from common.checkpoint import CheckpointError
+from common.config import RunConfig, parse_config
+
+cfg = parse_config(dataclass(type("Config", (RunConfig,), {})))
+raise CheckpointError("/x/step_000008.pt is damaged: member archive/data/0 fails its CRC-32 check")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_faults_end_in_one_line(tmp_path, monkeypatch, capsys):
+    """A run's file faults end as one line naming the file (DCP's CheckpointException unwrapped
+    to its first rank's error); a collective error is said by rank 0 alone; a bug keeps its
+    traceback. End to end: a script's CheckpointError is its only line on stderr, exit 1, and
+    --out that is a file is refused before anything starts."""
+    import errno
+    import subprocess
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from common.log import one_line_errors
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    one_line_errors("demo.py")
+
+    def said(error, rank="0") -> list[str]:
+        monkeypatch.setenv("RANK", rank)
+        try:
+            raise error
+        except BaseException as e:  # noqa: BLE001 (CheckpointException is a BaseException)
+            sys.excepthook(type(e), e, e.__traceback__)
+        return capsys.readouterr().err.strip().splitlines()
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/full/__1_0.distcp")
+    assert said(OSError(errno.ENOSPC, "No space left on device", "/full/metrics.jsonl")) == [
+        "demo.py: error: No space left on device: /full/metrics.jsonl"]
+    assert said(CheckpointException("boom", {1: (full, None), 3: (full, None)})) == [
+        "demo.py: error: failed on ranks 1, 3: No space left on device: /full/__1_0.distcp"]
+    collective = checkpoint.CheckpointError("none of the 2 checkpoints verifies", collective=True)
+    assert said(collective, rank="1") == []
+    assert said(collective) == ["demo.py: error: none of the 2 checkpoints verifies"]
+    assert said(checkpoint.CheckpointError("rank 3's own file", collective=False), rank="3") == [
+        "demo.py: error (rank 3): rank 3's own file"]
+    lines = said(KeyError("a bug keeps its traceback"))
+    assert lines[0].startswith("Traceback") and lines[-1].startswith("KeyError")
+
+    script = tmp_path / "faults.py"
+    script.write_text(FAULTS)
+    env = {**os.environ, "PYTHONPATH": str(results.REPO_ROOT)}
+    env.pop("RANK", None)
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert (done.returncode, done.stderr.strip()) == (1, "faults.py: error: /x/step_000008.pt is "
+                                                         "damaged: member archive/data/0 fails its CRC-32 check")
+    (tmp_path / "afile").write_text("")
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "afile")],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert (done.returncode, done.stderr.strip()) == (2, f"faults.py: error: --out {tmp_path}/afile is a "
+                                                         "file, not a folder")
+
+
+TWO_RUNS = '''
+import sys, time
+from dataclasses import dataclass
+from common.config import RunConfig, parse_config
+from common.results import RunRecorder
+
+@dataclass
+class Config(RunConfig):
+    sleep: float = 0.0
+    """Seconds between metrics lines."""
+
+def main(cfg):
+    rec = RunRecorder(cfg, __file__)
+    for step in range(cfg.steps):
+        rec.metrics(step, loss=1.0 / (step + 1))
+        time.sleep(cfg.sleep)
+    rec.check("ran", "count", cfg.steps, cfg.steps)
+    return rec.finish()
+
+if __name__ == "__main__":
+    sys.exit(main(parse_config(Config)))
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_second_run_on_the_same_out_is_refused_and_the_first_is_intact(tmp_path):
+    """Two runs on one --out used to interleave metrics.jsonl: now the second is refused in one
+    line naming the first's pid, and the first's metrics are whole. When the first has ended,
+    the folder is free again."""
+    import subprocess
+
+    script = tmp_path / "two.py"
+    script.write_text(TWO_RUNS)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(results.REPO_ROOT)}
+    first = subprocess.Popen([sys.executable, str(script), "--out", str(out), "--steps", "40",
+                              "--sleep", "0.25"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    deadline = time.monotonic() + 60
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+        assert time.monotonic() < deadline and first.poll() is None
+        time.sleep(0.1)
+    second = subprocess.run([sys.executable, str(script), "--out", str(out), "--steps", "3"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert first.poll() is None, "the first run must still be running while the second is refused"
+    assert second.returncode == 1
+    assert second.stderr.strip().splitlines() == [
+        f"two.py: error: --out {out} is in use by another run (pid {first.pid} on "
+        f"{__import__('socket').gethostname()}): wait for it to end, or give this run another --out"]
+    assert first.wait(timeout=60) == 0
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(40))
+    again = subprocess.run([sys.executable, str(script), "--out", str(out), "--steps", "2"],
+                           capture_output=True, text=True, timeout=60, env=env)
+    assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_full_disk_is_named_and_leaves_the_previous_checkpoint(tmp_path):
+    """A save onto a full file system (a 256 KiB tmpfs) raises one CheckpointError naming the
+    file; no temporary is left and the previous checkpoint still verifies and loads."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("this machine refuses to mount a tmpfs (a container without CAP_SYS_ADMIN)")
+    try:
+        small = {"w": torch.arange(1000.0)}
+        checkpoint.save_checkpoint(disk / "step_1.pt", small)
+        with pytest.raises(checkpoint.CheckpointError,
+                           match=f"cannot write {disk}/step_2.pt: No space left on device"):
+            checkpoint.save_checkpoint(disk / "step_2.pt", {"w": torch.zeros(1_000_000)})
+        assert sorted(p.name for p in disk.iterdir()) == ["step_1.pt"]
+        assert torch.equal(checkpoint.load_checkpoint(disk / "step_1.pt")["w"], small["w"])
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

@@ -301,3 +301,40 @@ def test_the_operator_build_runs_only_when_its_stamp_is_stale(tmp_path):
     so.parent.mkdir()
     so.touch()
     assert build([str(so)]) is False
+
+
+HOLD_PORT = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); " \
+            "s.listen(); print('listening', flush=True); time.sleep(60)"
+
+
+@pytest.mark.timeout(60)
+def test_a_rendezvous_port_held_by_another_program_is_refused_in_one_line(tmp_path):
+    """A raw torchrun whose `--rdzv-endpoint` port here is held by a program that is not a
+    torchrun agent waits silently until its join timeout (600 s); tools/torchrun.py names the
+    program in one line within seconds. Controls: a free port, and a port held by a process whose
+    command line reads like a torchrun agent (a second node started on this machine), pass."""
+    from common.distributed import free_port
+    from tools import torchrun as launcher
+
+    port = free_port()
+    argv = ["--nnodes=1", "--nproc_per_node=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", str(tmp_path / "never_started.py")]
+    assert launcher.held_port(argv) is None  # free
+    assert launcher.held_port(["--standalone", *argv[1:]]) is None
+    for extra, refused in (([], True), (["torchrun-agent"], False)):
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_PORT, str(port), *extra],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "listening"
+            problem = launcher.held_port(argv)
+            assert (problem is not None) == refused, problem
+            if refused:
+                assert f"127.0.0.1:{port}" in problem and f"pid {holder.pid}" in problem
+                t = time.monotonic()
+                done = subprocess.run([sys.executable, str(REPO / "tools" / "torchrun.py"), *argv],
+                                      capture_output=True, text=True, timeout=40)
+                assert done.returncode == 2 and time.monotonic() - t < 30
+                assert done.stderr.strip() == problem
+        finally:
+            holder.kill()
+            holder.wait()

@@ -39,6 +39,7 @@ from chapters.ch25_llm.model import (
     lr_at,
     n_params,
 )
+from common.checkpoint import check_identity, load_dcp, save_dcp, training_shapes, verify_dcp
 from common.config import RunConfig, parse_config
 from common.distributed import (
     setup_distributed,
@@ -250,22 +251,25 @@ def train_steps(model, opt, cfg: Config, ids, info, first: int, last: int, rec=N
 
 
 def save_checkpoint(model, opt, path) -> None:
-    """DCP: every rank writes its own shards of the model and the optimizer, in parallel."""
-    import torch.distributed.checkpoint as dcp
+    """DCP: every rank writes its own shards of the model and the optimizer, in parallel; then
+    the ranks hash what they wrote and rank 0 writes the folder's manifest last (chapter 12)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    save_dcp({"model": model_sd, "optim": optim_sd}, path, shapes=training_shapes(model, opt))
 
 
 def load_checkpoint(model, opt, path, with_optimizer: bool = True) -> None:
-    """DCP load into an already-sharded model (and optimizer): each rank reads its shards."""
-    import torch.distributed.checkpoint as dcp
+    """DCP load into an already-sharded model (and optimizer): each rank reads its shards, after
+    the folder verified against its manifest, through DCP's reader restricted to what its
+    metadata may hold (common.checkpoint, chapter 12: nothing in the folder can run code)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    manifest = verify_dcp(path)  # written inside this run's --out: no run id, the shapes must match
+    check_identity(manifest, None, training_shapes(model, opt), path)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd} if with_optimizer else {"model": model_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    load_dcp(state, path)
     set_state_dict(model, opt, model_state_dict=state["model"],
                    optim_state_dict=state["optim"] if with_optimizer else optim_sd)
 

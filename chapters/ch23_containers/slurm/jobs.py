@@ -67,8 +67,9 @@ def test_only(cluster: LocalSlurm, script: Path) -> str:
 def params_equal(a: Path, b: Path) -> bool:
     import torch
 
-    pa = torch.load(a, map_location="cpu", weights_only=True)["model"]
-    pb = torch.load(b, map_location="cpu", weights_only=True)["model"]
+    from common.checkpoint import load_checkpoint  # CRC-checked, weights_only
+
+    pa, pb = load_checkpoint(a)["model"], load_checkpoint(b)["model"]
     return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
