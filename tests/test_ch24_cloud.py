@@ -14,9 +14,14 @@ a wrong field, a wrong type, an unknown script and an unknown option each fail a
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import hashlib
+import io
 import json
+import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -37,6 +42,7 @@ from common.launch import (
     started,
     wait_until,
 )
+from common.log import log as course_log
 from common.models import MLP
 from common.testing import rank_info
 
@@ -83,6 +89,45 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def logged():
+    """The course log's lines (what the console shows) while the block runs."""
+    handler = _Lines()
+    course_log.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        course_log.removeHandler(handler)
+
+
+def flip_bytes(path: Path, n: int = 16) -> None:
+    """Flip `n` bytes in the middle of the largest member of a `torch.save` archive (a tensor's
+    raw data: torch stores members uncompressed), as a bad disk or a bad copy would."""
+    import zipfile
+    with zipfile.ZipFile(path) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = (int.from_bytes(data[info.header_offset + k:info.header_offset + k + 2],
+                                          "little") for k in (26, 28))
+    start = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+    for i in range(start, start + n):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def wait_for(pred, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -94,23 +139,37 @@ def wait_for(pred, timeout: float) -> bool:
 
 def _ranks(folder: str, imds_url: str) -> dict:
     """On 2 gloo ranks: an undisturbed run; a run whose notice reaches rank 1 only, before step 8;
-    its resume restoring everything, without the data position, without the RNG state; last,
-    the script's own `main` polling AWS's spot notice at a fake metadata endpoint (rank 0 is
-    local rank 0, the one poller), with a grace too short for any save (the deadline's control),
-    then its resume."""
+    its resume restoring everything, without the data position, without the RNG state; then the
+    newest checkpoint damaged where only rank 1 reads it (its RNG object) and resumed: both ranks
+    must fall back to the same step; last, the script's own `main` polling AWS's spot notice at
+    a fake metadata endpoint (rank 0 is local rank 0, the one poller), with a grace too short
+    for any save (the deadline's control), then its resume."""
     info, cfg = rank_info(dist.get_rank(), dist.get_world_size()), train.Config(steps=STEPS)
-    full = train.train(cfg, info, train.ObjectStoreCheckpoints(f"{folder}/full"), train.Preemption())
+    full = train.train(cfg, info, train.ObjectStoreCheckpoints(f"{folder}/full"), train.Preemption(),
+                       f"{folder}/full-out")
     out = {"full": {k: v.clone() for k, v in full["model"].state_dict().items()}}
     for name, restore in (("all", train.STATE_PARTS), ("no_data", ("model", "optimizer", "rng")),
                           ("no_rng", ("model", "optimizer", "data"))):
         store = train.ObjectStoreCheckpoints(f"{folder}/{name}")
         notice = train.StopAtStep(8) if info.rank == 1 else train.Preemption()
-        first = train.train(cfg, info, store, notice)
+        first = train.train(cfg, info, store, notice, f"{folder}/{name}-out")
         out.setdefault("stopped_at", []).append(first["preempted_at"])
         resumed = train.train(train.Config(steps=STEPS, restore=restore), info, store,
-                              train.Preemption())
+                              train.Preemption(), f"{folder}/{name}-out")
         out[name] = {k: v.clone() for k, v in resumed["model"].state_dict().items()}
         out.setdefault("start", []).append(resumed["start"])
+    # the newest step of "all" damaged in rank 1's RNG object, which rank 0 neither loads nor
+    # checks (its share is rng0.pt and state.pt): one verdict for both, or they would resume
+    # from different steps
+    store = train.ObjectStoreCheckpoints(f"{folder}/all")
+    newest = store.committed_steps()[-1]
+    if info.rank == 0:
+        flip_bytes(Path(folder, "all", train.step_folder(newest), "rng1.pt"))
+    dist.barrier()
+    with logged() as lines:
+        again = train.train(cfg, info, store, train.Preemption(), f"{folder}/all-out")
+    out["agreed"] = {"newest": newest, "start": again["start"], "lines": lines,
+                     "model": {k: v.clone() for k, v in again["model"].state_dict().items()}}
     # main's return value is the script's exit status (`sys.exit(main(...))`), which torchrun
     # does not pass on (it exits 1 after a signal): read it here, on every rank. main tears the
     # group down at its end; here the group must outlive it for the resume below.
@@ -125,7 +184,8 @@ def _ranks(folder: str, imds_url: str) -> dict:
         train.teardown_distributed = teardown
     store = train.ObjectStoreCheckpoints(bucket)
     out["main_committed"] = store.committed_steps()
-    resumed = train.train(train.Config(steps=STEPS), info, store, train.Preemption())
+    resumed = train.train(train.Config(steps=STEPS), info, store, train.Preemption(),
+                          f"{folder}/main")
     out["main_resumed"] = {k: v.clone() for k, v in resumed["model"].state_dict().items()}
     out["main_resumed_from"] = resumed["start"]
     return out
@@ -147,7 +207,8 @@ def reference(tmp_path_factory) -> dict:
     with FakeIMDS(arm_when=mid_run) as imds:
         results = run_on_ranks(_ranks, 2, str(folder), imds.url, timeout=90)
     summary = json.loads((folder / "main" / "summary.json").read_text())
-    return {**results[0], "main_codes": [r["main_code"] for r in results],
+    return {**results[0], "main_codes": [r["main_code"] for r in results], "folder": folder,
+            "agreed": [r["agreed"] for r in results],
             "main_summary": summary, "imds_requests": imds.requests,
             "armed_at_step": armed_at[0] if armed_at else None,
             "polls_before_notice": imds.armed_after_polls}
@@ -162,6 +223,16 @@ def test_in_process_preemption_resumes_exactly_and_controls_diverge(reference):
     assert max_diff(reference["no_rng"], reference["full"]) > 1e-6
     # the script's loop against a loop written here (another summation order: a few ulps)
     assert max_diff(reference["full"], hand_reference(train.Config(steps=STEPS))) <= 1e-12
+    # the newest step damaged where rank 1 alone reads it: both ranks skip it, say so, and
+    # resume from the step before, ending where the undisturbed run ends
+    newest = reference["agreed"][0]["newest"]
+    assert newest == STEPS
+    for rank in (0, 1):
+        agreed = reference["agreed"][rank]
+        assert agreed["start"] == newest - train.Config().ckpt_every
+        skipped = [line for line in agreed["lines"] if line.startswith("skipping checkpoint")]
+        assert len(skipped) == 1 and "step000030/rng1.pt" in skipped[0], agreed["lines"]
+        assert max_diff(agreed["model"], reference["full"]) == 0.0
 
 
 @pytest.mark.timeout(120)
@@ -374,34 +445,281 @@ def test_sigterm_to_torchrun_saves_within_grace_and_resume_matches_undisturbed(t
     print(f"\nSIGTERM -> committed: {timing['measured']:.3f} s (grace {grace:.0f} s); "
           f"torchrun exit {proc.returncode}")
 
-    res = run_torchrun(SCRIPT, nproc=2, out_dir=tmp_path / "resumed", timeout=90,
+    # the restart is the same command: the same --out, whose run id the checkpoints carry
+    res = run_torchrun(SCRIPT, nproc=2, out_dir=out, timeout=90,
                        args=["--steps", STEPS, "--ckpt-url", bucket])
     assert res.summary["figures"]["resumed from step"]["measured"] == stopped
-    final = load_checkpoint(tmp_path / "resumed" / "final_params.pt")["model"]
+    final = load_checkpoint(out / "final_params.pt")["model"]
     assert max_diff(final, reference["full"]) == 0.0  # the undisturbed run: same computation
     assert max_diff(reference["no_data"], final) > 1e-6  # the controls land elsewhere
 
 
-@pytest.mark.timeout(90)
-def test_sigterm_during_a_save_leaves_the_previous_checkpoint(tmp_path):
+@pytest.mark.timeout(150)
+def test_sigterm_during_a_save_leaves_the_previous_checkpoint_and_a_second_run_is_refused(
+        tmp_path, saved):
+    """A run parked in the save of step 10 (its data objects written, no manifest) holds --out
+    and --ckpt-url. Meanwhile, each in one line on the console and a non-zero status: a second
+    run on its --out is refused naming its pid, a third on its --ckpt-url too, and a run whose
+    checkpoints are all damaged (a copy of `saved`) is refused. The first run's metrics are
+    untouched; the SIGTERM mid-save, then SIGKILL, leave step 5 the one to resume."""
     bucket, out, grace = tmp_path / "bucket", tmp_path / "run", 1.0
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--steps", "20", "--ckpt-every", "5",
-           "--pause-save-at", "10", "--ckpt-url", str(bucket), "--out", str(out),
-           "--grace-s", str(grace), "--timeout", "60"]
+    base = [sys.executable, str(SCRIPT), "--device", "cpu", "--steps", "20", "--timeout", "60"]
+    cmd = [*base, "--ckpt-every", "5", "--log-every", "1", "--pause-save-at", "10",
+           "--ckpt-url", str(bucket), "--out", str(out), "--grace-s", str(grace)]
+    bad_bucket, bad_out = copy_saved(saved, tmp_path / "bad")
+    flip_bytes(bad_bucket / "step000005" / "state.pt")
+    tear(bad_bucket / "step000010" / train.MANIFEST)
+    bad_before = shas(bad_bucket)
+    others = {"same --out": [*base, "--ckpt-url", str(bucket), "--out", str(out)],
+              "same --ckpt-url": [*base, "--ckpt-url", str(bucket), "--out", str(tmp_path / "b")],
+              "all bad": [*base, "--ckpt-url", str(bad_bucket), "--out", str(bad_out)]}
     with started(cmd) as proc:
+        # its first metrics line comes after RunRecorder locked --out and main locked --ckpt-url
+        wait_until(lambda: last_logged_step(out / "metrics.jsonl") >= 0, proc, "step 0")
+        with contextlib.ExitStack() as stack:
+            procs = {k: stack.enter_context(started(c)) for k, c in others.items()}
+            consoles = {k: p.communicate(timeout=60)[0] for k, p in procs.items()}
         wait_until(lambda: (out / "paused").exists(), proc, "the paused save of step 10")
+        # the first run's metrics.jsonl: whole lines, steps 0 to 9, nothing truncated or mixed
+        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in metrics] == list(range(10))
         proc.send_signal(signal.SIGTERM)  # the notice arrives mid-save ...
         time.sleep(grace)
         assert proc.poll() is None  # ... the save is slower than the grace ...
         proc.send_signal(signal.SIGKILL)  # ... and the cloud pulls the plug
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
+    for name, console in consoles.items():
+        errors = [line for line in console.splitlines() if "error:" in line]
+        assert procs[name].returncode != 0 and len(errors) == 1, console[-2000:]
+        assert "Traceback" not in console, console[-2000:]
+        consoles[name] = errors[0]
+    assert f"--out {out.resolve()} is in use by another run (pid {proc.pid} " in consoles["same --out"]
+    assert (f"--ckpt-url {bucket.resolve()} is in use by another run (pid {proc.pid} "
+            in consoles["same --ckpt-url"])
+    assert "none of the 2 checkpoints verifies" in consoles["all bad"]
+    assert shas(bad_bucket) == bad_before  # refused, nothing deleted or rewritten
     assert (bucket / "step000010" / "state.pt").exists()  # the data objects were written ...
     assert not (bucket / "step000010" / train.MANIFEST).exists()  # ... the commit was not
     store = train.ObjectStoreCheckpoints(str(bucket))
     assert store.committed_steps() == [5]
-    state = store.load_latest(rank=0, world_size=1)
+    model = train.new_model(train.Config(), "cpu")
+    state = store.load_latest(0, 1, train.run_identity(out, model, list(model.parameters())))
     assert state["step"] == 5 and state["cursor"] == 5 * 8
+
+
+# --- checkpoints that cannot lie: faults injected into a world of one, in this process ----------
+
+FAULT_STEPS = 20
+
+
+@contextlib.contextmanager
+def world_of_one():
+    """A gloo group of one process (chapter 13's loop all-reduces even then), left at the end."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield rank_info(0, 1)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict:
+    """A run of 10 steps with checkpoints at steps 5 and 10 (its bucket and its --out, which
+    holds the run id), and the parameters after resuming it from step 5 to step FAULT_STEPS:
+    what every fall-back to step 5 must give."""
+    root = tmp_path_factory.mktemp("saved")
+    with world_of_one() as info:
+        train.train(train.Config(steps=10), info, train.ObjectStoreCheckpoints(str(root / "bucket")),
+                    train.Preemption(), root / "out")
+        bucket, out = copy_saved({"root": root}, root / "from5")
+        shutil.rmtree(bucket / "step000010")
+        resumed = train.train(train.Config(steps=FAULT_STEPS), info,
+                              train.ObjectStoreCheckpoints(str(bucket)), train.Preemption(), out)
+    assert resumed["start"] == 5
+    return {"root": root, "from5": {k: v.clone() for k, v in resumed["model"].state_dict().items()}}
+
+
+def copy_saved(saved: dict, to: Path) -> tuple[Path, Path]:
+    shutil.copytree(saved["root"] / "bucket", to / "bucket")
+    shutil.copytree(saved["root"] / "out", to / "out")
+    return to / "bucket", to / "out"
+
+
+def shas(folder: Path) -> dict:
+    """Every file's SHA-256 but the lock a run takes on the folder (`.lock`)."""
+    return {str(p.relative_to(folder)): sha256(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+def tear(path: Path) -> None:
+    """Keep the first half of a file: a write cut short (a manifest landed torn)."""
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def rehash(folder: Path, name: str) -> None:
+    """Rewrite `name`'s manifest entry for the bytes it now holds: a damaged file hashed and
+    uploaded faithfully (the store's own checksums would pass too)."""
+    manifest = json.loads((folder / train.MANIFEST).read_text())
+    manifest["files"][name] = {"bytes": (folder / name).stat().st_size,
+                               "sha256": sha256(folder / name)}
+    (folder / train.MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+class Crafted:
+    """Unpickled, it calls `open(marker, "w")`: a harmless stand-in for code a crafted checkpoint
+    would run (creating the marker file is the proof that it ran)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def crafted_state(folder: Path, marker: Path) -> None:
+    """state.pt replaced by a pickle that creates `marker` when loaded, with the manifest entry
+    (and the archive's CRCs) to match: a checksum proves integrity, not honesty."""
+    state = torch.load(folder / "state.pt", weights_only=True)
+    torch.save({**state, "payload": Crafted(marker)}, folder / "state.pt")
+    rehash(folder, "state.pt")
+
+
+FAULTS = {  # what is done to step 10, and the reason its skipped line must give
+    "objects missing (the manifest landed first)": (
+        lambda d, tmp: [(d / n).unlink() for n in ("rng0.pt", "state.pt")],
+        "rng0.pt is in the manifest but missing"),
+    "a missing shard (one rank's object)": (
+        lambda d, tmp: (d / "rng0.pt").unlink(), "rng0.pt is in the manifest but missing"),
+    "16 flipped bytes in a weight": (
+        lambda d, tmp: flip_bytes(d / "state.pt"), "SHA-256 differs"),
+    "truncated object": (
+        lambda d, tmp: tear(d / "state.pt"), "bytes, its manifest says"),
+    "torn manifest": (
+        lambda d, tmp: tear(d / train.MANIFEST), "is torn or not a manifest"),
+    "damaged before it was hashed (manifest matches)": (
+        lambda d, tmp: (flip_bytes(d / "state.pt"), rehash(d, "state.pt")),
+        "fails its CRC-32 check"),
+    "a crafted pickle (manifest and CRCs match)": (
+        lambda d, tmp: crafted_state(d, tmp / "marker"), "is not a safe checkpoint (Unpickling"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved, tmp_path, fault):
+    """Each fault in the newest step (10): skipped in one line naming it and why, the run resumes
+    from step 5 and ends exactly where a resume from step 5 ends; step 5 is untouched."""
+    bucket, out = copy_saved(saved, tmp_path)
+    step5 = shas(bucket / "step000005")
+    damage, reason = FAULTS[fault]
+    damage(bucket / "step000010", tmp_path)
+    with world_of_one() as info, logged() as lines:
+        resumed = train.train(train.Config(steps=FAULT_STEPS), info,
+                              train.ObjectStoreCheckpoints(str(bucket)), train.Preemption(), out)
+    skipped = [line for line in lines if line.startswith("skipping checkpoint")]
+    assert len(skipped) == 1, lines
+    assert f"{bucket}/step000010: " in skipped[0] and reason in skipped[0], skipped[0]
+    assert "\n" not in skipped[0] and len(skipped[0]) < 400
+    assert resumed["start"] == 5
+    assert max_diff(resumed["model"].state_dict(), saved["from5"]) == 0.0
+    assert shas(bucket / "step000005") == step5  # the previous checkpoint: its bytes unchanged
+    assert not (tmp_path / "marker").exists()  # nothing a checkpoint carried ran
+
+
+@pytest.mark.timeout(30)
+def test_the_crafted_pickle_runs_code_when_loaded_without_weights_only(saved, tmp_path):
+    """The control for the crafted case above: the same file loaded by a plain
+    `torch.load(weights_only=False)` (what DCP's default planner does for non-tensor entries)
+    creates its marker, and its manifest entry and zip CRCs pass: only `weights_only` stops it."""
+    bucket, _ = copy_saved(saved, tmp_path)
+    folder, marker = bucket / "step000010", tmp_path / "ran"
+    crafted_state(folder, marker)
+    store = train.ObjectStoreCheckpoints(str(bucket))
+    entry = store.read_manifest(10)["files"]["state.pt"]
+    data = store.verified_bytes(10, "state.pt", entry)  # size, SHA-256 and CRC-32s all pass
+    assert not marker.exists()
+    torch.load(io.BytesIO(data), weights_only=False)
+    assert marker.exists()
+
+
+@pytest.mark.timeout(30)
+def test_all_checkpoints_bad_is_refused_in_one_line_and_nothing_is_deleted(saved, tmp_path):
+    bucket, out = copy_saved(saved, tmp_path)
+    flip_bytes(bucket / "step000005" / "state.pt")
+    tear(bucket / "step000010" / train.MANIFEST)
+    before = shas(bucket)
+    with world_of_one() as info, logged() as lines, pytest.raises(CheckpointError) as refused:
+        train.train(train.Config(steps=FAULT_STEPS), info, train.ObjectStoreCheckpoints(str(bucket)),
+                    train.Preemption(), out)
+    message = str(refused.value)
+    assert message.startswith("none of the 2 checkpoints verifies (the newest: ")
+    assert "step000010/manifest.json is torn" in message and "\n" not in message
+    assert refused.value.collective  # every rank raises it from one verdict: rank 0 says it
+    assert [line.split(":")[0] for line in lines if line.startswith("skipping")] == [
+        f"skipping checkpoint {bucket}/step000010", f"skipping checkpoint {bucket}/step000005"]
+    assert shas(bucket) == before  # never started over silently, never deleted a bad one
+
+
+@pytest.mark.timeout(30)
+def test_another_runs_or_another_models_checkpoint_is_refused(saved, tmp_path):
+    """Run identity: the run id comes from --out (another --out is another run); the shapes from
+    the model and its momentum buffers. Control: this run's own identity loads step 10."""
+    bucket, out = copy_saved(saved, tmp_path)
+    before = shas(bucket)
+    store = train.ObjectStoreCheckpoints(str(bucket))
+    with world_of_one() as info:
+        with pytest.raises(CheckpointError) as refused:
+            train.train(train.Config(steps=FAULT_STEPS), info, store, train.Preemption(),
+                        tmp_path / "another-out")
+    message = str(refused.value)
+    assert f"{bucket}/step000010 belongs to run " in message and "\n" not in message
+    assert (out / "run_id").read_text().strip() in message
+    wider = MLP(8, 64, 1).double()
+    with pytest.raises(CheckpointError, match="written for another model or optimizer: "
+                       r"model\.0\.bias is \[64\] here, \[32\] in the checkpoint"):
+        store.load_latest(0, 1, train.run_identity(out, wider, list(wider.parameters())))
+    model = train.new_model(train.Config(), "cpu")
+    assert store.load_latest(0, 1, train.run_identity(out, model, list(model.parameters())))[
+        "step"] == 10
+    assert shas(bucket) == before
+
+
+@pytest.mark.timeout(30)
+def test_a_checkpoint_of_two_ranks_resumes_on_one(reference, tmp_path):
+    """World size is not part of a checkpoint's identity: the two-rank run of `main` resumes in a
+    world of one (its RNG streams re-derived, chapter 13), and is accepted as this run's."""
+    folder = Path(reference["folder"])
+    shutil.copytree(folder / "main-bucket", tmp_path / "bucket")
+    shutil.copytree(folder / "main", tmp_path / "main")
+    store = train.ObjectStoreCheckpoints(str(tmp_path / "bucket"))
+    stopped = reference["main_summary"]["figures"]["preempted, checkpoint committed at step"][
+        "measured"]
+    for later in store.committed_steps():  # the steps its two-rank resume saved after that
+        if later > stopped:
+            shutil.rmtree(tmp_path / "bucket" / train.step_folder(later))
+    with world_of_one() as info:
+        resumed = train.train(train.Config(steps=STEPS), info, store, train.Preemption(),
+                              tmp_path / "main")
+    assert resumed["start"] == stopped and len(resumed["losses"]) == STEPS - stopped
+    assert store.read_manifest(stopped)["world_size"] == 2
+
+
+@pytest.mark.timeout(10)
+def test_every_object_is_checked_by_some_rank_at_any_world_size():
+    """The ranks share the hashing: each checks what it loads and every world-th object; at 4
+    ranks over a 2-rank checkpoint (3 objects) rank 3's share is empty, and it still checks the
+    state it loads."""
+    names = ["rng0.pt", "rng1.pt", "state.pt"]
+    for world in (1, 2, 3, 4, 8):
+        same = world == 2
+        parts = [train.names_to_check(names, r, world, {"state.pt"} | ({f"rng{r}.pt"} if same
+                                                                       else set()))
+                 for r in range(world)]
+        assert set().union(*parts) == set(names)
+        assert all("state.pt" in p for p in parts)
+    assert train.names_to_check(names, 3, 4, {"state.pt"}) == ["state.pt"]
 
 
 @pytest.mark.timeout(30)
@@ -409,8 +727,9 @@ def test_manifest_last_is_the_commit_on_an_object_store():
     """memory:// is an object store without rename: each pipe_file is one whole object."""
     store = train.ObjectStoreCheckpoints(f"memory://ch24-{os.getpid()}")
     model = MLP(8, 32, 1).double()
+    identity = {"run_id": "r1", "shapes": {"model": {}}}
     shared = {"step": 5, "cursor": 40, "model": model.state_dict(), "optimizer": []}
-    store.save(5, shared, {"noise": torch.get_rng_state()}, rank=0)
+    store.save(5, shared, {"noise": torch.get_rng_state()}, rank=0, meta=identity)
     assert store.puts == 3 and store.committed_steps() == [5]
 
     class Killed(BaseException):
@@ -420,18 +739,23 @@ def test_manifest_last_is_the_commit_on_an_object_store():
         raise Killed
 
     with pytest.raises(Killed):  # the process dies between the data objects and the manifest
-        store.save(10, {**shared, "step": 10}, {"noise": torch.get_rng_state()}, rank=0, pause=kill)
-    assert store.committed_steps() == [5] and store.load_latest(0, 1)["step"] == 5
+        store.save(10, {**shared, "step": 10}, {"noise": torch.get_rng_state()}, rank=0,
+                   meta=identity, pause=kill)
+    assert store.committed_steps() == [5] and store.load_latest(0, 1, identity)["step"] == 5
 
-    # negative control: the commit first, then the data (a `latest` pointer updated too early)
-    store.put("step000015/" + train.MANIFEST, json.dumps({"step": 15, "world_size": 1, "objects": [
-        {"key": "step000015/state.pt", "bytes": 1, "sha256": "0"}]}).encode())
-    with pytest.raises(CheckpointError, match="missing"):
-        store.load_latest(0, 1)
-    # and an object that changed after its manifest was written is caught by its digest
-    store.put("step000015/state.pt", b"x")
-    with pytest.raises(CheckpointError, match="does not match"):
-        store.load_latest(0, 1)
+    # negative control: the commit first, then the data (a `latest` pointer updated too early):
+    # the step counts as committed, its object is missing; the load says so and falls back
+    store.put("step000015/" + train.MANIFEST, json.dumps({"step": 15, "world_size": 1, **identity,
+              "files": {n: {"bytes": 1, "sha256": "0"} for n in ("rng0.pt", "state.pt")}}).encode())
+    assert store.committed_steps() == [5, 15]
+    with logged() as lines:
+        assert store.load_latest(0, 1, identity)["step"] == 5
+    assert len(lines) == 1 and "step000015/rng0.pt is in the manifest but missing" in lines[0]
+    # and an object that changed after its manifest was written is caught by its size or digest
+    store.put("step000015/rng0.pt", b"x")
+    with logged() as lines:
+        assert store.load_latest(0, 1, identity)["step"] == 5
+    assert len(lines) == 1 and "does not match its manifest (SHA-256 differs" in lines[0]
 
 
 @pytest.mark.timeout(30)

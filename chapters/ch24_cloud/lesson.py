@@ -16,9 +16,9 @@
 # A spot machine is taken back with a SIGTERM and, once the grace period is over, a SIGKILL. This
 # notebook shows the handler and the agreement between ranks, polls AWS's spot notice from a
 # stand-in metadata endpoint, sends a real SIGTERM to a run (one process here; the tests do it to
-# a two-rank torchrun), resumes it, shows why the checkpoint's
-# commit is a manifest written last, and validates the SageMaker, Vertex AI and PAI-DLC launch
-# requests offline. The lesson is
+# a two-rank torchrun), resumes it, shows why the checkpoint's commit is a manifest written last
+# and what a load verifies before it trusts a checkpoint, and validates the SageMaker, Vertex AI
+# and PAI-DLC launch requests offline. The lesson is
 # [chapters/ch24_cloud/README.md](../chapters/ch24_cloud/README.md).
 
 # %%
@@ -79,58 +79,82 @@ print("the tokenless poller's flag:", blind_notice.signal_time)
 # %% [markdown]
 # ## A real SIGTERM, then a restart
 # One process (`python`, a world of one) trains with a short sleep per step; we send SIGTERM after
-# step 6 as a cloud would, then start the same command again: it resumes from the step it saved.
+# step 6 as a cloud would, then start the same command again (the same `--out`, which holds the
+# run id its checkpoints carry): it resumes from the step it saved.
 
 # %%
 work = Path(tempfile.mkdtemp(prefix="ch24-"))
 bucket = f"file://{work}/bucket"
 cmd = [sys.executable, str(REPO_ROOT / "chapters/ch24_cloud/train.py"), "--device", "cpu",
        "--steps", "20", "--step-seconds", "0.05", "--log-every", "1", "--ckpt-url", bucket]
-with started([*cmd, "--out", str(work / "first")]) as first:  # killed on leaving, whatever happens
-    wait_until(lambda: last_logged_step(work / "first" / "metrics.jsonl") >= 6, first, "step 6")
+with started([*cmd, "--out", str(work / "run")]) as first:  # killed on leaving, whatever happens
+    wait_until(lambda: last_logged_step(work / "run" / "metrics.jsonl") >= 6, first, "step 6")
     first.send_signal(signal.SIGTERM)
     out, _ = first.communicate(timeout=60)
 print("exit code:", first.returncode)
 print(out[out.index("figure"):])
 
 # %%
-second = subprocess.run([*cmd, "--out", str(work / "second")], cwd=REPO_ROOT, text=True,
+second = subprocess.run([*cmd, "--out", str(work / "run")], cwd=REPO_ROOT, text=True,
                         capture_output=True, timeout=60)
 print("exit code:", second.returncode)
-summary = json.loads((work / "second" / "summary.json").read_text())
+summary = json.loads((work / "run" / "summary.json").read_text())
 print("resumed from step", summary["figures"]["resumed from step"]["measured"])
 
 # %% [markdown]
-# What the bucket holds: a folder per step, each committed by its `manifest.json`.
+# What the bucket holds: a folder per step, each committed by its `manifest.json`: every object's
+# size and SHA-256, and whose checkpoint it is (the run id kept in `--out`, the model's shapes).
 
 # %%
 store = train.ObjectStoreCheckpoints(bucket)
 print("committed steps:", store.committed_steps())
-manifest = json.loads(store.get(f"step{store.committed_steps()[0]:06d}/{train.MANIFEST}"))
-print(json.dumps(manifest, indent=1)[:600])
+manifest = store.read_manifest(store.committed_steps()[0])
+print(json.dumps({k: v for k, v in manifest.items() if k != "shapes"}, indent=1))
+
+# %% [markdown]
+# ## What a load verifies before it trusts a checkpoint
+# Flip 16 bytes in the middle of the newest step's `state.pt`, as a bad disk or a bad copy would:
+# `torch.load` alone would load them without a word. `load_latest` reads every object once,
+# checks its size, SHA-256 and zip CRC-32s, loads it with `weights_only=True`, skips the step in
+# one line and takes the one before. The run id in another `--out` is another run's: refused.
+
+# %%
+newest = store.committed_steps()[-1]
+damaged = work / "bucket" / train.step_folder(newest) / "state.pt"
+data = bytearray(damaged.read_bytes())
+for i in range(len(data) // 2, len(data) // 2 + 16):
+    data[i] ^= 0xFF
+damaged.write_bytes(bytes(data))
+model = train.new_model(train.Config(), "cpu")
+mine = train.run_identity(work / "run", model, list(model.parameters()))
+print("newest", newest, "-> resume from", store.load_latest(0, 1, mine)["step"])
+try:
+    store.load_latest(0, 1, train.run_identity(work / "other", model, list(model.parameters())))
+except CheckpointError as e:
+    print("another --out:", e)
 shutil.rmtree(work)  # the runs' folders and the bucket: nothing left behind
 
 # %% [markdown]
 # ## No rename on an object store: the manifest is the commit
 # `memory://` behaves like S3 or GCS here: an object appears whole or not at all, and there is no
 # rename. A save that dies before its manifest leaves the previous step in charge; a manifest
-# written *first* (the negative control) commits objects that never arrived.
+# written *first* (the negative control) commits objects that never arrived: the load says so and
+# falls back to the step before.
 
 # %%
 mem = train.ObjectStoreCheckpoints("memory://ch24-notebook")
+identity = {"run_id": "notebook", "shapes": {}}
 shared = {"step": 5, "cursor": 40, "model": {"w": torch.zeros(3)}, "optimizer": []}
-mem.save(5, shared, {}, rank=0)
+mem.save(5, shared, {}, rank=0, meta=identity)
 try:
-    mem.save(10, {**shared, "step": 10}, {}, rank=0, pause=lambda: sys.exit("killed mid-save"))
+    mem.save(10, {**shared, "step": 10}, {}, rank=0, meta=identity,
+             pause=lambda: sys.exit("killed mid-save"))
 except SystemExit as e:
     print(e)
-print("committed:", mem.committed_steps(), "-> resume from", mem.load_latest(0, 1)["step"])
-mem.put(f"step000015/{train.MANIFEST}", json.dumps({"step": 15, "world_size": 1, "objects": [
-    {"key": "step000015/state.pt", "bytes": 1, "sha256": "0"}]}).encode())
-try:
-    mem.load_latest(0, 1)
-except CheckpointError as e:
-    print("manifest first:", e)
+print("committed:", mem.committed_steps(), "-> resume from", mem.load_latest(0, 1, identity)["step"])
+mem.put(f"step000015/{train.MANIFEST}", json.dumps({"step": 15, "world_size": 1, **identity, "files": {
+    name: {"bytes": 1, "sha256": "0"} for name in ("rng0.pt", "state.pt")}}).encode())
+print("committed:", mem.committed_steps(), "-> resume from", mem.load_latest(0, 1, identity)["step"])
 
 # %% [markdown]
 # ## Three clouds' launch requests, checked offline

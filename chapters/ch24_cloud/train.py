@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 import urllib.request
+import zipfile
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -53,7 +54,17 @@ from chapters.ch13_fault_tolerance.train import (
     restart_count,
     sgd_momentum_step,
 )
-from common.checkpoint import CheckpointError, atomic_write, save_checkpoint
+from common.checkpoint import (
+    CheckpointError,
+    atomic_write,
+    check_identity,
+    lock_folder,
+    newest_verified,
+    run_id,
+    save_checkpoint,
+    training_shapes,
+    unlock_folder,
+)
 from common.config import RunConfig, parse_config
 from common.data import regression_data
 from common.distributed import (
@@ -352,13 +363,65 @@ def _bytes(obj) -> bytes:
     return buf.getvalue()
 
 
+def step_folder(step: int) -> str:
+    return f"step{step:06d}"
+
+
+def run_identity(out, model, buffers) -> dict:
+    """Whose checkpoint this run may resume: the run id kept in `out` (created there on the first
+    start, `common.checkpoint.run_id`; collective when a process group exists) and the global
+    shapes of the model and of the momentum buffers (the world size is not part of it: a
+    checkpoint resumes at any world size)."""
+    shapes = training_shapes(model)
+    shapes["optimizer"] = {"kind": "sgd_momentum", "buffers": [list(b.shape) for b in buffers]}
+    return {"run_id": run_id(out), "shapes": shapes}
+
+
+def names_to_check(names, rank: int, world_size: int, own: set[str]) -> list[str]:
+    """The objects of a checkpoint this rank verifies: the ones it loads (`own`) and every
+    world_size-th of all of them from `rank` (the ranks share the rest; at any world size their
+    union is every object, and a rank whose share is empty still checks what it loads)."""
+    return sorted(set(own) | set(sorted(names)[rank::world_size]))
+
+
+def check_zip_bytes(where: str, data: bytes) -> None:
+    """Every member of a `torch.save` archive against its CRC-32 (as `common.checkpoint.verify_zip`
+    does for a file; `torch.load` checks none): bytes damaged before they were hashed for the
+    manifest, which that hash cannot see."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            bad = z.testzip()
+    except zipfile.BadZipFile as e:
+        raise CheckpointError(f"{where} is truncated or not a checkpoint ({e})") from None
+    except Exception as e:  # a damaged local header
+        raise CheckpointError(f"{where} is damaged ({type(e).__name__}: {e})") from None
+    if bad is not None:
+        raise CheckpointError(f"{where} is damaged: member {bad} fails its CRC-32 check")
+
+
+def load_blob(where: str, data: bytes):
+    """`torch.load` of verified bytes with `weights_only=True`: tensors, numbers, strings, lists,
+    dicts, nothing that runs code; anything else is refused in one line naming the object."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError (a forbidden global), RuntimeError, EOFError ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{where} is not a safe checkpoint ({type(e).__name__}: "
+                              f"{first[:160]})") from None
+
+
 class ObjectStoreCheckpoints:
     """Checkpoints under an fsspec URL: `stepNNNNNN/state.pt` (what the replicas share, written by
     rank 0), `stepNNNNNN/rng<r>.pt` (each rank's RNG) and, written last by rank 0 once every rank
-    has finished, `stepNNNNNN/manifest.json` with each object's size and SHA-256. An object store
-    has no rename: an object appears whole or not at all, so the manifest is the commit. On a
-    local file system each object is still written to a temporary name and renamed
-    (`common.checkpoint.atomic_write`, chapter 12)."""
+    has finished, `stepNNNNNN/manifest.json` with each object's size and SHA-256 and whose run it
+    is (run id, shapes). An object store has no rename: an object appears whole or not at all, so
+    the manifest is the commit. On a local file system each object is still written to a
+    temporary name and renamed (`common.checkpoint.atomic_write`, chapter 12).
+
+    A load trusts nothing it has not checked: the newest manifest whose objects are all there,
+    of the listed size and SHA-256, whose archives pass their CRC-32s and unpickle with
+    `weights_only=True`; a step that fails is skipped with one line saying why, for the one
+    before it (`common.checkpoint.newest_verified`), and a manifest of another run is refused."""
 
     def __init__(self, url: str) -> None:
         from fsspec.core import url_to_fs
@@ -372,37 +435,46 @@ class ObjectStoreCheckpoints:
         return f"{self.root.rstrip('/')}/{key}"
 
     def put(self, key: str, data: bytes) -> dict:
-        """Write one object whole; return its manifest entry."""
+        """Write one object whole; return its manifest entry (size and SHA-256 of these bytes)."""
         if self.local:
             atomic_write(self._path(key), lambda f: f.write(data))
         else:
             self.fs.pipe_file(self._path(key), data)  # one PUT: whole or nothing
         self.puts += 1
-        return {"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     def get(self, key: str) -> bytes:
         return self.fs.cat_file(self._path(key))
 
     def committed_steps(self) -> list[int]:
-        """Steps whose manifest exists, oldest first (a listing, no `latest` pointer to update)."""
-        found = self.fs.glob(self._path(f"step*/{MANIFEST}"))
-        return sorted(int(p.rstrip("/").split("/")[-2][4:]) for p in found)
+        """Steps whose manifest exists, oldest first (a listing, no `latest` pointer to update).
+        Global rank 0 lists and tells the others: every rank must walk the same steps."""
+        steps = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            found = self.fs.glob(self._path(f"step*/{MANIFEST}"))
+            steps = sorted(int(p.rstrip("/").split("/")[-2][4:]) for p in found)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [steps]
+            dist.broadcast_object_list(box, src=0)
+            steps = box[0]
+        return steps
 
-    def save(self, step: int, shared: dict, rng: dict, rank: int, pause=None) -> dict:
+    def save(self, step: int, shared: dict, rng: dict, rank: int, meta: dict, pause=None) -> dict:
         """Every rank writes its objects; their entries are gathered; rank 0 writes the manifest
-        last; a barrier keeps every rank until the step is committed. `pause` (a test hook) runs
-        on rank 0 between the data objects and the manifest."""
-        folder = f"step{step:06d}"
-        entries = [self.put(f"{folder}/state.pt", _bytes(shared))] if rank == 0 else []
-        entries.append(self.put(f"{folder}/rng{rank}.pt", _bytes(rng)))
+        (with `meta`: run id and shapes) last; a barrier keeps every rank until the step is
+        committed. Only this step's objects are written: older steps are never touched. `pause`
+        (a test hook) runs on rank 0 between the data objects and the manifest."""
+        folder = step_folder(step)
+        mine = {"state.pt": self.put(f"{folder}/state.pt", _bytes(shared))} if rank == 0 else {}
+        mine[f"rng{rank}.pt"] = self.put(f"{folder}/rng{rank}.pt", _bytes(rng))
         world = dist.get_world_size() if dist.is_initialized() else 1
-        everyone: list = [None] * world
+        everyone: list = [mine]
         if dist.is_initialized():
-            dist.all_gather_object(everyone, entries)  # also: every rank's objects are written
-        else:
-            everyone = [entries]
-        manifest = {"step": step, "world_size": world,
-                    "objects": [e for rank_entries in everyone for e in rank_entries]}
+            everyone = [None] * world
+            dist.all_gather_object(everyone, mine)  # also: every rank's objects are written
+        files = {name: entry for part in everyone for name, entry in part.items()}
+        manifest = {"format": 1, "step": step, "world_size": world, **meta,
+                    "files": dict(sorted(files.items()))}
         if rank == 0:
             if pause is not None:
                 pause()
@@ -411,31 +483,91 @@ class ObjectStoreCheckpoints:
             dist.barrier()
         return manifest
 
-    def load(self, step: int, rank: int, world_size: int) -> dict:
-        """The committed checkpoint of `step`, every object checked against its manifest entry.
-        `rng` is this rank's stream when the world size is the one that saved it, else None."""
-        folder = f"step{step:06d}"
-        manifest = json.loads(self.get(f"{folder}/{MANIFEST}"))
-        blobs = {}
-        for e in manifest["objects"]:
-            try:
-                data = self.get(e["key"])
-            except FileNotFoundError:
-                raise CheckpointError(f"{self._path(e['key'])} is in the manifest but missing") from None
-            if len(data) != e["bytes"] or hashlib.sha256(data).hexdigest() != e["sha256"]:
-                raise CheckpointError(f"{self._path(e['key'])} does not match its manifest entry")
-            blobs[e["key"]] = data
-        state = torch.load(io.BytesIO(blobs[f"{folder}/state.pt"]), map_location="cpu",
-                           weights_only=True)
+    def read_manifest(self, step: int) -> dict:
+        """The manifest of `step`; `CheckpointError` in one line if it is gone or torn."""
+        where = self._path(f"{step_folder(step)}/{MANIFEST}")
+        try:
+            manifest = json.loads(self.get(f"{step_folder(step)}/{MANIFEST}"))
+        except FileNotFoundError:
+            raise CheckpointError(f"{where} is missing (listed, then gone)") from None
+        except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+            raise CheckpointError(f"{where} is torn or not a manifest ({e})") from None
+        if not (isinstance(manifest, dict) and isinstance(manifest.get("files"), dict)
+                and isinstance(manifest.get("world_size"), int)):
+            raise CheckpointError(f"{where} is not a manifest of this chapter (no 'files' table)")
+        return manifest
+
+    def verified_bytes(self, step: int, name: str, entry: dict) -> bytes:
+        """The object `name` of `step`, read once and checked, as read, against its manifest entry
+        (size, SHA-256) and its own CRC-32s: the bytes that are checked are the bytes loaded."""
+        key = f"{step_folder(step)}/{name}"
+        where = self._path(key)
+        if "/" in name or name.startswith("."):
+            raise CheckpointError(f"the manifest of {self._path(step_folder(step))} names an "
+                                  f"object outside its step: {name}")
+        try:
+            data = self.get(key)
+        except FileNotFoundError:
+            raise CheckpointError(f"{where} is in the manifest but missing") from None
+        if len(data) != entry.get("bytes"):
+            raise CheckpointError(f"{where} has {len(data)} bytes, its manifest says "
+                                  f"{entry.get('bytes')} (truncated or changed)")
+        if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+            raise CheckpointError(f"{where} does not match its manifest (SHA-256 differs: "
+                                  f"damaged or changed)")
+        check_zip_bytes(where, data)
+        return data
+
+    def read_step(self, step: int, rank: int, world_size: int) -> dict:
+        """This rank's part of verifying `step` (see `names_to_check`), and its state loaded
+        from the verified bytes. `state["rng"]` is this rank's stream when the world size is the
+        one that saved it, else None; `state["manifest"]` is the manifest."""
+        manifest = self.read_manifest(step)
+        files, folder = manifest["files"], self._path(step_folder(step))
         same_world = manifest["world_size"] == world_size
-        state["rng"] = (torch.load(io.BytesIO(blobs[f"{folder}/rng{rank}.pt"]), map_location="cpu",
-                                   weights_only=True)
+        own = {"state.pt"} | ({f"rng{rank}.pt"} if same_world else set())
+        blobs = {}
+        for name in names_to_check(files, rank, world_size, own):
+            if name not in files:
+                raise CheckpointError(f"the manifest of {folder} lists no {name}")
+            blobs[name] = self.verified_bytes(step, name, files[name])
+        state = load_blob(f"{folder}/state.pt", blobs["state.pt"])
+        if not (isinstance(state, dict) and {"step", "cursor", "model", "optimizer"} <= set(state)):
+            raise CheckpointError(f"{folder}/state.pt holds no training state")
+        state["rng"] = (load_blob(f"{folder}/rng{rank}.pt", blobs[f"rng{rank}.pt"])
                         if same_world else None)
+        state["manifest"] = manifest
         return state
 
-    def load_latest(self, rank: int, world_size: int) -> dict | None:
-        steps = self.committed_steps()
-        return self.load(steps[-1], rank, world_size) if steps else None
+    def load(self, step: int, rank: int, world_size: int) -> dict:
+        """`read_step` on every rank, and one verdict for all of them (collective): a rank that
+        found a problem (the RNG object only it reads, its share of the others) makes every rank
+        skip the step, so that no two ranks resume from different steps."""
+        try:
+            state, problem = self.read_step(step, rank, world_size), None
+        except CheckpointError as e:
+            state, problem = None, str(e)
+        problems = [problem]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            problems = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+        problems = [p for p in problems if p]
+        if problems:
+            raise CheckpointError(problems[0], collective=True)
+        return state
+
+    def load_latest(self, rank: int, world_size: int, identity: dict) -> dict | None:
+        """The newest step that verifies on every rank (each one skipped is logged in one line,
+        `newest_verified`), if it is this run's (`identity`: `run_identity`, else refused in
+        one line); None when nothing is committed; `CheckpointError` when none verifies."""
+        step, state = newest_verified(
+            self.committed_steps(), lambda s: self.load(s, rank, world_size),
+            describe=lambda s: self._path(step_folder(s)))
+        if step is None:
+            return None
+        check_identity(state["manifest"], identity["run_id"], identity["shapes"],
+                       self._path(step_folder(step)))
+        return state
 
 
 def pause_until_killed(out, timeout_s: float):
@@ -472,27 +604,30 @@ def resume(cfg: Config, state: dict, model, buffers, rank: int) -> int:
     return state["cursor"] if "data" in cfg.restore else 0
 
 
-def train(cfg: Config, info, store: ObjectStoreCheckpoints, notice: Preemption, rec=None,
-          out=None) -> dict:
-    """Chapter 13's data-parallel SGD, checking for a preemption notice before every step."""
+def train(cfg: Config, info, store: ObjectStoreCheckpoints, notice: Preemption, out,
+          rec=None) -> dict:
+    """Chapter 13's data-parallel SGD, checking for a preemption notice before every step. `out`
+    is the run's folder: its run id (`run_identity`) goes into every manifest, and a checkpoint
+    is resumed only if it carries the same."""
     X, Y = regression_data(cfg.n_samples, 8, 1, seed=cfg.seed, dtype=torch.float64)
     X, Y = X.to(info.device), Y.to(info.device)
     model = new_model(cfg, info.device)
     params = list(model.parameters())
     buffers = [torch.zeros_like(p) for p in params]
     seed_everything(noise_seed(cfg, info.rank))  # each rank its own noise stream
+    identity = run_identity(out, model, buffers)
     start, cursor = 0, 0
-    state = store.load_latest(info.rank, info.world_size)
+    state = store.load_latest(info.rank, info.world_size, identity)
     if state is not None:
         start = state["step"]
         cursor = resume(cfg, state, model, buffers, info.rank)
         log.info("resumed from step %d of %s, restoring %s", start, store.url, ", ".join(cfg.restore))
 
     def save(step: int) -> None:
-        pause = (pause_until_killed(out, cfg.timeout) if step == cfg.pause_save_at and out else None)
+        pause = pause_until_killed(out, cfg.timeout) if step == cfg.pause_save_at else None
         store.save(step, {"step": step, "cursor": cursor, "model": model.state_dict(),
                           "optimizer": [b.clone() for b in buffers]},
-                   capture_rng_state(), info.rank, pause=pause)
+                   capture_rng_state(), info.rank, meta=identity, pause=pause)
 
     losses, preempted_at, committed_time, step_s, save_s = [], None, None, [], []
     last_saved, previous, warned = start, start, False
@@ -554,11 +689,13 @@ def notice_to_commit(result: dict) -> tuple[float, float] | None:
 def main(cfg: Config) -> int:
     notice = Preemption(cfg.grace_s).install()  # before anything slow: a notice can come any time
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
-    poller = None
+    poller = ckpt_lock = None
     try:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)
         store = ObjectStoreCheckpoints(cfg.ckpt_url or str(rec.out / "ckpt"))
+        if store.local and info.rank == 0:  # one run per checkpoint folder, as per --out
+            ckpt_lock = lock_folder(store.root, "--ckpt-url")
         log.info("world %d on %s/%s, checkpoints in %s, grace %g s", info.world_size,
                  info.device, info.backend, store.url, cfg.grace_s)
         url = spot_notice_url(cfg.spot_notice)
@@ -567,7 +704,7 @@ def main(cfg: Config) -> int:
             log.info("polling the spot interruption notice at %s every %g s", url, cfg.spot_poll_s)
         elif cfg.spot_notice == "auto" and url is None:
             log.info("--spot-notice auto: this machine does not say it is EC2, no notice to poll")
-        result = train(cfg, info, store, notice, rec, out=rec.out)
+        result = train(cfg, info, store, notice, rec.out, rec)
 
         rec.figure("resumed from step", result["start"])
         if poller is not None:
@@ -608,6 +745,8 @@ def main(cfg: Config) -> int:
     finally:
         if poller is not None:
             poller.stop()
+        if ckpt_lock is not None:
+            unlock_folder(ckpt_lock)
         teardown_distributed()
 
 
