@@ -11,7 +11,9 @@ world)` accepts them at the world size the request asks for (nodes x --nproc_per
 `check_image` refuses an image that is not pinned (`:latest`); `check_grace` refuses a `--grace-s`
 longer than torchrun's shutdown timeout (`--shutdown-timeout`, else PET_SHUTDOWN_TIMEOUT or
 TORCH_ELASTIC_SHUTDOWN_TIMEOUT in the template's environment, else 30 s) or the platform's
-documented SIGTERM-to-SIGKILL time, and a shutdown timeout that outlives the platform's. Nothing here talks to a cloud: no
+documented SIGTERM-to-SIGKILL time, and a shutdown timeout that outlives the platform's;
+`check_kept` refuses an --out (it holds the run id the checkpoints carry) or a local --ckpt-url
+on a disk that a restarted job does not find again. Nothing here talks to a cloud: no
 credentials, no network.
 """
 
@@ -215,6 +217,34 @@ def check_grace(cloud: str, words: list[str], cfg, env: dict[str, str] | None = 
     return limit
 
 
+def kept_folders(cloud: str, request: dict) -> list[str]:
+    """The folders whose files a restarted job finds again: SageMaker restores its checkpoint
+    path (`CheckpointConfig.LocalPath`, default /opt/ml/checkpoints) from S3 on every instance;
+    Vertex AI mounts Cloud Storage under /gcs/; PAI-DLC mounts each data source at its
+    `MountPath`. Everything else is the container's own disk, gone with the machine."""
+    if cloud == "sagemaker":
+        return [request.get("CheckpointConfig", {}).get("LocalPath") or "/opt/ml/checkpoints"]
+    if cloud == "vertex":
+        return ["/gcs"]
+    if cloud == "pai":
+        return [d["MountPath"] for d in request.get("DataSources", []) if d.get("MountPath")]
+    raise KeyError(cloud)
+
+
+def check_kept(cloud: str, request: dict, cfg) -> None:
+    """--out (it holds the run id that the checkpoints carry: a restart with another one is
+    another run and refuses them) and a local --ckpt-url must survive the machine."""
+    kept = [Path(f) for f in kept_folders(cloud, request)]
+    for option, value in (("--out", cfg.out), ("--ckpt-url", cfg.ckpt_url)):
+        if option == "--ckpt-url" and (not value or "://" in value and not value.startswith(
+                "file://")):
+            continue  # an object store's URL, or the default <out>/ckpt
+        path = Path(value.removeprefix("file://"))
+        if not value or not any(path == k or k in path.parents for k in kept):
+            raise TemplateError(f"{option} {value or '(default)'} is not kept across a restart on "
+                                f"{cloud} (kept: {', '.join(map(str, kept)) or 'nothing'})")
+
+
 def check_template(cloud: str, request: dict | None = None):
     """Validate a template's request and its command: (Config, world size)."""
     request = load_template(cloud) if request is None else request
@@ -223,4 +253,5 @@ def check_template(cloud: str, request: dict | None = None):
     words, nodes = template_command(cloud, request)
     cfg, world = check_command(words, nodes)
     check_grace(cloud, words, cfg, template_env(cloud, request))
+    check_kept(cloud, request, cfg)
     return cfg, world

@@ -2,7 +2,8 @@
 
 `measure` (about 20 s) runs the preemption on two spawned gloo ranks (loss curves of an undisturbed
 run, a preempted-and-resumed one and the two negative controls), times checkpoint saves through
-fsspec to a local folder for four state sizes, and stops two real torchrun runs to time notice ->
+fsspec to a local folder for four state sizes and what a load adds to verify them (SHA-256 and
+zip CRC-32s of the bytes read), and stops two real torchrun runs to time notice ->
 committed checkpoint: one by a SIGTERM to the agent, one by AWS's spot notice from a fake metadata
 endpoint (`fake_imds.FakeIMDS`) that the run polls. figures/data.json holds what it recorded; the figures are drawn
 from it. The grace periods are the clouds' documented figures; the throughput lines are formulas.
@@ -38,28 +39,44 @@ def curves_on_ranks(folder: str) -> dict:
 
     from common.testing import rank_info
     info, cfg = rank_info(dist.get_rank(), dist.get_world_size()), train.Config(steps=STEPS)
-    full = train.train(cfg, info, train.ObjectStoreCheckpoints(f"{folder}/full"), train.Preemption())
+    full = train.train(cfg, info, train.ObjectStoreCheckpoints(f"{folder}/full"), train.Preemption(),
+                       f"{folder}/full-out")
     out = {"undisturbed": full["losses"]}
     for name, restore in (("preempted, resumed (full state)", train.STATE_PARTS),
                           ("resumed without data position", ("model", "optimizer", "rng")),
                           ("resumed without RNG state", ("model", "optimizer", "data"))):
         store = train.ObjectStoreCheckpoints(f"{folder}/{len(out)}")
-        head = train.train(cfg, info, store, train.StopAtStep(STOP_AT))["losses"]
+        run_out = f"{folder}/{len(out)}-out"
+        head = train.train(cfg, info, store, train.StopAtStep(STOP_AT), run_out)["losses"]
         tail = train.train(train.Config(steps=STEPS, restore=restore), info, store,
-                           train.Preemption())["losses"]
+                           train.Preemption(), run_out)["losses"]
         out[name] = head + tail
     return out
 
 
-def save_seconds(size_mb: int, folder: str, repeats: int = 3) -> list[float]:
-    """Wall time of ObjectStoreCheckpoints.save (one process) for a float32 state of size_mb."""
+def save_seconds(size_mb: int, folder: str, repeats: int = 3) -> dict[str, list[float]]:
+    """Wall times (one process) for a float32 state of size_mb: `ObjectStoreCheckpoints.save`
+    (serialise, SHA-256, write, fsync, manifest), the verification a load adds (SHA-256 and zip
+    CRC-32s of the bytes read back) and the whole verified load (`read_step`: read, verify,
+    `torch.load(weights_only=True)`)."""
+    import hashlib
+
     state = {"step": 0, "cursor": 0, "model": {"w": torch.randn(size_mb * 2**18)}, "optimizer": []}
-    times = []
+    meta = {"run_id": "plots", "shapes": {}}
+    times = {"save": [], "verify": [], "load": []}
     for i in range(repeats):
         store = train.ObjectStoreCheckpoints(f"file://{folder}/s{size_mb}-{i}")
         t = time.perf_counter()
-        store.save(1, state, {}, rank=0)
-        times.append(time.perf_counter() - t)
+        store.save(1, state, {}, rank=0, meta=meta)
+        times["save"].append(time.perf_counter() - t)
+        data = store.get("step000001/state.pt")
+        t = time.perf_counter()
+        hashlib.sha256(data).hexdigest()
+        train.check_zip_bytes("state.pt", data)
+        times["verify"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        store.read_step(1, 0, 1)
+        times["load"].append(time.perf_counter() - t)
     return times
 
 
@@ -91,12 +108,14 @@ def measure() -> dict:
     from common.launch import run_on_ranks
     with tempfile.TemporaryDirectory(prefix="ch24-") as tmp:
         curves = run_on_ranks(curves_on_ranks, 2, tmp, timeout=120)[0]
-        saves = {str(mb): save_seconds(mb, tmp) for mb in SIZES_MB}
+        timed = {str(mb): save_seconds(mb, tmp) for mb in SIZES_MB}
         sig = notice_to_commit(tmp, "sigterm")
         with FakeIMDS() as imds:
             spot = notice_to_commit(tmp, "spot", imds)
-    return {"curves": curves, "save_s": saves, "sigterm": sig, "spot": spot,
-            "threads": torch.get_num_threads()}
+    return {"curves": curves, "save_s": {mb: t["save"] for mb, t in timed.items()},
+            "verify_s": {mb: t["verify"] for mb, t in timed.items()},
+            "load_s": {mb: t["load"] for mb, t in timed.items()},
+            "sigterm": sig, "spot": spot, "threads": torch.get_num_threads()}
 
 
 def make_figures(fig_dir: Path, data: dict) -> list[Path]:
@@ -122,6 +141,8 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     sizes = [int(s) for s in data["save_s"]]
     med = [sorted(v)[len(v) // 2] for v in data["save_s"].values()]
     ax.loglog(sizes, med, "o-", label="save through fsspec to a local folder (measured, median of 3)")
+    verify = [sorted(v)[len(v) // 2] for v in data["verify_s"].values()]
+    ax.loglog(sizes, verify, "s-", label="verify on load: SHA-256 + zip CRC-32s (measured, median of 3)")
     x = [0.5, 1e6]
     for mbs in ASSUMED_MB_S:
         ax.loglog(x, [s / mbs for s in x], ls="--", lw=1,

@@ -15,8 +15,13 @@ against the deadline (`--grace-s` after the notice). Checkpoints go through fssp
 (a local path, `file://`, `s3://`, `gs://`, `oss://` where its fsspec package is installed): every
 object is written whole, and a step counts only once its `manifest.json`, written last, exists.
 Each rank then exits with code 143 (128 + SIGTERM), never 0, so that the launcher restarts it
-(torchrun, if it started the ranks, exits 1 itself); the restarted run finds the newest manifest
-and continues. The training loop, data position and per-rank noise are chapter 13's.
+(torchrun, if it started the ranks, exits 1 itself); the restarted run (the same command, the same
+--out, which holds the run id) takes the newest step that verifies: every object read once and
+checked against the manifest's size and SHA-256 and its own zip CRC-32s, loaded with
+`weights_only=True`, the run id and shapes this run's. A step that fails is skipped in one line
+for the one before; none left is refused in one line, as is another run's checkpoint. One run per
+folder: global rank 0 locks --out and a local --ckpt-url. The training loop, data position and
+per-rank noise are chapter 13's.
 
 Run:
     python chapters/ch24_cloud/train.py                                       # one process
@@ -24,15 +29,17 @@ Run:
     torchrun --standalone --nproc_per_node=2 chapters/ch24_cloud/train.py --steps 200 \\
         --step-seconds 0.1 --ckpt-url /tmp/ch24-bucket --out runs/ch24a   # then: kill -TERM <pid>
     torchrun --standalone --nproc_per_node=2 chapters/ch24_cloud/train.py --steps 200 \\
-        --ckpt-url /tmp/ch24-bucket --out runs/ch24b                       # resumes where it stopped
+        --ckpt-url /tmp/ch24-bucket --out runs/ch24a                       # resumes where it stopped
     torchrun --nnodes=2 --nproc_per_node=8 --shutdown-timeout 110 --rdzv-backend=c10d \\
         --rdzv-endpoint=HOST:29500 --rdzv-id=job24 chapters/ch24_cloud/train.py \\
         --ckpt-url s3://BUCKET/ckpt --grace-s 110 --spot-notice aws        # AWS spot, 2 nodes
 """
 
+import contextlib
 import hashlib
 import io
 import json
+import logging
 import signal
 import sys
 import threading
@@ -410,6 +417,19 @@ def load_blob(where: str, data: bytes):
                               f"{first[:160]})") from None
 
 
+@contextlib.contextmanager
+def said_by_rank0(rank: int):
+    """The verdicts of a collective load are the same on every rank (`ObjectStoreCheckpoints.load`):
+    rank 0 says which steps were skipped, the others keep quiet while they walk."""
+    level = log.level
+    if rank != 0:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 class ObjectStoreCheckpoints:
     """Checkpoints under an fsspec URL: `stepNNNNNN/state.pt` (what the replicas share, written by
     rank 0), `stepNNNNNN/rng<r>.pt` (each rank's RNG) and, written last by rank 0 once every rank
@@ -560,9 +580,10 @@ class ObjectStoreCheckpoints:
         """The newest step that verifies on every rank (each one skipped is logged in one line,
         `newest_verified`), if it is this run's (`identity`: `run_identity`, else refused in
         one line); None when nothing is committed; `CheckpointError` when none verifies."""
-        step, state = newest_verified(
-            self.committed_steps(), lambda s: self.load(s, rank, world_size),
-            describe=lambda s: self._path(step_folder(s)))
+        with said_by_rank0(rank):
+            step, state = newest_verified(
+                self.committed_steps(), lambda s: self.load(s, rank, world_size),
+                describe=step_folder)  # each reason names the object's full path
         if step is None:
             return None
         check_identity(state["manifest"], identity["run_id"], identity["shapes"],
