@@ -1,6 +1,7 @@
 """Chapter 13: a killed rank, a torchrun restart, a bit-exact resume; a crash during a save;
 a checkpoint that a larger world resumes; an elastic job that grows and shrinks; a hung peer
-becomes an error.
+becomes an error; a damaged checkpoint is skipped for the previous one (or refused when none
+verifies), another run's is refused, and two runs never share a folder.
 
 The faulted runs are compared with an undisturbed run this module computes itself (plain loop,
 one process playing every rank, the world size changing where the job's did), so a bug shared by
@@ -13,11 +14,14 @@ node B joins (world 2), node B is killed, node A finishes at world 1.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import logging
 import os
+import shutil
+import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,11 +30,12 @@ import torch
 import torch.distributed as dist
 
 from chapters.ch13_fault_tolerance import hang, train
-from common.checkpoint import CheckpointError, load_checkpoint
+from common.checkpoint import MANIFEST, CheckpointError, load_checkpoint
 from common.config import parse_config
 from common.data import regression_data
 from common.distributed import free_port
-from common.launch import REPO_ROOT, kill_tree, run_on_ranks, run_torchrun
+from common.launch import REPO_ROOT, kill_tree, run_on_ranks, run_torchrun, started, wait_until
+from common.log import log
 from common.models import MLP
 from common.testing import rank_info
 
@@ -136,13 +141,14 @@ ELASTIC_STEPS = 60
 def _start_node(out: Path, port: int, is_host: bool, log_file: Path) -> subprocess.Popen:
     """One torchrun agent ("node") of an elastic 1:2 job, in its own session. Node A hosts
     the c10d store (it must outlive node B); short keep-alive and last-call timeouts make the
-    survivor give up on the dead node in seconds instead of ~50 s."""
+    survivor give up on the dead node in seconds instead of ~50 s. An explicit `--ckpt-dir`:
+    its lock (global rank 0's) must not refuse the job's own nodes, nor a restarted rank 0."""
     conf = (f"is_host={int(is_host)},last_call_timeout=3,keep_alive_interval=1,"
             "keep_alive_max_attempt=3")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
            "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
            "--rdzv-id=ch13test", f"--rdzv-conf={conf}", str(SCRIPT), "--out", str(out),
-           "--device", "cpu", "--steps", str(ELASTIC_STEPS), "--step-seconds", "0.2",
+           "--ckpt-dir", str(out / "elastic_ckpt"), "--device", "cpu", "--steps", str(ELASTIC_STEPS), "--step-seconds", "0.2",
            "--log-every", "1"]
     # A fresh store per rendezvous round: without it, growing 1 -> 2 failed in the agents
     # themselves (both waited for the new round's MASTER_ADDR / role_info keys; torch 2.14.1).
@@ -192,6 +198,8 @@ def test_elastic_run_grows_then_survives_losing_a_node(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["figures"]["resumed from step"]["measured"] == shrunk
     assert lines[-1]["step"] == ELASTIC_STEPS - 1
+    assert (out / "elastic_ckpt" / "latest").read_text() == str(ELASTIC_STEPS)
+    assert not (out / "ckpt").exists() and "in use by another run" not in both
 
 
 def _job(folder: str, cfg_args: dict) -> dict:
@@ -201,27 +209,7 @@ def _job(folder: str, cfg_args: dict) -> dict:
     return {"start": res["start"], "model": res["model"].state_dict()}
 
 
-@pytest.mark.timeout(150)
-def test_crash_during_a_save_keeps_the_last_checkpoint_and_a_larger_world_resumes(tmp_path):
-    ckpt, steps = tmp_path / "ckpt", 16
-    # World 1: checkpoint 5 is committed; the process dies halfway through writing checkpoint 10.
-    with pytest.raises(AssertionError, match="gave no result"):
-        run_on_ranks(_job, 1, str(ckpt), dict(steps=steps, fail_rank=0, fail_step=10, fail_in="save"),
-                     timeout=60)
-    assert (ckpt / "latest").read_text() == "5"
-    assert not (ckpt / "step000010" / "state.pt").exists()
-    assert len(list((ckpt / "step000010").glob(".state.pt.*.tmp"))) == 1  # the half-written file
-    # Negative control (this chapter's first layout, one file per rank): rank 1 of a larger
-    # world has no file of its own, so a per-rank read fails.
-    with pytest.raises(CheckpointError, match="rng1.pt"):
-        load_checkpoint(ckpt / "step000005" / "rng1.pt")
-    # World 2 resumes from the committed step 5 and ends where the hand-written reference does.
-    out = run_on_ranks(_job, 2, str(ckpt), dict(steps=steps), timeout=60)
-    assert [o["start"] for o in out] == [5, 5]
-    assert max_diff(out[0]["model"], out[1]["model"]) == 0
-    cfg = train.Config(steps=steps)
-    assert max_diff(out[0]["model"], undisturbed_reference(cfg, 1, resized=((5, 2),))) <= 1e-12
-    assert max_diff(out[0]["model"], undisturbed_reference(cfg, 1)) > 1e-6  # the world did change
+CRASH_STEPS = 16
 
 
 def _resume_controls(folder: str) -> dict:
@@ -241,10 +229,56 @@ def _resume_controls(folder: str) -> dict:
     return out
 
 
-@pytest.mark.timeout(90)
-def test_resume_needs_optimizer_rng_and_data_position():
-    with tempfile.TemporaryDirectory() as folder:
-        res = run_on_ranks(_resume_controls, 2, folder, timeout=60)[0]
+def _two_ranks(root: str) -> dict:
+    """Everything this module asks of 2 in-process gloo ranks, in one start (each costs seconds):
+    world 2 resuming the checkpoints of the crashed world 1, the resume controls, the faults."""
+    return {"larger world": _job(str(Path(root, "crash")), dict(steps=CRASH_STEPS)),
+            "controls": _resume_controls(str(Path(root, "controls"))),
+            "faults": _fault_cases(str(Path(root, "faults")))}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """World 1 dies halfway through writing checkpoint 10 (what its folder then holds is
+    recorded), then one start of 2 ranks runs `_two_ranks`: per-rank results."""
+    root = tmp_path_factory.mktemp("ch13")
+    ckpt = root / "crash"
+    with pytest.raises(AssertionError, match="gave no result"):
+        run_on_ranks(_job, 1, str(ckpt), dict(steps=CRASH_STEPS, fail_rank=0, fail_step=10,
+                                              fail_in="save"), timeout=60)
+    crashed = {"latest": (ckpt / "latest").read_text(),
+               "state.pt": (ckpt / "step000010" / "state.pt").exists(),
+               "manifest": (ckpt / "step000010" / MANIFEST).exists(),
+               "half-written": len(list((ckpt / "step000010").glob(".state.pt.*.tmp")))}
+    # Negative control (this chapter's first layout, one file per rank): rank 1 of a larger
+    # world has no file of its own, so a per-rank read fails.
+    try:
+        load_checkpoint(ckpt / "step000005" / "rng1.pt")
+        crashed["per-rank read"] = "read"
+    except CheckpointError as e:
+        crashed["per-rank read"] = str(e)
+    return {"crashed": crashed, "ranks": run_on_ranks(_two_ranks, 2, str(root), timeout=100)}
+
+
+@pytest.mark.timeout(200)
+def test_crash_during_a_save_keeps_the_last_checkpoint_and_a_larger_world_resumes(two_ranks):
+    # World 1: checkpoint 5 is committed; the process died halfway through writing checkpoint 10.
+    crashed = two_ranks["crashed"]
+    assert crashed["latest"] == "5" and not crashed["state.pt"] and not crashed["manifest"]
+    assert crashed["half-written"] == 1  # the half-written file
+    assert "rng1.pt" in crashed["per-rank read"]
+    # World 2 resumes from the committed step 5 and ends where the hand-written reference does.
+    out = [r["larger world"] for r in two_ranks["ranks"]]
+    assert [o["start"] for o in out] == [5, 5]
+    assert max_diff(out[0]["model"], out[1]["model"]) == 0
+    cfg = train.Config(steps=CRASH_STEPS)
+    assert max_diff(out[0]["model"], undisturbed_reference(cfg, 1, resized=((5, 2),))) <= 1e-12
+    assert max_diff(out[0]["model"], undisturbed_reference(cfg, 1)) > 1e-6  # the world did change
+
+
+@pytest.mark.timeout(200)
+def test_resume_needs_optimizer_rng_and_data_position(two_ranks):
+    res = two_ranks["ranks"][0]["controls"]
     assert res["reference"] <= 1e-12
     assert res["full"] == (5, 0.0), res
     for broken in ("no optimizer", "no rng", "no data position"):
@@ -270,6 +304,227 @@ def test_hung_peer_becomes_a_timeout_error_naming_it(tmp_path):
     # outside the band, so the check would reject it.
     assert res.summary["figures"]["launch-only timing of an all-reduce (no wait)"]["measured"] < 3
     assert res.check("launch-only timing inside [T, 2T] (must not)")["measured"] == 0
+
+
+FAULT_CFG = dict(steps=15)  # saves steps 5 and 10, "crashes" at 12; a resume ends at 15
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def shas(folder: Path) -> dict:
+    return {p.name: sha(p) for p in sorted(Path(folder).iterdir())}
+
+
+def flip_weight_bytes(path: Path, n: int = 16) -> None:
+    """XOR `n` bytes in the middle of the first layer's weight inside a `torch.save` archive
+    (found by its bytes), leaving the archive's structure alone: only a checksum can tell."""
+    data = bytearray(path.read_bytes())
+    weight = torch.load(path, weights_only=True)["model"]["0.weight"].numpy().tobytes()
+    at = data.find(weight)
+    assert at > 0 and len(weight) > 32 + n
+    for i in range(at + 32, at + 32 + n):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def unlist_rng1(folder: Path) -> None:
+    """rng1.pt gone, and gone from the manifest too (an edited manifest still lists only files
+    that match): only the completeness check (every rank of the saving world) can tell."""
+    (folder / "rng1.pt").unlink()
+    manifest = json.loads((folder / MANIFEST).read_text())
+    del manifest["files"]["rng1.pt"]
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+# Damage done to step 10 of a run that saved steps 5 and 10 (latest = 10): each must make the
+# resume skip it, in one line naming it, for step 5.
+STEP10_FAULTS = {
+    "flipped bytes": lambda f: flip_weight_bytes(f / "state.pt"),
+    "flipped bytes in rank 1's RNG file": lambda f: flip_weight_bytes_rng(f / "rng1.pt"),
+    "truncated": lambda f: truncate(f / "state.pt"),
+    "missing rng file": lambda f: (f / "rng1.pt").unlink(),
+    "rng file missing from the manifest too": unlist_rng1,
+    "torn manifest": lambda f: truncate(f / MANIFEST),
+    "manifest lost (latest names the folder)": lambda f: (f / MANIFEST).unlink(),
+}
+
+
+def flip_weight_bytes_rng(path: Path, n: int = 16) -> None:
+    """XOR `n` bytes of the CPU generator's state tensor in a rank's RNG file."""
+    data = bytearray(path.read_bytes())
+    at = data.find(torch.load(path, weights_only=True)["torch"].numpy().tobytes()[:256])
+    assert at > 0
+    for i in range(at + 64, at + 64 + n):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _fault_cases(folder: str) -> dict:
+    """On 2 gloo ranks: a run that saves steps 5 and 10 and "crashes" at 12, then, each on a
+    copy of its folder, every fault above and a resume; then the refusals. Rank 0 damages the
+    copies; each rank reports what it resumed from, its parameters and the warnings it logged."""
+    info, rank = rank_info(dist.get_rank(), dist.get_world_size()), dist.get_rank()
+    cfg, root = train.Config(**FAULT_CFG), Path(folder)
+    root.mkdir(exist_ok=True)
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    log.addHandler(handler)
+
+    def resume(ckpt: Path) -> dict:
+        said.clear()
+        try:
+            res = train.train(cfg, info, ckpt)
+        except CheckpointError as e:
+            return {"error": str(e), "collective": e.collective, "said": list(said)}
+        return {"start": res["start"], "from": Path(res["resumed_from"]).name, "said": list(said),
+                "model": res["model"].state_dict()}
+
+    def prepared(name: str, damage=None) -> Path:
+        """A copy of the pristine folder, damaged by rank 0 (`damage(copy)`), seen by both."""
+        ckpt = root / name.replace(" ", "_").replace("'", "")
+        if rank == 0:
+            shutil.copytree(root / "pristine", ckpt)
+            if damage is not None:
+                damage(ckpt)
+        dist.barrier()
+        return ckpt
+
+    train.train(cfg, info, root / "pristine", stop_at=12)
+    out = {"pristine": shas(root / "pristine" / "step000005") if rank == 0 else None}
+    for name, fault in STEP10_FAULTS.items():
+        ckpt = prepared(name, lambda c, fault=fault: fault(c / "step000010"))
+        damaged = shas(ckpt / "step000010") if rank == 0 else None
+        out[name] = resume(ckpt)
+        if rank == 0:  # the previous checkpoint untouched, the damaged one kept aside as it was
+            out[name]["step 5 after"] = shas(ckpt / "step000005")
+            out[name]["damaged"], out[name]["kept"] = damaged, shas(ckpt / "step000010.rejected")
+            out[name]["resaved"] = (ckpt / "step000010" / MANIFEST).exists()
+    # `latest` is a hint: torn, the folders speak for themselves (no fallback needed).
+    out["torn latest"] = resume(prepared("torn latest", lambda c: (c / "latest").write_bytes(b"\x00\x1f")))
+    # Refusals: every checkpoint bad; another run's (another --out: another run id); another model.
+    both = prepared("all bad", lambda c: [flip_weight_bytes(c / s / "state.pt")
+                                          for s in ("step000005", "step000010")])
+    before = {s: shas(both / s) for s in ("step000005", "step000010")} if rank == 0 else None
+    out["all bad"] = resume(both)
+    if rank == 0:
+        out["all bad"]["untouched"] = before == {s: shas(both / s) for s in before}
+        out["all bad"]["listing"] = sorted(p.name for p in both.iterdir())
+    out["another run"] = resume(prepared("another run", lambda c: (c / "run_id").write_text("0123456789ab\n")))
+    other = prepared("another model")  # step 10 saved again, for a model with a wider first layer
+    saved = load_checkpoint(other / "step000010" / "state.pt")
+    saved["shapes"]["model"]["0.weight"] = [64, 8]
+    train.save_state(other, 10, saved, load_checkpoint(other / "step000010" / f"rng{rank}.pt"), rank)
+    out["another model"] = resume(other)
+    log.removeHandler(handler)
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_damaged_checkpoints_fall_back_and_foreign_ones_are_refused(two_ranks):
+    res, other = (r["faults"] for r in two_ranks["ranks"])
+    expected = undisturbed_reference(train.Config(**FAULT_CFG))
+    why = {"flipped bytes": "state.pt does not match its manifest",
+           "flipped bytes in rank 1's RNG file": "rng1.pt does not match its manifest",
+           "truncated": "state.pt has", "missing rng file": "rng1.pt is in the manifest but missing",
+           "rng file missing from the manifest too": "lists no rng1.pt",
+           "torn manifest": "manifest.json is torn",
+           "manifest lost (latest names the folder)": "has no manifest.json"}
+    for name in STEP10_FAULTS:
+        r, r1 = res[name], other[name]
+        assert "error" not in r, (name, r)
+        # Both ranks fell back to step 5, together, and end where an undisturbed run does.
+        assert (r["start"], r["from"], r1["start"], r1["from"]) == (5, "step000005", 5, "step000005"), name
+        assert max_diff(r["model"], expected) <= 1e-12 and max_diff(r1["model"], expected) <= 1e-12, name
+        # One line naming the bad checkpoint and its file, said by rank 0 alone, and one saying
+        # where it was kept.
+        skipped = [line for line in r["said"] if line.startswith("skipping checkpoint step000010:")]
+        assert len(skipped) == 1 and why[name] in skipped[0], (name, r["said"])
+        assert r["said"] == [skipped[0], "kept the rejected step000010 as step000010.rejected"], r["said"]
+        assert r1["said"] == [], (name, r1["said"])
+        # The previous checkpoint is untouched, the damaged one kept as it was, step 10 saved anew.
+        assert r["step 5 after"] == res["pristine"] and r["kept"] == r["damaged"], name
+        assert r["resaved"], name
+    # A torn `latest` is said, and step 10 (which verifies) is used.
+    torn = res["torn latest"]
+    assert torn["start"] == 10 and max_diff(torn["model"], expected) <= 1e-12
+    assert len(torn["said"]) == 1 and "latest is torn" in torn["said"][0], torn["said"]
+    # Refusals: one collective error, the same on both ranks; nothing used, nothing renamed.
+    for name, words in (("all bad", "none of the 2 checkpoints verifies (the newest: "),
+                        ("another run", "not to this run '0123456789ab' (the run id in --out)"),
+                        ("another model", "was written for another model or optimizer: "
+                                          "model.0.weight is [32, 8] here, [64, 8] in the checkpoint")):
+        assert words in res[name].get("error", ""), (name, res[name])
+        assert res[name]["error"] == other[name]["error"] and res[name]["collective"], name
+    assert res["all bad"]["untouched"], "a refused resume changed the checkpoints"
+    assert res["all bad"]["listing"] == ["latest", "run_id", "step000005", "step000010"]
+    assert "step000010/state.pt does not match its manifest" in res["all bad"]["error"]
+    assert sum(line.startswith("skipping checkpoint") for line in res["all bad"]["said"]) == 2
+
+
+def _console(cmd: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=REPO_ROOT, start_new_session=True)
+
+
+@pytest.mark.timeout(150)
+def test_a_second_run_is_refused_and_all_bad_checkpoints_end_in_one_line(tmp_path):
+    """Real processes, as a learner meets them: run A holds `--out` and `--ckpt-dir` (stopped
+    with SIGSTOP after its first checkpoint, so it is surely still running); meanwhile a job of
+    2 ranks on the same `--ckpt-dir` (started by the course's launcher, tools/torchrun.py) and a
+    run whose checkpoints are all damaged each end in one line, non-zero; A then completes with
+    valid metrics. (A second run on the same `--out`: RunRecorder's lock, tests/test_common.py.)"""
+    out, ckpt = tmp_path / "A", tmp_path / "ckpt"
+    run = [sys.executable, str(SCRIPT), "--device", "cpu"]
+    with started([*run, "--out", str(out), "--ckpt-dir", str(ckpt), "--steps", "12",
+                  "--step-seconds", "0.2", "--log-every", "1"]) as a:
+        wait_until(lambda: (ckpt / "latest").exists(), a, "run A's first checkpoint", timeout=90)
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            bad = tmp_path / "all_bad"  # A's checkpoints so far, every committed one damaged
+            shutil.copytree(ckpt, bad, ignore=shutil.ignore_patterns(".lock"))
+            committed = sorted(p.parent for p in bad.glob(f"step*/{MANIFEST}"))
+            for folder in committed:
+                flip_weight_bytes(folder / "state.pt")
+            damaged = {p.name: shas(p) for p in committed}
+            launcher = [sys.executable, str(REPO_ROOT / "tools" / "torchrun.py"), "--standalone",
+                        "--nproc_per_node=2", str(SCRIPT), "--device", "cpu"]
+            others = {"same --ckpt-dir": _console([*launcher, "--out", str(tmp_path / "B"),
+                                                   "--ckpt-dir", str(ckpt)]),
+                      "all bad": _console([*run, "--out", str(tmp_path / "D"), "--ckpt-dir", str(bad)])}
+            said = {}
+            for name, proc in others.items():
+                try:
+                    said[name] = (proc.communicate(timeout=90)[0], proc.returncode)
+                finally:
+                    kill_tree(proc.pid)
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        assert a.wait(timeout=90) == 0, a.stdout.read()[-3000:]
+    for name, (console, code) in said.items():
+        errors = [line for line in console.splitlines() if "error" in line.lower()]
+        assert code != 0 and len(errors) == 1 and "Traceback" not in console, (name, console)
+        # (torch's init_process_group prefixes an uncaught error with "[rank0]: ")
+        assert errors[0].removeprefix("[rank0]: ").startswith("train.py: error: "), (name, console)
+    # The 2-rank job: rank 0's line (rank 1 shares the verdict and says nothing), the launcher's.
+    lines = said["same --ckpt-dir"][0].strip().splitlines()
+    assert len(lines) == 2 and lines[1].startswith("course: "), lines
+    assert f"--ckpt-dir {ckpt} is in use by another run (pid {a.pid} on " in lines[0]
+    assert f"none of the {len(committed)} checkpoints verifies" in said["all bad"][0]
+    assert damaged == {p.name: shas(p) for p in committed}  # a refused run changes nothing
+    # A, undisturbed by the others: every metrics line whole and in order, its checks passed.
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(12)), steps
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(c["ok"] for c in summary["checks"]) and (ckpt / "latest").read_text() == "12"
+    assert not (tmp_path / "B" / "ckpt").exists() and not list((tmp_path / "D").glob("ckpt*"))
 
 
 def test_impossible_settings_are_refused(capsys):

@@ -18,22 +18,26 @@
 # state, LR schedule, every rank's RNG state, data position), a launcher that restarts the group
 # (`torchrun --max-restarts`), and finite timeouts so that a hang becomes an error. This notebook
 # computes how often to save, looks at the two-phase checkpoint, shows in one process why a resume
-# must restore every part and how a checkpoint serves a larger world, then kills a rank in a real
-# two-process run.
+# must restore every part and how a checkpoint serves a larger world, damages a checkpoint to
+# see the resume skip it, then kills a rank in a real two-process run.
 # The lesson is [chapters/ch13_fault_tolerance/README.md](../chapters/ch13_fault_tolerance/README.md).
 
 # %%
 import dataclasses
 import inspect
+import json
+import shutil
 import tempfile
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import torch
 
 from chapters.ch13_fault_tolerance import train
 from common.checkpoint import CheckpointError, load_checkpoint
 from common.distributed import setup_distributed, teardown_distributed
 from common.launch import run_torchrun
+from common.log import setup_logging
 from common.results import REPO_ROOT
 
 # %% [markdown]
@@ -54,13 +58,14 @@ for delta in (0.008, 3, 30, 300):
 # A rank dies at the chosen step, only on the first attempt (`TORCHELASTIC_RESTART_COUNT == 0`),
 # so the restarted group can finish; with `--fail-in save` it dies halfway through writing a
 # checkpoint file. Rank 0 writes the state every replica shares once, every rank its own RNG
-# stream, each file atomically; rank 0 commits the step in `latest` only after a barrier, so a
-# crash during a save leaves the previous complete checkpoint in charge.
+# stream, each file atomically; once every rank's file is written, rank 0 commits the step: the
+# folder's manifest (every file's size and SHA-256), then `latest`. A crash during a save leaves
+# a folder without a manifest, which no resume reads: the previous checkpoint stays in charge.
 
 # %%
 print(inspect.getsource(train.fault_due))
 print(inspect.getsource(train.save_state))
-print(inspect.getsource(train.load_state))
+print(inspect.getsource(train.read_step))
 
 # %% [markdown]
 # ## What a resume must restore
@@ -101,6 +106,34 @@ try:
     load_checkpoint(folder / f"step{state['step']:06d}" / "rng1.pt")
 except CheckpointError as e:
     print("per-rank read:", e)
+
+# %% [markdown]
+# ## A checkpoint that lies
+# `torch.save` writes a zip archive whose members carry CRC-32s, and `torch.load` never checks
+# them. Flip 16 bytes of a weight in the newest checkpoint of the "full" run: `torch.load` reads
+# it without a word; the resume (`load_state`) finds that `state.pt` no longer matches its
+# manifest, says so in one line, resumes from the previous step and keeps the damaged folder
+# aside. A checkpoint of another run (another `--out`, so another run id) is refused.
+
+# %%
+setup_logging()  # the course's log lines, as a run prints them
+newest = folder / f"step{state['step']:06d}"
+print(json.dumps(json.loads((newest / "manifest.json").read_text()), indent=1)[:330], "...")
+data = bytearray((newest / "state.pt").read_bytes())
+at = data.find(load_checkpoint(newest / "state.pt")["model"]["0.weight"].numpy().tobytes())
+data[at + 32:at + 48] = bytes(b ^ 0xFF for b in data[at + 32:at + 48])
+(newest / "state.pt").write_bytes(bytes(data))
+print("torch.load of the damaged file: step", torch.load(newest / "state.pt", weights_only=True)["step"])
+resumed = train.load_state(folder, rank=0, world_size=1)
+print("resumed from", Path(resumed["folder"]).name, "| folders:",
+      sorted(p.name for p in folder.iterdir() if p.is_dir()))
+other = work / "another_run"
+shutil.copytree(folder, other)
+(other / "run_id").write_text("another-run\n")  # train() keeps the run id in its checkpoint folder
+try:
+    train.train(cfg, info, other)
+except CheckpointError as e:
+    print("refused:", e)
 teardown_distributed()
 
 # %%
@@ -115,13 +148,14 @@ plt.show()
 # ## The real thing: kill rank 1 at step 7 under torchrun
 # `PET_MAX_RESTARTS=2` is `torchrun --max-restarts=2` (torchrun reads every option from a `PET_`
 # variable too). Rank 1 exits, rank 0's all-reduce fails ("Connection closed by peer"), the agent
-# stops the group and starts it again; the new attempt resumes from step 5.
+# stops the group and starts it again; the new attempt resumes from step 5. A job of fixed size
+# needs no `TORCH_DISABLE_SHARE_RDZV_TCP_STORE` (the lesson explains when it does).
 
 # %%
-out = work / "run"  # a fresh folder: a folder with a finished `latest` would resume at the end
+out = work / "run"  # a fresh folder: a folder with finished checkpoints would resume at the end
 result = run_torchrun(REPO_ROOT / "chapters/ch13_fault_tolerance/train.py", nproc=2,
                       args=["--fail-rank", "1", "--fail-step", "7"], out_dir=out,
-                      env={"PET_MAX_RESTARTS": "2", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+                      env={"PET_MAX_RESTARTS": "2"})
 print("\n".join(line for line in result.output.splitlines()
                 if not line.startswith("[rank0]:") and "Traceback" not in line)[-2500:])
 

@@ -1,11 +1,15 @@
 """Survive a dead rank: periodic atomic checkpoints, a fault injector and torchrun restarts.
 
 Every `--ckpt-every` steps rank 0 writes what all replicas share (model, optimizer, data position,
-step, world size) and every rank its own RNG stream, each file atomically; after a barrier rank 0
-commits the step in `latest`. A rank killed at `--fail-step` (first attempt only), in the step or
-halfway through a save, makes torchrun restart the whole group, which resumes from `latest` and
-ends bit-identical to a clean run. The checkpoint does not depend on the world size: an elastic
-job that shrinks or grows resumes from it (per-rank streams re-derived after a resize).
+step, world size, run id, shapes) and every rank its own RNG stream, each file atomically; once
+every rank's file is written, rank 0 commits the step: `manifest.json` (every file's size and
+SHA-256), then `latest`. A rank killed at `--fail-step` (first attempt only), in the step or
+halfway through a save, makes torchrun restart the whole group, which resumes from the newest
+checkpoint that verifies and ends bit-identical to a clean run. A damaged checkpoint (flipped
+bytes, a truncated or missing file, a torn manifest) is skipped in one line for the previous one
+and kept aside, never deleted; another run's checkpoint is refused in one line. The checkpoint
+does not depend on the world size: an elastic job that shrinks or grows resumes from it (per-rank
+streams re-derived after a resize). One run at a time: `--ckpt-dir` is locked like `--out`.
 
 Run:
     python chapters/ch13_fault_tolerance/train.py                                 # one process
@@ -23,9 +27,13 @@ Run:
         --out /shared/run13                                 # Slurm (a requeued job resumes)
 """
 
+import contextlib
+import hashlib
 import io
+import logging
 import math
 import os
+import re
 import signal
 import statistics
 import sys
@@ -38,7 +46,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common.checkpoint import atomic_write, load_checkpoint, save_checkpoint
+from common.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    FolderInUseError,
+    atomic_write,
+    check_identity,
+    load_checkpoint,
+    lock_folder,
+    newest_verified,
+    run_id,
+    save_checkpoint,
+    training_shapes,
+    unlock_folder,
+    verify_manifest,
+    write_manifest,
+)
 from common.config import RunConfig, parse_config
 from common.data import regression_data
 from common.distributed import reduce_number, setup_distributed, teardown_distributed
@@ -49,6 +72,7 @@ from common.seed import capture_rng_state, restore_rng_state, seed_everything
 from common.timing import Timer
 
 STATE_PARTS = ("model", "optimizer", "rng", "data")
+STEP_FOLDER = re.compile(r"step(\d{6})")  # step000010: a checkpoint; step000010.rejected: kept aside
 
 
 @dataclass
@@ -56,7 +80,7 @@ class Config(RunConfig):
     ckpt_every: int = 5
     """Write a checkpoint after every this many steps."""
     ckpt_dir: str = ""
-    """Checkpoint folder (default: <out>/ckpt). A run resumes from its `latest` if there is one."""
+    """Checkpoint folder (default: <out>/ckpt), locked by the run. A run resumes from its newest checkpoint that verifies, if it has one."""
     fail_rank: int = -1
     """Rank that dies at --fail-step on the first attempt (-1: no fault)."""
     fail_step: int = -1
@@ -169,13 +193,16 @@ def sgd_momentum_step(params, grads, buffers, cfg: Config) -> None:
             p.sub_(cfg.lr * b)
 
 
-def write_file(path: Path, obj: dict, crash=None) -> None:
-    """Atomic torch.save (temporary file, fsync, rename). `crash` (the fault injector) is called
-    after half the bytes are written: the process dies with a half-written .tmp file."""
+def write_file(path: Path, obj: dict, crash=None) -> dict:
+    """Atomic torch.save (temporary file, fsync, rename); returns the file's manifest entry
+    (`common.checkpoint.file_entry`'s size and SHA-256, of the bytes written: no second read).
+    `crash` (the fault injector) is called after half the bytes are written: the process dies
+    with a half-written .tmp file."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+
     def write(f) -> None:
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        data = buf.getvalue()
         f.write(data[:len(data) // 2])
         if crash is not None:
             f.flush()
@@ -183,39 +210,156 @@ def write_file(path: Path, obj: dict, crash=None) -> None:
         f.write(data[len(data) // 2:])
 
     atomic_write(path, write)
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def save_state(ckpt_dir: Path, step: int, shared: dict, rng: dict, rank: int, crash=None) -> None:
     """Two phases, independent of the world size. Phase 1: rank 0 writes what every replica
-    holds alike (model, optimizer, data position, step, world size) once, every rank its own RNG
-    stream, each file atomically. Phase 2, after a barrier: rank 0 commits the step in `latest`.
-    A crash before the commit leaves the previous complete checkpoint in charge."""
+    holds alike (model, optimizer, data position, step, world size, run id, shapes) once, every
+    rank its own RNG stream, each file atomically. Phase 2, once every rank's entry has reached
+    rank 0 (the gather is the barrier): rank 0 writes the folder's manifest, every file with its
+    size and SHA-256, and then names the step in `latest`. The manifest is the commit: a crash
+    before it leaves a folder without one, which no resume reads."""
     folder = ckpt_dir / f"step{step:06d}"
+    mine = {}
     if rank == 0:
-        write_file(folder / "state.pt", shared, crash)
-    write_file(folder / f"rng{rank}.pt", rng, crash)
-    dist.barrier()
+        (folder / MANIFEST).unlink(missing_ok=True)  # a re-save of a step is uncommitted until its end
+        mine["state.pt"] = write_file(folder / "state.pt", shared, crash)
+    mine[f"rng{rank}.pt"] = write_file(folder / f"rng{rank}.pt", rng, crash)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
     if rank == 0:
+        write_manifest(folder, {name: e for part in everyone for name, e in part.items()},
+                       step=step, world_size=len(everyone), run_id=shared["run_id"])
         atomic_write(ckpt_dir / "latest", lambda f: f.write(str(step).encode()))
 
 
-def load_state(ckpt_dir: Path, rank: int, world_size: int) -> dict | None:
-    """The last committed checkpoint, or None for a fresh start. Its `rng` is this rank's saved
-    stream when the world size is the one that saved it, else None (a resize: rank r of the new
-    world has no stream of its own in the checkpoint)."""
-    latest = ckpt_dir / "latest"
-    if not latest.exists():
-        return None
-    folder = ckpt_dir / f"step{int(latest.read_text()):06d}"
+def group_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def candidates(ckpt_dir: Path) -> list[Path]:
+    """The checkpoints a resume may use, oldest first: every step folder holding a manifest (a
+    committed save), and the one `latest` names. `latest` is a hint: a folder it names without
+    a manifest is a damaged checkpoint, not an unfinished save, and is reported as such; a
+    torn `latest` is reported and the folders speak for themselves."""
+    found = {p for p in ckpt_dir.glob("step*")
+             if STEP_FOLDER.fullmatch(p.name) and (p / MANIFEST).exists()}
+    try:
+        text = (ckpt_dir / "latest").read_text()
+        found.add(ckpt_dir / f"step{int(text):06d}")
+    except FileNotFoundError:
+        pass
+    except (ValueError, UnicodeDecodeError):
+        if group_rank() == 0:
+            log.warning("%s is torn (%r): trying the step folders", ckpt_dir / "latest", text[:20])
+    return sorted(found)
+
+
+def read_step(folder: Path, rank: int, world_size: int) -> dict:
+    """This rank's part of checkpoint `folder`, verified, or `CheckpointError` saying what is
+    wrong with which file. The ranks share the hashing of the files against the manifest
+    (`verify_manifest`); every `.pt` is checked against its zip CRCs and loaded with
+    `weights_only=True` (`load_checkpoint`); the manifest must list `state.pt` and the RNG file
+    of every rank of the world that saved it."""
+    group = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    manifest = verify_manifest(folder, *group)  # each rank hashes every world-th file
     state = load_checkpoint(folder / "state.pt")
-    same_world = state["world_size"] == world_size
-    state["rng"] = load_checkpoint(folder / f"rng{rank}.pt") if same_world else None
+    missing = [key for key in ("step", "cursor", "world_size", "model", "optimizer") if key not in state]
+    if missing:
+        raise CheckpointError(f"{folder / 'state.pt'} is not this script's checkpoint (no {missing[0]})")
+    saved_world = state["world_size"]
+    needed = ["state.pt", *(f"rng{r}.pt" for r in range(saved_world))]
+    unlisted = [name for name in needed if name not in manifest["files"]]
+    if unlisted:
+        raise CheckpointError(f"{folder} is incomplete: a world of {saved_world} saved it, and its "
+                              f"{MANIFEST} lists no {unlisted[0]}")
+    state["rng"] = load_checkpoint(folder / f"rng{rank}.pt") if saved_world == world_size else None
+    return state
+
+
+def agreed(verify):
+    """`verify(folder)` on every rank, with one verdict for all: the first problem any rank
+    found fails the folder on every rank (a collective `CheckpointError`), so that every rank
+    resumes from the same checkpoint."""
+    def verdict(folder: Path):
+        result, problem = None, None
+        try:
+            result = verify(folder)
+        except CheckpointError as e:
+            problem = str(e)
+        problems = [problem]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            problems = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p), None)
+        if first:
+            raise CheckpointError(first, collective=True)
+        return result
+    return verdict
+
+
+@contextlib.contextmanager
+def rank0_says(rank: int):
+    """`newest_verified` logs every skipped checkpoint on every rank; the verdicts here are the
+    ranks' common ones, so rank 0 alone says them."""
+    level = log.level
+    if rank != 0:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def keep_aside(folder: Path) -> Path:
+    """Rename a rejected checkpoint out of the way (`step000010.rejected`, `.rejected2`, ...):
+    the resumed run saves that step again, and the damaged one stays for whoever looks."""
+    for n in range(1, 1000):
+        aside = folder.with_name(f"{folder.name}.rejected{n if n > 1 else ''}")
+        if not aside.exists():
+            folder.rename(aside)
+            return aside
+    raise CheckpointError(f"{folder}: too many rejected copies beside it")
+
+
+def load_state(ckpt_dir: Path, rank: int, world_size: int, identity: dict | None = None) -> dict | None:
+    """The newest checkpoint that verifies, or None for a fresh start (no committed checkpoint
+    at all). A checkpoint that fails is skipped with one line naming the file and why (from
+    `newest_verified`); none verifying is refused in one line. `identity` ({"run_id", "shapes"}
+    of this run): a checkpoint of another run or model is refused in one line. Rejected folders
+    newer than the one used are renamed aside (`keep_aside`), never deleted. The state's `rng`
+    is this rank's saved stream when the world size is the one that saved it, else None (a
+    resize: rank r of the new world has no stream of its own in the checkpoint)."""
+    rejected, verdict = [], agreed(lambda folder: read_step(folder, rank, world_size))
+
+    def verify(folder: Path) -> dict:
+        try:
+            return verdict(folder)
+        except CheckpointError:
+            rejected.append(folder)
+            raise
+
+    with rank0_says(group_rank()):
+        folder, state = newest_verified(candidates(ckpt_dir), verify, describe=lambda p: p.name)
+    if state is None:
+        return None
+    if identity is not None:
+        check_identity(state, identity["run_id"], identity["shapes"], folder)
+    if rejected and group_rank() == 0:
+        for bad in rejected:
+            if bad.exists():
+                log.warning("kept the rejected %s as %s", bad.name, keep_aside(bad).name)
+    if rejected and dist.is_initialized():
+        dist.barrier()  # nobody saves into a folder before it is out of the way
+    state["folder"] = str(folder)
     return state
 
 
 def train(cfg: Config, info, ckpt_dir: Path, rec=None, stop_at: int | None = None) -> dict:
     """The training loop with checkpoint/resume. `stop_at` ends it early without saving (a
-    crash, for in-process experiments)."""
+    crash, for in-process experiments). The run's id is kept in its `--out` (`rec.out`); called
+    without a recorder (a test, the notebook), in the checkpoint folder."""
     dtype = torch.float64  # parity to the bit: resuming must change nothing
     X, Y = regression_data(cfg.n_samples, 8, 1, seed=cfg.seed, dtype=dtype)
     X, Y = X.to(info.device), Y.to(info.device)
@@ -225,7 +369,9 @@ def train(cfg: Config, info, ckpt_dir: Path, rec=None, stop_at: int | None = Non
     buffers = [torch.zeros_like(p) for p in params]
     seed_everything(noise_seed(cfg, info.rank))  # each rank its own noise stream
     start, cursor = 0, 0
-    state = load_state(ckpt_dir, info.rank, info.world_size)
+    identity = {"run_id": run_id(rec.out if rec is not None else ckpt_dir),
+                "shapes": training_shapes(model)}
+    state = load_state(ckpt_dir, info.rank, info.world_size, identity)
     if state is not None:
         start = state["step"]
         model.load_state_dict(state["model"])
@@ -265,11 +411,13 @@ def train(cfg: Config, info, ckpt_dir: Path, rec=None, stop_at: int | None = Non
             with Timer(info.device) as t:
                 save_state(ckpt_dir, step + 1, {
                     "step": step + 1, "cursor": cursor, "world_size": info.world_size,
-                    "model": model.state_dict(), "optimizer": [b.clone() for b in buffers]},
+                    "model": model.state_dict(), "optimizer": [b.clone() for b in buffers],
+                    **identity},
                     capture_rng_state(), info.rank,
                     crash=(lambda s=step + 1: die(cfg, info.rank, s)) if crash else None)
             save_s.append(t.elapsed)
-    return {"model": model, "start": start, "losses": losses, "save_s": save_s}
+    return {"model": model, "start": start, "losses": losses, "save_s": save_s,
+            "resumed_from": state["folder"] if state is not None else None}
 
 
 def replica_spread(model) -> float:
@@ -281,12 +429,47 @@ def replica_spread(model) -> float:
     return (hi - lo).max().item()
 
 
+def lock_ckpt_dir(ckpt_dir: Path, rank: int) -> None:
+    """One run per checkpoint folder: global rank 0 locks `--ckpt-dir` (`lock_folder`; the
+    default, inside `--out`, has `--out`'s lock), so the nodes of one job never refuse each
+    other. Rank 0's verdict is every rank's: a refused job ends with rank 0's one line."""
+    problem = None
+    if rank == 0:
+        try:
+            lock_folder(ckpt_dir, "--ckpt-dir")
+        except FolderInUseError as e:
+            problem = str(e)
+    box = [problem]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        error = FolderInUseError(box[0])
+        error.collective = True  # common.log.one_line_errors: rank 0 says it
+        raise error
+
+
+def verify_seconds(folder: Path, info, repeats: int = 5) -> list[float]:
+    """Seconds to verify checkpoint `folder` as a resume does (manifest hashes shared by the
+    ranks, zip CRCs, `weights_only` loads, one verdict), the slowest rank's, `repeats` times."""
+    verify = agreed(lambda f: read_step(f, info.rank, info.world_size))
+    times = []
+    for _ in range(repeats):
+        with Timer(info.device) as t:
+            verify(folder)
+        times.append(reduce_number(t.elapsed, "max"))
+    return times
+
+
 def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    ckpt_locked = False
     try:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)
         ckpt_dir = Path(cfg.ckpt_dir) if cfg.ckpt_dir else rec.out / "ckpt"
+        if cfg.ckpt_dir:
+            lock_ckpt_dir(ckpt_dir, info.rank)
+            ckpt_locked = info.rank == 0
         log.info("world %d on %s/%s, attempt %d, checkpoints in %s", info.world_size, info.device,
                  info.backend, restart_count(), ckpt_dir)
         result = train(cfg, info, ckpt_dir, rec)
@@ -309,11 +492,18 @@ def main(cfg: Config) -> int:
                    spread=(round(min(saves) * 1e3, 2), round(max(saves) * 1e3, 2)) if saves else None)
         rec.figure("Young/Daly interval for that save at M = 24 h (formula)",
                    round(young_daly_interval(save, 24 * 3600), 1), unit="s")
+        if saves:  # what verifying before use costs, against that save
+            checks = verify_seconds(ckpt_dir / f"step{cfg.steps:06d}", info)
+            rec.figure("checkpoint verify before use, median (slowest rank)",
+                       round(statistics.median(checks) * 1e3, 2), unit="ms",
+                       spread=(round(min(checks) * 1e3, 2), round(max(checks) * 1e3, 2)))
         if info.is_main:
             save_checkpoint(rec.out / "final_params.pt", {
                 "model": result["model"].state_dict(), "restarts": restarts, "start": result["start"]})
         return rec.finish()
     finally:
+        if ckpt_locked:
+            unlock_folder(ckpt_dir)
         teardown_distributed()
 
 
