@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from chapters.ch24_cloud import launchers, train
 from chapters.ch24_cloud.fake_imds import FakeIMDS
-from common.checkpoint import CheckpointError, load_checkpoint
+from common.checkpoint import CheckpointError, FolderInUseError, load_checkpoint, lock_folder
 from common.data import regression_data
 from common.launch import (
     last_logged_step,
@@ -466,9 +466,10 @@ def test_sigterm_during_a_save_leaves_the_previous_checkpoint_and_a_second_run_i
         tmp_path, saved):
     """A run parked in the save of step 10 (its data objects written, no manifest) holds --out
     and --ckpt-url. Meanwhile, each in one line on the console and a non-zero status: a second
-    run on its --out is refused naming its pid, a third on its --ckpt-url too, and a run whose
-    checkpoints are all damaged (a copy of `saved`) is refused. The first run's metrics are
-    untouched; the SIGTERM mid-save, then SIGKILL, leave step 5 the one to resume."""
+    run on its --out is refused naming its pid, and a run whose checkpoints are all damaged (a
+    copy of `saved`) is refused; its --ckpt-url's lock names it too (taken here, in process: a
+    third run would meet the same lock). The first run's metrics are untouched; the SIGTERM
+    mid-save, then SIGKILL, leave step 5 the one to resume."""
     bucket, out, grace = tmp_path / "bucket", tmp_path / "run", 1.0
     base = [sys.executable, str(SCRIPT), "--device", "cpu", "--steps", "20", "--timeout", "60"]
     cmd = [*base, "--ckpt-every", "5", "--log-every", "1", "--pause-save-at", "10",
@@ -478,13 +479,14 @@ def test_sigterm_during_a_save_leaves_the_previous_checkpoint_and_a_second_run_i
     tear(bad_bucket / "step000010" / train.MANIFEST)
     bad_before = shas(bad_bucket)
     others = {"same --out": [*base, "--ckpt-url", str(bucket), "--out", str(out)],
-              "same --ckpt-url": [*base, "--ckpt-url", str(bucket), "--out", str(tmp_path / "b")],
               "all bad": [*base, "--ckpt-url", str(bad_bucket), "--out", str(bad_out)]}
     with started(cmd) as proc:
         # its first metrics line comes after RunRecorder locked --out and main locked --ckpt-url
         wait_until(lambda: last_logged_step(out / "metrics.jsonl") >= 0, proc, "step 0")
         with contextlib.ExitStack() as stack:
             procs = {k: stack.enter_context(started(c)) for k, c in others.items()}
+            with pytest.raises(FolderInUseError) as in_use:  # what `main` meets on --ckpt-url
+                lock_folder(bucket, "--ckpt-url", wait_s=0.2)
             consoles = {k: p.communicate(timeout=60)[0] for k, p in procs.items()}
         wait_until(lambda: (out / "paused").exists(), proc, "the paused save of step 10")
         # the first run's metrics.jsonl: whole lines, steps 0 to 9, nothing truncated or mixed
@@ -502,8 +504,8 @@ def test_sigterm_during_a_save_leaves_the_previous_checkpoint_and_a_second_run_i
         assert "Traceback" not in console, console[-2000:]
         consoles[name] = errors[0]
     assert f"--out {out.resolve()} is in use by another run (pid {proc.pid} " in consoles["same --out"]
-    assert (f"--ckpt-url {bucket.resolve()} is in use by another run (pid {proc.pid} "
-            in consoles["same --ckpt-url"])
+    assert f"--ckpt-url {bucket.resolve()} is in use by another run (pid {proc.pid} " in str(
+        in_use.value)
     assert "none of the 2 checkpoints verifies" in consoles["all bad"]
     assert shas(bad_bucket) == bad_before  # refused, nothing deleted or rewritten
     assert (bucket / "step000010" / "state.pt").exists()  # the data objects were written ...
