@@ -624,6 +624,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved, tmp_p
     step5 = shas(bucket / "step000005")
     damage, reason = FAULTS[fault]
     damage(bucket / "step000010", tmp_path)
+    damaged = shas(bucket / "step000010")
     with world_of_one() as info, logged() as lines:
         resumed = train.train(train.Config(steps=FAULT_STEPS), info,
                               train.ObjectStoreCheckpoints(str(bucket)), train.Preemption(), out)
@@ -635,6 +636,8 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved, tmp_p
     assert resumed["start"] == 5
     assert max_diff(resumed["model"].state_dict(), saved["from5"]) == 0.0
     assert shas(bucket / "step000005") == step5  # the previous checkpoint: its bytes unchanged
+    assert shas(bucket / "skipped-step000010") == damaged  # the bad one kept aside as it was
+    assert train.ObjectStoreCheckpoints(str(bucket)).committed_steps() == [5, 10, 15, 20]
     assert not (tmp_path / "marker").exists()  # nothing a checkpoint carried ran
 
 
@@ -760,12 +763,20 @@ def test_manifest_last_is_the_commit_on_an_object_store():
     assert store.committed_steps() == [5, 15]
     with logged() as lines:
         assert store.load_latest(0, 1, identity)["step"] == 5
-    assert len(lines) == 1 and "step000015/rng0.pt is in the manifest but missing" in lines[0]
-    # and an object that changed after its manifest was written is caught by its size or digest
-    store.put("step000015/rng0.pt", b"x")
+    skipped = [line for line in lines if line.startswith("skipping")]
+    assert len(skipped) == 1 and "step000015/rng0.pt is in the manifest but missing" in skipped[0]
+    # kept aside whole (an object store's move: a copy and a delete), no longer listed
+    assert store.committed_steps() == [5]
+    assert store.get("skipped-step000015/" + train.MANIFEST)
+    # and objects that changed after their manifest was written are caught by their digest
+    store.put("step000020/" + train.MANIFEST, json.dumps({"step": 20, "world_size": 1, **identity,
+              "files": {n: {"bytes": 1, "sha256": "0"} for n in ("rng0.pt", "state.pt")}}).encode())
+    for name in ("rng0.pt", "state.pt"):
+        store.put(f"step000020/{name}", b"x")
     with logged() as lines:
         assert store.load_latest(0, 1, identity)["step"] == 5
-    assert len(lines) == 1 and "does not match its manifest (SHA-256 differs" in lines[0]
+    skipped = [line for line in lines if line.startswith("skipping")]
+    assert len(skipped) == 1 and "does not match its manifest (SHA-256 differs" in skipped[0]
 
 
 @pytest.mark.timeout(30)

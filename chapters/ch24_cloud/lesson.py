@@ -116,7 +116,8 @@ print(json.dumps({k: v for k, v in manifest.items() if k != "shapes"}, indent=1)
 # Flip 16 bytes in the middle of the newest step's `state.pt`, as a bad disk or a bad copy would:
 # `torch.load` alone would load them without a word. `load_latest` reads every object once,
 # checks its size, SHA-256 and zip CRC-32s, loads it with `weights_only=True`, skips the step in
-# one line and takes the one before. The run id in another `--out` is another run's: refused.
+# one line, takes the one before and keeps the bad one aside (`skipped-step...`). The run id in
+# another `--out` is another run's: refused.
 
 # %%
 newest = store.committed_steps()[-1]
@@ -128,6 +129,7 @@ damaged.write_bytes(bytes(data))
 model = train.new_model(train.Config(), "cpu")
 mine = train.run_identity(work / "run", model, list(model.parameters()))
 print("newest", newest, "-> resume from", store.load_latest(0, 1, mine)["step"])
+print("kept aside:", sorted(p.name for p in (work / "bucket").glob("skipped-*")))
 try:
     store.load_latest(0, 1, train.run_identity(work / "other", model, list(model.parameters())))
 except CheckpointError as e:

@@ -576,18 +576,36 @@ class ObjectStoreCheckpoints:
             raise CheckpointError(problems[0], collective=True)
         return state
 
+    def keep_aside(self, step: int) -> str:
+        """Move a committed step that failed verification to `skipped-stepNNNNNN` (numbered if
+        that is taken): kept whole for a post-mortem, no longer listed, and its name free for the
+        resumed run to save that step anew. On an object store a move is a copy and a delete."""
+        src = self._path(step_folder(step))
+        dst, n = self._path(f"skipped-{step_folder(step)}"), 0
+        while self.fs.exists(dst):
+            n += 1
+            dst = self._path(f"skipped-{step_folder(step)}-{n}")
+        self.fs.mv(src, dst, recursive=True)
+        return dst
+
     def load_latest(self, rank: int, world_size: int, identity: dict) -> dict | None:
         """The newest step that verifies on every rank (each one skipped is logged in one line,
         `newest_verified`), if it is this run's (`identity`: `run_identity`, else refused in
-        one line); None when nothing is committed; `CheckpointError` when none verifies."""
+        one line); None when nothing is committed; `CheckpointError` when none verifies (then
+        nothing is moved). The newer steps that failed are kept aside by rank 0 (`keep_aside`)."""
+        steps = self.committed_steps()
         with said_by_rank0(rank):
-            step, state = newest_verified(
-                self.committed_steps(), lambda s: self.load(s, rank, world_size),
-                describe=step_folder)  # each reason names the object's full path
+            step, state = newest_verified(steps, lambda s: self.load(s, rank, world_size),
+                                          describe=step_folder)  # each reason names the file
         if step is None:
             return None
         check_identity(state["manifest"], identity["run_id"], identity["shapes"],
                        self._path(step_folder(step)))
+        if rank == 0:
+            for bad in (s for s in steps if s > step):
+                log.info("kept %s aside as %s", step_folder(bad), self.keep_aside(bad))
+        if dist.is_initialized():
+            dist.barrier()  # nobody saves into a step folder before it is moved aside
         return state
 
 
