@@ -478,15 +478,15 @@ def test_sigterm_during_a_save_leaves_the_previous_checkpoint_and_a_second_run_i
     flip_bytes(bad_bucket / "step000005" / "state.pt")
     tear(bad_bucket / "step000010" / train.MANIFEST)
     bad_before = shas(bad_bucket)
-    others = {"same --out": [*base, "--ckpt-url", str(bucket), "--out", str(out)],
-              "all bad": [*base, "--ckpt-url", str(bad_bucket), "--out", str(bad_out)]}
-    with started(cmd) as proc:
+    all_bad = [*base, "--ckpt-url", str(bad_bucket), "--out", str(bad_out)]
+    same_out = [*base, "--ckpt-url", str(bucket), "--out", str(out)]
+    with started(cmd) as proc, started(all_bad) as bad:  # the second touches none of its folders
         # its first metrics line comes after RunRecorder locked --out and main locked --ckpt-url
         wait_until(lambda: last_logged_step(out / "metrics.jsonl") >= 0, proc, "step 0")
-        with contextlib.ExitStack() as stack:
-            procs = {k: stack.enter_context(started(c)) for k, c in others.items()}
+        with started(same_out) as second:
             with pytest.raises(FolderInUseError) as in_use:  # what `main` meets on --ckpt-url
                 lock_folder(bucket, "--ckpt-url", wait_s=0.2)
+            procs = {"same --out": second, "all bad": bad}
             consoles = {k: p.communicate(timeout=60)[0] for k, p in procs.items()}
         wait_until(lambda: (out / "paused").exists(), proc, "the paused save of step 10")
         # the first run's metrics.jsonl: whole lines, steps 0 to 9, nothing truncated or mixed
