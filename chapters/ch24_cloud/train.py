@@ -93,7 +93,7 @@ MANIFEST = "manifest.json"
 @dataclass
 class Config(RunConfig):
     ckpt_url: str = ""
-    """Checkpoint location, an fsspec URL or a path (default: <out>/ckpt). A run resumes from its newest manifest."""
+    """Checkpoint location, an fsspec URL or a path (default: <out>/ckpt). A run resumes from its newest checkpoint that verifies and is this run's (the run id in --out); a local one is locked for the run."""
     ckpt_every: int = 5
     """Also checkpoint after every this many steps (a preemption can come without notice)."""
     grace_s: float = 30.0
@@ -393,8 +393,8 @@ def names_to_check(names, rank: int, world_size: int, own: set[str]) -> list[str
 
 def check_zip_bytes(where: str, data: bytes) -> None:
     """Every member of a `torch.save` archive against its CRC-32 (as `common.checkpoint.verify_zip`
-    does for a file; `torch.load` checks none): bytes damaged before they were hashed for the
-    manifest, which that hash cannot see."""
+    does for a file; `torch.load` checks none). The CRCs are written by `torch.save` itself: they
+    catch an archive damaged before its manifest entry was computed, which the SHA-256 cannot."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
             bad = z.testzip()
