@@ -229,12 +229,26 @@ def _resume_controls(folder: str) -> dict:
     return out
 
 
+def _who_locks(folder: str) -> dict:
+    """`lock_ckpt_dir` on this rank, with every `lock_folder` call it makes recorded."""
+    calls, real = [], train.lock_folder
+    train.lock_folder = lambda path, *a, **k: (calls.append(str(path)), real(path, *a, **k))[1]
+    try:
+        train.lock_ckpt_dir(Path(folder), dist.get_rank())
+    finally:
+        train.lock_folder = real
+    train.unlock_folder(folder)
+    return {"calls": calls}
+
+
 def _two_ranks(root: str) -> dict:
     """Everything this module asks of 2 in-process gloo ranks, in one start (each costs seconds):
-    world 2 resuming the checkpoints of the crashed world 1, the resume controls, the faults."""
+    world 2 resuming the checkpoints of the crashed world 1, the resume controls, the faults,
+    who locks a --ckpt-dir."""
     return {"larger world": _job(str(Path(root, "crash")), dict(steps=CRASH_STEPS)),
             "controls": _resume_controls(str(Path(root, "controls"))),
-            "faults": _fault_cases(str(Path(root, "faults")))}
+            "faults": _fault_cases(str(Path(root, "faults"))),
+            "locks": _who_locks(str(Path(root, "locked")))}
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +271,8 @@ def two_ranks(tmp_path_factory) -> dict:
         crashed["per-rank read"] = "read"
     except CheckpointError as e:
         crashed["per-rank read"] = str(e)
-    return {"crashed": crashed, "ranks": run_on_ranks(_two_ranks, 2, str(root), timeout=100)}
+    return {"crashed": crashed, "root": root,
+            "ranks": run_on_ranks(_two_ranks, 2, str(root), timeout=100)}
 
 
 @pytest.mark.timeout(200)
@@ -406,6 +421,11 @@ def _fault_cases(folder: str) -> dict:
             out[name]["step 5 after"] = shas(ckpt / "step000005")
             out[name]["damaged"], out[name]["kept"] = damaged, shas(ckpt / "step000010.rejected")
             out[name]["resaved"] = (ckpt / "step000010" / MANIFEST).exists()
+    # After a fallback (and before any new save), `latest` names the step used, not a folder
+    # that was moved aside.
+    ckpt = prepared("load only", lambda c: flip_weight_bytes(c / "step000010" / "state.pt"))
+    used = train.load_state(ckpt, rank, 2)["step"]
+    out["load only"] = (used, (ckpt / "latest").read_text(), sorted(p.name for p in ckpt.glob("step*")))
     # `latest` is a hint: torn, the folders speak for themselves (no fallback needed).
     out["torn latest"] = resume(prepared("torn latest", lambda c: (c / "latest").write_bytes(b"\x00\x1f")))
     # Refusals: every checkpoint bad; another run's (another --out: another run id); another model.
@@ -451,6 +471,8 @@ def test_damaged_checkpoints_fall_back_and_foreign_ones_are_refused(two_ranks):
         # The previous checkpoint is untouched, the damaged one kept as it was, step 10 saved anew.
         assert r["step 5 after"] == res["pristine"] and r["kept"] == r["damaged"], name
         assert r["resaved"], name
+    assert res["load only"] == (5, "5", ["step000005", "step000010.rejected"]), res["load only"]
+    assert other["load only"][0] == 5
     # A torn `latest` is said, and step 10 (which verifies) is used.
     torn = res["torn latest"]
     assert torn["start"] == 10 and max_diff(torn["model"], expected) <= 1e-12
@@ -466,6 +488,8 @@ def test_damaged_checkpoints_fall_back_and_foreign_ones_are_refused(two_ranks):
     assert res["all bad"]["listing"] == ["latest", "run_id", "step000005", "step000010"]
     assert "step000010/state.pt does not match its manifest" in res["all bad"]["error"]
     assert sum(line.startswith("skipping checkpoint") for line in res["all bad"]["said"]) == 2
+    # Only global rank 0 locks a --ckpt-dir: a job's ranks on other nodes never refuse each other.
+    assert [r["locks"]["calls"] for r in two_ranks["ranks"]] == [[str(two_ranks["root"] / "locked")], []]
 
 
 def _console(cmd: list[str]) -> subprocess.Popen:

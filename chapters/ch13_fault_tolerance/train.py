@@ -262,6 +262,8 @@ def read_step(folder: Path, rank: int, world_size: int) -> dict:
     (`verify_manifest`); every `.pt` is checked against its zip CRCs and loaded with
     `weights_only=True` (`load_checkpoint`); the manifest must list `state.pt` and the RNG file
     of every rank of the world that saved it."""
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} does not exist (`latest` names it)")
     group = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     manifest = verify_manifest(folder, *group)  # each rank hashes every world-th file
     state = load_checkpoint(folder / "state.pt")
@@ -328,7 +330,8 @@ def load_state(ckpt_dir: Path, rank: int, world_size: int, identity: dict | None
     at all). A checkpoint that fails is skipped with one line naming the file and why (from
     `newest_verified`); none verifying is refused in one line. `identity` ({"run_id", "shapes"}
     of this run): a checkpoint of another run or model is refused in one line. Rejected folders
-    newer than the one used are renamed aside (`keep_aside`), never deleted. The state's `rng`
+    newer than the one used are renamed aside (`keep_aside`), never deleted, and `latest` then
+    names the step used. The state's `rng`
     is this rank's saved stream when the world size is the one that saved it, else None (a
     resize: rank r of the new world has no stream of its own in the checkpoint)."""
     rejected, verdict = [], agreed(lambda folder: read_step(folder, rank, world_size))
@@ -346,10 +349,13 @@ def load_state(ckpt_dir: Path, rank: int, world_size: int, identity: dict | None
         return None
     if identity is not None:
         check_identity(state, identity["run_id"], identity["shapes"], folder)
-    if rejected and group_rank() == 0:
+    if group_rank() == 0:
         for bad in rejected:
             if bad.exists():
                 log.warning("kept the rejected %s as %s", bad.name, keep_aside(bad).name)
+        latest = ckpt_dir / "latest"
+        if not latest.exists() or latest.read_bytes() != str(state["step"]).encode():
+            atomic_write(latest, lambda f: f.write(str(state["step"]).encode()))  # the hint, true again
     if rejected and dist.is_initialized():
         dist.barrier()  # nobody saves into a folder before it is out of the way
     state["folder"] = str(folder)
