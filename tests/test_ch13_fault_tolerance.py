@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -549,6 +550,22 @@ def test_a_second_run_is_refused_and_all_bad_checkpoints_end_in_one_line(tmp_pat
     summary = json.loads((out / "summary.json").read_text())
     assert all(c["ok"] for c in summary["checks"]) and (ckpt / "latest").read_text() == "12"
     assert not (tmp_path / "B" / "ckpt").exists() and not list((tmp_path / "D").glob("ckpt*"))
+
+
+def test_the_wait_carries_the_timeout(monkeypatch):
+    """Under NCCL an all-reduce returns at launch: only the wait's own timeout turns a hung peer
+    into an error the code sees. On gloo the group's timeout (the same --timeout in hang.py) fails
+    the collective at the same moment, so the launch test passes without it (a mutant waiting
+    with no timeout did): the call itself is checked here, with a stand-in for the work."""
+    seen = []
+
+    class Work:
+        def wait(self, timeout=None):
+            seen.append(timeout)
+
+    monkeypatch.setattr(hang.dist, "all_reduce", lambda x, group=None, async_op=False: Work())
+    hang.all_reduce_and_wait(torch.ones(1), 3.0)
+    assert seen == [timedelta(seconds=3)]
 
 
 def test_impossible_settings_are_refused(capsys):
