@@ -4,6 +4,11 @@ Each ZeRO stage trains a tiny MLP a few steps, saves with `engine.save_checkpoin
 lists the files (one model file, one optimizer partition per rank; ZeRO-3 one model file per rank)
 and converts them with DeepSpeed's own `zero_to_fp32` on rank 0: the plain state dict must equal
 the engine's whole parameters at save time, and differ from the initial ones (negative control).
+DeepSpeed loads its files with `torch.load(weights_only=False)`, which runs whatever a pickle
+says (its optimizer partitions hold DeepSpeed objects that `weights_only=True` refuses): the one
+place this course lets a loader un-pickle, and only files this run wrote and then verified (a
+SHA-256 manifest written right after the save, checked with the run id and shapes before
+DeepSpeed reads anything, and no file in the folder outside it).
 Needs `pip install deepspeed==0.19.8` (CPU works; the first run compiles a small op, then cached).
 
 Run:
@@ -23,7 +28,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common.checkpoint import save_checkpoint
+from common.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    check_identity,
+    file_entry,
+    load_checkpoint,
+    run_id,
+    save_checkpoint,
+    training_shapes,
+    verify_manifest,
+    write_manifest,
+)
 from common.config import RunConfig, parse_config
 from common.data import regression_data
 from common.distributed import setup_distributed, teardown_distributed
@@ -85,13 +101,15 @@ def whole_parameters(engine, stage: int) -> dict:
 
 
 def train_engine(stage: int, cfg: Config, info):
-    """A fresh engine trained cfg.steps steps on this rank's shard; return it and the initial params."""
+    """A fresh engine trained cfg.steps steps on this rank's shard; return it, the initial params
+    and the training shapes (taken before DeepSpeed partitions the parameters)."""
     import deepspeed
 
     seed_everything(cfg.seed)
     model = MLP(cfg.d_in, cfg.d_hidden, 1).to(info.device)
     initial = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    shapes = training_shapes(model, opt)
     with library_output():  # DeepSpeed prints its whole configuration here
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, cfg.batch_size))
     X, Y = regression_data(cfg.batch_size * info.world_size * cfg.steps, cfg.d_in, 1, seed=cfg.seed,
@@ -101,27 +119,62 @@ def train_engine(stage: int, cfg: Config, info):
         loss = F.mse_loss(engine(x.to(info.device)), y.to(info.device))
         engine.backward(loss)  # ZeRO reduce-scatters the gradients
         engine.step()          # each rank updates its partition of the fp32 master weights
-    return engine, initial
+    return engine, initial, shapes
 
 
 def list_checkpoint(save_dir: Path) -> list[str]:
     """Every file under the save directory, relative to it (what you would copy or upload)."""
-    return sorted(str(p.relative_to(save_dir)) for p in save_dir.rglob("*") if p.is_file())
+    return sorted(str(p.relative_to(save_dir)) for p in save_dir.rglob("*")
+                  if p.is_file() and p.name != MANIFEST)
 
 
-def convert(save_dir: Path, tag: str) -> dict:
-    """DeepSpeed's own conversion: concatenate the partitions into one plain fp32 state dict."""
+def commit_manifest(save_dir: Path, **meta) -> None:
+    """Collective, right after `engine.save_checkpoint` and a barrier: the ranks share the hashing
+    of every file DeepSpeed wrote, global rank 0 writes `manifest.json` last, with `meta` (run id,
+    shapes). Which rank wrote which file is DeepSpeed's business; each file is hashed once."""
+    files, rank, world = list_checkpoint(save_dir), dist.get_rank(), dist.get_world_size()
+    mine = {name: file_entry(save_dir / name) for name in files[rank::world]}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        write_manifest(save_dir, {k: v for part in everyone for k, v in part.items()}, **meta)
+    dist.barrier()  # nobody reads it back before it exists
+
+
+def verify_written(save_dir: Path, rid: str, shapes: dict) -> None:
+    """What must hold before DeepSpeed un-pickles anything in `save_dir`: every file matches the
+    manifest this run wrote (SHA-256), the manifest is this run's (run id, shapes), and no file in
+    the folder is outside it (DeepSpeed's loaders glob for `*_model_states.pt` and
+    `*_optim_states.pt`: a file dropped in later would be un-pickled too)."""
+    manifest = verify_manifest(save_dir)
+    check_identity(manifest, rid, shapes, save_dir)
+    extra = sorted(set(list_checkpoint(save_dir)) - set(manifest["files"]))
+    if extra:
+        raise CheckpointError(f"{save_dir / extra[0]} is not in the folder's {MANIFEST}: "
+                              f"refusing to let DeepSpeed un-pickle it")
+
+
+def convert(save_dir: Path, tag: str, rid: str, shapes: dict) -> dict:
+    """DeepSpeed's own conversion: concatenate the partitions into one plain fp32 state dict.
+    It un-pickles every file with `torch.load(..., weights_only=False)` (deepspeed/utils/
+    zero_to_fp32.py; `engine.load_checkpoint` too, through TorchCheckpointEngine.load): the
+    optimizer partitions hold DeepSpeed's own objects (a LossScaler under ZeRO-2, a ZeroStageEnum
+    under ZeRO-3, DeepSpeed 0.19.8), which `weights_only=True` refuses. The one exception this
+    course makes, and only for files this run wrote and verified first (`verify_written`): a
+    manifest proves the bytes are the ones this run wrote, not that a stranger's are harmless."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    verify_written(save_dir, rid, shapes)
     return get_fp32_state_dict_from_zero_checkpoint(str(save_dir), tag=tag)
 
 
 def module_numel(save_dir: Path, tag: str) -> int:
-    """Elements of the weights in rank 0's model file: whole under ZeRO-1/2, empty placeholders under ZeRO-3."""
+    """Elements of the weights in rank 0's model file: whole under ZeRO-1/2, empty placeholders
+    under ZeRO-3. The model file holds tensors, dicts and sizes only: `load_checkpoint` (its zip
+    CRCs, then `weights_only=True`) reads it; no exception needed here."""
     name = "mp_rank_00_model_states.pt"
     path = save_dir / tag / name if (save_dir / tag / name).exists() else save_dir / tag / f"zero_pp_rank_0_{name}"
-    state = torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed pickles its config
-    return sum(t.numel() for t in state["module"].values())
+    return sum(t.numel() for t in load_checkpoint(path)["module"].values())
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -137,13 +190,15 @@ def main(cfg: Config) -> int:
         setup_logging(info.rank, info.world_size)
         init_deepspeed(info)  # its start-up noise goes to the library log
         rec = RunRecorder(cfg, __file__, info)
+        rid = run_id(rec.out)
         for stage in cfg.stages:
-            engine, initial = train_engine(stage, cfg, info)
+            engine, initial, shapes = train_engine(stage, cfg, info)
             saved = whole_parameters(engine, stage)        # what the checkpoint must hold
             save_dir = rec.out / f"zero{stage}"
             with library_output():  # DeepSpeed logs each file it writes
                 engine.save_checkpoint(str(save_dir), tag=cfg.tag)  # a collective: every rank writes
-            dist.barrier()                                  # all partitions on disk before reading
+            dist.barrier()                                  # all partitions on disk before hashing
+            commit_manifest(save_dir, run_id=rid, shapes=shapes, tag=cfg.tag)
             files = list_checkpoint(save_dir)
             log.info("ZeRO-%d checkpoint %s:\n  %s", stage, save_dir, "\n  ".join(files))
             rec.figure(f"ZeRO-{stage} files", files)
@@ -153,7 +208,7 @@ def main(cfg: Config) -> int:
             if info.is_main:
                 save_checkpoint(rec.out / f"zero{stage}_params.pt", saved)  # for the tests
                 with library_output():  # zero_to_fp32 prints what it reads
-                    plain = convert(save_dir, cfg.tag)
+                    plain = convert(save_dir, cfg.tag, rid, shapes)  # verified, then un-pickled
                 rec.figure(f"ZeRO-{stage} converted tensors", len(plain), len(saved))
                 whole = sum(t.numel() for t in saved.values())
                 rec.check(f"ZeRO-{stage}: weight elements in rank 0's model file", "count",

@@ -15,9 +15,11 @@
 #
 # A checkpoint is only useful if training can continue from it as if nothing had happened. This
 # notebook saves a full training state and resumes it bit for bit (and shows what goes wrong
-# without the RNG state or the data position), looks at an atomic save, builds a delta
-# checkpoint, runs the sharded (DCP) save and load on two processes, and resumes a two-process
-# run whose per-rank state DCP would cross-wire under one key.
+# without the RNG state or the data position), looks at an atomic save and a verified load (a
+# damaged checkpoint is skipped, another run's refused), builds a delta checkpoint, runs the
+# sharded (DCP) save and load on two processes with a checksum manifest, shows that a crafted
+# `.metadata` runs no code here, and resumes a two-process run whose per-rank state DCP would
+# cross-wire under one key.
 # The lesson is [chapters/ch12_checkpointing/README.md](../chapters/ch12_checkpointing/README.md).
 
 # %%
@@ -27,13 +29,24 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
-import torch.distributed.checkpoint as dcp
 
 from chapters.ch12_checkpointing import delta as deltas
 from chapters.ch12_checkpointing import plots, resume, resume_dcp, train
-from common.checkpoint import atomic_write, load_checkpoint
+from common.checkpoint import (
+    CheckpointError,
+    atomic_write,
+    load_checkpoint,
+    read_dcp_metadata,
+    read_manifest,
+    training_shapes,
+    verify_dcp,
+)
+from common.data import regression_data
 from common.launch import run_torchrun
+from common.log import setup_logging
 from common.results import REPO_ROOT
+
+setup_logging()  # the course's log lines (a skipped checkpoint says so) appear below the cells
 
 # %% [markdown]
 # ## What a resumable checkpoint holds
@@ -73,11 +86,38 @@ print(inspect.getsource(atomic_write))
 
 # %%
 ckpt_dir = Path(tempfile.mkdtemp(prefix="ch12-"))
-resume.save_training_state(ckpt_dir, {"step": 4})
-(ckpt_dir / ".step_000008.pt.x1y2.tmp").write_bytes(b"the first 4096 bytes of a killed save")
-latest, incomplete = resume.latest_checkpoint(ckpt_dir)
-print("resume from:", latest.name, "| incomplete saves removed:", [p.name for p in incomplete])
-print("step in it:", load_checkpoint(latest)["step"])
+X, Y = regression_data(cfg.n_samples, 16, 1, seed=cfg.seed)
+run = resume.new_run(cfg)
+for step in (4, 8):
+    resume.train(cfg, run, X, Y, step)
+    resume.save_training_state(ckpt_dir, resume.training_state(run, "lesson-run"))
+(ckpt_dir / ".step_000012.pt.x1y2.tmp").write_bytes(b"the first 4096 bytes of a killed save")
+print("incomplete saves removed:", [p.name for p in resume.remove_incomplete(ckpt_dir)])
+shapes = training_shapes(run["model"], run["opt"])
+path, state = resume.newest_checkpoint(ckpt_dir, "lesson-run", shapes)
+print("resume from:", path.name, "| step in it:", state["step"])
+
+# %% [markdown]
+# ## Verified loads
+# `torch.save` writes a zip archive whose members carry CRC-32s, and `torch.load` never checks
+# them. Flip 16 bytes in the middle of the newest checkpoint (inside a tensor): `torch.load`
+# returns it as if nothing happened; the loader checks every CRC first, skips it in one line and
+# takes the newest checkpoint that verifies. A checkpoint of another run (another run id) or of
+# another model is refused.
+
+# %%
+newest = ckpt_dir / "step_000008.pt"
+data = bytearray(newest.read_bytes())
+middle = len(data) // 2
+data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+newest.write_bytes(bytes(data))
+print("torch.load takes it: step", torch.load(newest, weights_only=True)["step"])
+path, state = resume.newest_checkpoint(ckpt_dir, "lesson-run", shapes)
+print("the loader resumes from:", path.name)
+try:
+    resume.newest_checkpoint(ckpt_dir, "another-run", shapes)
+except CheckpointError as e:
+    print("refused:", e)
 
 # %% [markdown]
 # ## A delta checkpoint
@@ -114,19 +154,41 @@ out_dir = REPO_ROOT / "runs" / "notebooks" / "ch12"
 result = run_torchrun(REPO_ROOT / "chapters/ch12_checkpointing/train.py", nproc=2, out_dir=out_dir)
 print(result.output[result.output.index("figure"):])
 
+# %% [markdown]
+# DCP checks no checksum, so every folder gets a manifest, written last: each file's size and
+# SHA-256, the run id and the shapes. `verify_dcp` checks it before anything is loaded.
+
 # %%
 for p in sorted((out_dir / "dcp").iterdir()):
     print(f"{p.name:16s} {p.stat().st_size:>9,} B")
-meta = dcp.FileSystemReader(str(out_dir / "dcp")).read_metadata()
+manifest = read_manifest(out_dir / "dcp")
+print({name: entry["sha256"][:12] for name, entry in manifest["files"].items()}, manifest["run_id"])
+meta = read_dcp_metadata(out_dir / "dcp")  # the restricted unpickler: reading runs no code
 for key in list(meta.state_dict_metadata)[:4]:
     print(key, "global shape", tuple(meta.state_dict_metadata[key].size))
+print("verifies:", bool(verify_dcp(out_dir / "dcp")))
+
+# %% [markdown]
+# `.metadata` is a pickle, and a pickle is a program: DCP's own reader runs whatever it says. A
+# `.metadata` that is nothing but a call (open a file for writing) is refused here, and the file
+# it would create never appears (the tests show DCP's reader creating it).
+
+# %%
+crafted = Path(tempfile.mkdtemp(prefix="ch12-crafted-"))
+marker = crafted / "marker"
+(crafted / ".metadata").write_bytes(b"cio\nopen\n(V" + str(marker).encode() + b"\nVw\ntR.")
+try:
+    read_dcp_metadata(crafted)
+except CheckpointError as e:
+    print("refused:", e)
+print("marker exists:", marker.exists())
 
 # %% [markdown]
 # The two-rank checkpoint loads into one process with no process group at all (for evaluation
-# or export), and equals the state the run gathered before saving:
+# or export), verified first, and equals the state the run gathered before saving:
 
 # %%
-loaded = train.load_into_one_process(out_dir / "dcp")
+loaded = train.load_into_one_process(out_dir / "dcp", manifest["run_id"])
 saved = load_checkpoint(out_dir / "full_state.pt")
 print("max |loaded − saved| =", train.max_state_diff(loaded, saved))
 
@@ -166,5 +228,7 @@ plt.show()
 # 4. Make a delta chain (base, delta 1, delta 2): what must a restore read?
 # 5. With the save stalls above and a job MTBF of 24 h, how often should this job save?
 # 6. What does each of 3 ranks load after `dcp.save({"pos": torch.tensor([rank])})`?
+# 7. Your checkpoints and their manifests sit in a bucket others can write to: what does checking
+#    the manifest after the download protect you from, and what does it not?
 #
 # Hints and answers are in the lesson.

@@ -23,7 +23,7 @@ def resume_curves(cfg: resume.Config) -> dict[str, list[float]]:
     seed_everything(cfg.seed)
     run = resume.new_run(cfg)
     head = resume.train(cfg, run, X, Y, cfg.stop_at)
-    state = resume.training_state(run)
+    state = resume.training_state(run, rid="")  # kept in memory, never written: no run id
     for name, rng, data in (("resumed, full state", True, True), ("resumed, no RNG state", False, True),
                             ("resumed, no data position", True, False)):
         seed_everything(cfg.seed + 1)

@@ -3,7 +3,10 @@
 A resumable checkpoint holds the model, the optimizer (Adam's moments), the scheduler, every RNG
 state (dropout) and the data position (epoch, batch); leave out one and the resumed run drifts.
 Each save is atomic (temporary file, fsync, rename), so a save killed halfway leaves the previous
-checkpoint loadable and only a `.tmp` file behind, which the next start detects and removes.
+checkpoint loadable and only a `.tmp` file behind, which the next start detects and removes. Each
+load is verified: the zip's CRC-32s (which `torch.load` never checks), `weights_only=True`, and
+whose checkpoint it is (the run id kept in --out, the model's shapes); one that fails is skipped,
+in one line, for the newest one that verifies. One run at a time owns --ckpt-dir (a lock).
 
 Run (one process by design; resume_dcp.py is the same with several ranks, a sharded model and DCP):
     python chapters/ch12_checkpointing/resume.py                       # save, resume, compare
@@ -15,6 +18,7 @@ Run (one process by design; resume_dcp.py is the same with several ranks, a shar
 # launch: python
 
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass
@@ -24,7 +28,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.checkpoint import atomic_write, load_checkpoint, save_checkpoint
+from common.checkpoint import (
+    atomic_write,
+    check_identity,
+    load_checkpoint,
+    lock_folder,
+    newest_verified,
+    run_id,
+    save_checkpoint,
+    training_shapes,
+    unlock_folder,
+)
 from common.config import RunConfig, parse_config
 from common.data import regression_data
 from common.distributed import setup_distributed, teardown_distributed
@@ -33,6 +47,8 @@ from common.results import RunRecorder
 from common.seed import capture_rng_state, restore_rng_state, seed_everything
 
 KILL_AFTER_BYTES = 4096  # the test hook kills the writer after this many bytes of a save
+# Test hooks: CH12_KILL_SAVE_AT_STEP=s SIGKILLs the save of step s mid-write (`_writer`);
+# CH12_STOP_AFTER_LOCK=1 stops the run (SIGSTOP) once it holds --ckpt-dir, until a SIGCONT.
 
 
 @dataclass
@@ -42,7 +58,7 @@ class Config(RunConfig):
     stop_at: int = 10
     """Step at which the demonstration saves, 'dies' and resumes in fresh objects."""
     ckpt_dir: str = ""
-    """Folder of step_NNNNNN.pt checkpoints; when set, resume from its latest complete one."""
+    """Folder of step_NNNNNN.pt checkpoints; when set, resume from its newest one that verifies."""
     save_every: int = 0
     """With --ckpt-dir: save every this many steps (0: never)."""
     naive_save: bool = False
@@ -123,11 +139,13 @@ def new_run(cfg: Config, device: torch.device | str = "cpu") -> dict:
     return {"model": model, "opt": opt, "sched": sched, "data": {"epoch": 0, "index": 0}, "step": 0}
 
 
-def training_state(run: dict) -> dict:
-    """Everything a bit-exact resume needs, as tensors and plain values (weights_only-loadable)."""
+def training_state(run: dict, rid: str) -> dict:
+    """Everything a bit-exact resume needs, as tensors and plain values (weights_only-loadable),
+    and whose state it is: the run id `rid` and the shapes of the model and optimizer."""
     return {"model": run["model"].state_dict(), "optimizer": run["opt"].state_dict(),
             "scheduler": run["sched"].state_dict(), "rng": capture_rng_state(),
-            "data": dict(run["data"]), "step": run["step"]}
+            "data": dict(run["data"]), "step": run["step"],
+            "run_id": rid, "shapes": training_shapes(run["model"], run["opt"])}
 
 
 def restore(run: dict, state: dict, rng: bool = True, data: bool = True) -> None:
@@ -180,32 +198,79 @@ def save_training_state(ckpt_dir: Path, state: dict, naive: bool = False) -> Pat
     return atomic_write(ckpt_dir / f"step_{state['step']:06d}.pt", write)
 
 
-def latest_checkpoint(ckpt_dir: Path, clean: bool = True) -> tuple[Path | None, list[Path]]:
-    """The newest complete checkpoint, and the incomplete saves (.tmp files) found (and removed)."""
+STEP_FILE = re.compile(r"step_\d{6}\.pt")
+
+
+def step_files(ckpt_dir: Path) -> list[Path]:
+    """The folder's checkpoints, oldest first (zero-padded steps sort by name)."""
+    return sorted(p for p in Path(ckpt_dir).glob("step_*.pt") if STEP_FILE.fullmatch(p.name))
+
+
+def remove_incomplete(ckpt_dir: Path) -> list[Path]:
+    """Remove the `.tmp` leftovers of saves killed mid-write (never a checkpoint: the rename that
+    would have made one never happened); returns them. Safe only while this run holds the lock:
+    another run's .tmp may be a save in progress."""
     incomplete = sorted(ckpt_dir.glob(".*.tmp"))
-    if clean:
-        for p in incomplete:
-            p.unlink()
-    complete = sorted(ckpt_dir.glob("step_*.pt"))
-    return (complete[-1] if complete else None), incomplete
+    for p in incomplete:
+        p.unlink()
+    return incomplete
+
+
+def load_verified(path: Path, rid: str, shapes: dict) -> dict:
+    """Verify, then load: every zip member's CRC-32 and `weights_only=True` (`load_checkpoint`),
+    then whose checkpoint it is (`check_identity`: this run's id, this model's shapes)."""
+    state = load_checkpoint(path)
+    check_identity(state, rid, shapes, path)
+    return state
+
+
+def newest_checkpoint(ckpt_dir: Path, rid: str, shapes: dict) -> tuple[Path | None, dict | None]:
+    """(path, state) of the newest step_NNNNNN.pt that verifies and is this run's, walking back
+    from the newest; each one skipped is logged in one line (`newest_verified`). (None, None)
+    when there is none; `CheckpointError` when there are some and none verifies."""
+    return newest_verified(step_files(ckpt_dir), lambda p: load_verified(p, rid, shapes),
+                           describe=lambda p: p.name)
+
+
+def set_aside(rejected: list[Path]) -> None:
+    """Checkpoints newer than the one resumed from failed verification: this run saves those steps
+    again, so each is renamed `<name>.rejected` first, kept for whoever investigates, never
+    overwritten or deleted."""
+    for p in rejected:
+        target, n = p.with_name(p.name + ".rejected"), 1
+        while target.exists():
+            target, n = p.with_name(f"{p.name}.rejected{n}"), n + 1
+        p.rename(target)
+        log.warning("kept %s as %s (skipped above; this run saves its step again)",
+                    p.name, target.name)
 
 
 def run_with_checkpoints(cfg: Config, X, Y, rec: RunRecorder) -> dict:
-    """The real-job loop: resume from the latest complete checkpoint if any, save every k steps."""
+    """The real-job loop: take the checkpoint folder (one run at a time), resume from the newest
+    checkpoint that verifies if any, save every k steps."""
     ckpt_dir, run = Path(cfg.ckpt_dir), new_run(cfg, X.device)
-    path, incomplete = latest_checkpoint(ckpt_dir)
-    for p in incomplete:
-        log.info("removed an incomplete save: %s", p.name)
-    if path is not None:
-        restore(run, load_checkpoint(path))  # on the CPU: set_rng_state takes CPU tensors only
-        log.info("resumed from %s at step %d", path.name, run["step"])
-    first, losses = run["step"], []
-    while run["step"] < cfg.steps:
-        k = cfg.save_every or cfg.steps
-        losses += train(cfg, run, X, Y, min(cfg.steps, (run["step"] // k + 1) * k))
-        if cfg.save_every and run["step"] % cfg.save_every == 0:
-            save_training_state(ckpt_dir, training_state(run), naive=cfg.naive_save)
-            log.info("saved step %d", run["step"])
+    rid, shapes = run_id(rec.out), training_shapes(run["model"], run["opt"])
+    lock_folder(ckpt_dir, "--ckpt-dir")  # a second run on this folder is refused here
+    if os.environ.get("CH12_STOP_AFTER_LOCK") == "1":  # test hook: hold the lock until SIGCONT
+        os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        incomplete = remove_incomplete(ckpt_dir)
+        for p in incomplete:
+            log.info("removed an incomplete save: %s", p.name)
+        path, state = newest_checkpoint(ckpt_dir, rid, shapes)
+        if path is not None:
+            set_aside([p for p in step_files(ckpt_dir) if p.name > path.name])
+            restore(run, state)  # loaded on the CPU: set_rng_state takes CPU tensors only
+            log.info("resumed from %s at step %d", path.name, run["step"])
+        first, losses = run["step"], []
+        while run["step"] < cfg.steps:
+            k = cfg.save_every or cfg.steps
+            losses += train(cfg, run, X, Y, min(cfg.steps, (run["step"] // k + 1) * k))
+            if cfg.save_every and run["step"] % cfg.save_every == 0:
+                save_training_state(ckpt_dir, training_state(run, rid), naive=cfg.naive_save)
+                log.info("saved step %d", run["step"])
+    finally:
+        unlock_folder(ckpt_dir)
     rec.figure("resumed from step", first)
     rec.figure("incomplete saves found and removed", len(incomplete))
     return {"first_step": first, "losses": losses}
@@ -219,12 +284,14 @@ def resume_demo(cfg: Config, X, Y, rec: RunRecorder) -> dict:
     seed_everything(cfg.seed)
     first = new_run(cfg, X.device)
     head = train(cfg, first, X, Y, cfg.stop_at)
-    path = save_training_state(rec.out / "ckpt", training_state(first))
+    rid = run_id(rec.out)
+    path = save_training_state(rec.out / "ckpt", training_state(first, rid))
     tails = {}
     for name, rng, data in (("full", True, True), ("no RNG", False, True), ("no data position", True, False)):
         seed_everything(cfg.seed + 1)  # a new process: other RNG states, fresh objects
         run = new_run(cfg, X.device)
-        restore(run, load_checkpoint(path), rng=rng, data=data)  # CPU: RNG states must stay there
+        state = load_verified(path, rid, training_shapes(run["model"], run["opt"]))  # on the CPU
+        restore(run, state, rng=rng, data=data)
         tails[name] = train(cfg, run, X, Y, cfg.steps)
     for name, tail in tails.items():
         same = head + tail == reference

@@ -8,6 +8,9 @@ would), loaded and continued. Every rank's losses and final shards must equal th
 run's bit for bit (same machine, same world). DCP treats a plain tensor that every rank saves
 under one key as replicated and stores one rank's copy: the negative controls show per-rank state
 cross-wired that way, and resumes without the RNG, the data position or the loader's own generator.
+Every DCP folder gets a SHA-256 manifest written last (`save_dcp`) and is verified before it is
+loaded; DCP's pickled `.metadata` is read through a restricted unpickler only (`load_dcp`,
+`read_dcp_metadata`): DCP itself checks no checksum and un-pickles whatever the folder holds.
 
 Run:
     torchrun --standalone --nproc_per_node=2 chapters/ch12_checkpointing/resume_dcp.py
@@ -23,21 +26,35 @@ Run:
 """
 
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from chapters.ch12_checkpointing.resume import make_deterministic
-from common.checkpoint import save_checkpoint
+from chapters.ch12_checkpointing.resume import make_deterministic, set_aside
+from common.checkpoint import (
+    CheckpointError,
+    FolderInUseError,
+    check_identity,
+    load_dcp,
+    lock_folder,
+    newest_verified,
+    read_dcp_metadata,
+    run_id,
+    save_checkpoint,
+    save_dcp,
+    training_shapes,
+    unlock_folder,
+    verify_dcp,
+)
 from common.config import RunConfig, parse_config
 from common.data import regression_data
 from common.distributed import (
@@ -62,7 +79,7 @@ class Config(RunConfig):
     stop_at: int = 5
     """Demo: the step after which the run is saved, rebuilt from other seeds, loaded and continued."""
     ckpt_dir: str = ""
-    """Folder of step_NNNNNN DCP checkpoints; when set, resume from its newest complete one and train to --steps."""
+    """Folder of step_NNNNNN DCP checkpoints; when set, resume from its newest one that verifies and train to --steps."""
     save_every: int = 4
     """With --ckpt-dir: save after every this many steps."""
     kill_at: int = 0
@@ -94,24 +111,25 @@ class Config(RunConfig):
 
 def validate(cfg: Config, world_size: int) -> None:
     """The batch is per rank and DistributedSampler pads the data set to a multiple of the world
-    (any world from 1 to 16 and beyond runs). A --ckpt-dir checkpoint resumes on the world that
-    saved it: its RNG streams and data positions are per rank."""
-    path = latest_complete(Path(cfg.ckpt_dir)) if cfg.ckpt_dir else None
-    if path is not None:
-        saved = len(stored_keys(path, ".rng.torch"))  # one rank-keyed RNG entry per saving rank
-        if saved != world_size:
-            raise ValueError(f"{path} was saved by {saved} ranks and resume_dcp.py resumes on the "
-                             f"same number (per-rank RNG and data positions; chapter 13 resumes "
-                             f"on any world)")
+    (any world from 1 to 16 and beyond runs). Nothing in --ckpt-dir is read here: a folder is
+    read only once it has verified, and its metadata only through the restricted unpickler (an
+    earlier version read `.metadata` here with DCP's plain reader, so a crafted file ran code
+    before the run had even started). The world a checkpoint was saved by is checked after
+    verification (`check_world`)."""
+
+
+def mlp(cfg: Config) -> nn.Sequential:
+    """The model, unsharded: an MLP with dropout."""
+    return nn.Sequential(nn.Linear(D_IN, cfg.d_hidden), nn.ReLU(), nn.Dropout(cfg.dropout),
+                         nn.Linear(cfg.d_hidden, cfg.d_hidden), nn.ReLU(), nn.Dropout(cfg.dropout),
+                         nn.Linear(cfg.d_hidden, 1))
 
 
 def build(cfg: Config, device: torch.device, seed: int):
-    """MLP with dropout, each Linear sharded by FSDP2 (dim 0 over the ranks), AdamW and a cosine
-    schedule; the weights are drawn from `seed` (the same on every rank)."""
+    """The MLP, each Linear sharded by FSDP2 (dim 0 over the ranks), AdamW and a cosine schedule;
+    the weights are drawn from `seed` (the same on every rank)."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(D_IN, cfg.d_hidden), nn.ReLU(), nn.Dropout(cfg.dropout),
-                          nn.Linear(cfg.d_hidden, cfg.d_hidden), nn.ReLU(), nn.Dropout(cfg.dropout),
-                          nn.Linear(cfg.d_hidden, 1)).to(device)
+    model = mlp(cfg).to(device)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
@@ -189,7 +207,7 @@ def load_training_state(path, run: dict, rng: bool = True, data: bool = True,
     The template is the state dict of the fresh run: DCP fills each tensor in place, on its
     device (RNG states are CPU tensors in the template, so they come back on the CPU)."""
     state = training_state(run, per_rank_key)
-    dcp.load(state, checkpoint_id=str(path))
+    load_dcp(state, path)  # restricted unpickler, weights_only=True; verify_dcp(path) comes first
     set_state_dict(run["model"], run["opt"], model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     run["sched"].load_state_dict(state["scheduler"])
@@ -220,28 +238,29 @@ def gather_losses(losses: list[float]) -> list[list[float]]:
 
 
 def shared_key_demo(folder: Path) -> dict:
-    """Each rank saves {"pos": tensor([rank])} with dcp.save, once under one key and once under
-    a rank-keyed entry, and loads both back. Returns the values this rank got."""
+    """Each rank saves {"pos": tensor([rank])} with DCP, once under one key and once under a
+    rank-keyed entry, and loads both back (verified first). Returns the values this rank got."""
     rank = dist.get_rank()
-    dcp.save({"pos": torch.tensor([rank])}, checkpoint_id=str(folder / "one_key"))
-    dcp.save({"per_rank": {f"rank{rank}": {"pos": torch.tensor([rank])}}},
-             checkpoint_id=str(folder / "rank_keyed"))
+    save_dcp({"pos": torch.tensor([rank])}, folder / "one_key")
+    save_dcp({"per_rank": {f"rank{rank}": {"pos": torch.tensor([rank])}}}, folder / "rank_keyed")
     shared = {"pos": torch.tensor([-1])}
-    dcp.load(shared, checkpoint_id=str(folder / "one_key"))
+    verify_dcp(folder / "one_key")
+    load_dcp(shared, folder / "one_key")
     keyed = {"per_rank": {f"rank{rank}": {"pos": torch.tensor([-1])}}}
-    dcp.load(keyed, checkpoint_id=str(folder / "rank_keyed"))
+    verify_dcp(folder / "rank_keyed")
+    load_dcp(keyed, folder / "rank_keyed")
     return {"one_key": int(shared["pos"]), "rank_keyed": int(keyed["per_rank"][f"rank{rank}"]["pos"])}
 
 
 def stored_keys(path, suffix: str) -> list[str]:
-    """Keys of a DCP checkpoint's metadata that end with `suffix` (one per stored entry)."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
-    return sorted(k for k in meta.state_dict_metadata if k.endswith(suffix))
+    """Keys of a DCP checkpoint's metadata that end with `suffix` (one per stored entry), read
+    through the restricted unpickler (`read_dcp_metadata`): listing keys runs no code."""
+    return sorted(k for k in read_dcp_metadata(path).state_dict_metadata if k.endswith(suffix))
 
 
 def stored_files(path, key: str) -> list[str]:
     """The data files (one per writing rank: __<rank>_0.distcp) that hold entry `key`."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    meta = read_dcp_metadata(path)
     return sorted({info.relative_path for index, info in meta.storage_data.items() if index.fqn == key})
 
 
@@ -273,8 +292,10 @@ def resume_variants(cfg: Config, device: torch.device, folder: Path, own_loader_
     ref_losses = train(cfg, reference, cfg.steps)
     head_run = new_run(cfg, device, cfg.seed, own_loader_rng)
     head = train(cfg, head_run, cfg.stop_at)
-    dcp.save(training_state(head_run), checkpoint_id=str(folder / "rank_keyed"))
-    dcp.save(training_state(head_run, per_rank_key=False), checkpoint_id=str(folder / "one_key"))
+    save_dcp(training_state(head_run), folder / "rank_keyed")
+    save_dcp(training_state(head_run, per_rank_key=False), folder / "one_key")
+    verify_dcp(folder / "rank_keyed")  # what this run loads, it verifies first
+    verify_dcp(folder / "one_key")
     out = {"reference": ref_losses, "lrs": reference["lrs"]}
     for name in variants:
         run = new_run(cfg, device, cfg.seed + 1000, own_loader_rng)  # other weights, other streams
@@ -334,28 +355,83 @@ def record_resume(cfg: Config, info, rec: RunRecorder) -> dict:
             "lrs": res["lrs"]}
 
 
-def latest_complete(ckpt_dir: Path) -> Path | None:
-    """Newest step_NNNNNN folder that has DCP's .metadata: the coordinator writes it last, after
-    every rank's data, so a folder without it is a save that did not finish."""
-    done = sorted(p for p in Path(ckpt_dir).glob("step_*") if (p / ".metadata").exists())
-    return done[-1] if done else None
+STEP_FOLDER = re.compile(r"step_\d{6}")
 
 
-def run_with_checkpoints(cfg: Config, device: torch.device) -> dict:
-    """The loop a real job runs: resume from the newest complete checkpoint if any, save every
-    --save-every steps into a new folder (never over the last good one)."""
+def step_folders(ckpt_dir: Path) -> list[Path]:
+    """The folder's step_NNNNNN checkpoints, oldest first."""
+    return sorted(p for p in Path(ckpt_dir).glob("step_*") if STEP_FOLDER.fullmatch(p.name))
+
+
+def newest_checkpoint(ckpt_dir: Path, rid: str, shapes: dict) -> tuple[Path | None, dict | None]:
+    """(folder, manifest) of the newest step_NNNNNN folder that verifies (`verify_dcp`: every
+    file against its SHA-256 in manifest.json, which a save writes last, so a save that did not
+    finish has none) and is this run's (`check_identity` on the manifest's run id and shapes).
+    Collective: every rank walks the same folders to the same verdicts."""
+    def verify(path: Path) -> dict:
+        manifest = verify_dcp(path)
+        check_identity(manifest, rid, shapes, path)
+        return manifest
+
+    return newest_verified(step_folders(ckpt_dir), verify, describe=lambda p: p.name)
+
+
+def check_world(path: Path, world_size: int) -> None:
+    """A --ckpt-dir checkpoint resumes on the world that saved it: its RNG streams and data
+    positions are per rank. Counted in the (verified, safely read) metadata: one rank-keyed RNG
+    entry per saving rank. Collective verdict: every rank reads the same metadata."""
+    saved = len(stored_keys(path, ".rng.torch"))
+    if saved != world_size:
+        raise CheckpointError(f"{path} was saved by {saved} ranks and resume_dcp.py resumes on the "
+                              f"same number, not {world_size} (per-rank RNG and data positions; "
+                              f"chapter 13 resumes on any world)", collective=True)
+
+
+def lock_ckpt_dir(ckpt_dir: Path, wait_s: float = 3.0) -> None:
+    """Global rank 0 takes the folder's lock (one run at a time; several nodes of one job never
+    refuse each other) and every rank learns the verdict, so that no rank touches a folder that
+    another run holds and rank 0 alone says so, in one line."""
+    problem = None
+    if dist.get_rank() == 0:
+        try:
+            lock_folder(ckpt_dir, "--ckpt-dir", wait_s=wait_s)
+        except FolderInUseError as e:
+            problem = str(e)
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        error = FolderInUseError(box[0])
+        error.collective = True  # common.log.one_line_errors: rank 0 alone prints it
+        raise error
+
+
+def run_with_checkpoints(cfg: Config, device: torch.device, out: Path) -> dict:
+    """The loop a real job runs: take the checkpoint folder, resume from the newest checkpoint
+    that verifies and is this run's (run id in `out`), save every --save-every steps into a new
+    folder (never over the last good one), each with its manifest written last."""
     ckpt_dir = Path(cfg.ckpt_dir)
-    run = new_run(cfg, device, cfg.seed)
-    path = latest_complete(ckpt_dir)
-    if path is not None:
-        load_training_state(path, run)
-        log.info("resumed from %s at step %d", path.name, run["step"])
-    first, losses, end = run["step"], [], cfg.kill_at or cfg.steps
-    while run["step"] < end:
-        losses += train(cfg, run, min(end, (run["step"] // cfg.save_every + 1) * cfg.save_every))
-        if run["step"] % cfg.save_every == 0:
-            dcp.save(training_state(run), checkpoint_id=str(ckpt_dir / f"step_{run['step']:06d}"))
-            log.info("saved step %d", run["step"])
+    lock_ckpt_dir(ckpt_dir)
+    try:
+        run = new_run(cfg, device, cfg.seed)
+        rid, shapes = run_id(out), training_shapes(run["model"], run["opt"])
+        path, _ = newest_checkpoint(ckpt_dir, rid, shapes)
+        if path is not None:
+            check_world(path, dist.get_world_size())
+            if dist.get_rank() == 0:  # folders newer than it failed: kept, never saved over
+                set_aside([p for p in step_folders(ckpt_dir) if p.name > path.name])
+            dist.barrier()
+            load_training_state(path, run)
+            log.info("resumed from %s at step %d", path.name, run["step"])
+        first, losses, end = run["step"], [], cfg.kill_at or cfg.steps
+        while run["step"] < end:
+            losses += train(cfg, run, min(end, (run["step"] // cfg.save_every + 1) * cfg.save_every))
+            if run["step"] % cfg.save_every == 0:
+                save_dcp(training_state(run), ckpt_dir / f"step_{run['step']:06d}", run_id=rid,
+                         step=run["step"], shapes=shapes, world=dist.get_world_size())
+                log.info("saved step %d", run["step"])
+    finally:
+        if dist.get_rank() == 0:
+            unlock_folder(ckpt_dir)
     return {"first_step": first, "losses": losses}
 
 
@@ -366,7 +442,7 @@ def main(cfg: Config) -> int:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)
         if cfg.ckpt_dir:
-            out = run_with_checkpoints(cfg, info.device)
+            out = run_with_checkpoints(cfg, info.device, rec.out)
             rec.figure("resumed from step", out["first_step"])
             losses = {"first_step": out["first_step"], "losses": gather_losses(out["losses"])}
         else:

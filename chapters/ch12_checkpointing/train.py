@@ -4,7 +4,10 @@
 plus a metadata file describing the global tensors, so a checkpoint written by 2 ranks loads onto
 1, 4 or 8. This script trains an FSDP2 model, saves it blocking and asynchronously (training goes
 on while the write runs), reloads both and compares, writes a delta checkpoint of a sparsely
-updated embedding, and puts every size beside its formula.
+updated embedding, and puts every size beside its formula. DCP checks no checksum and un-pickles
+its `.metadata`: every folder here gets a SHA-256 manifest (written last, after an async save's
+future completes), is verified before it is loaded, and is read through a restricted unpickler
+(`common.checkpoint`); the time to hash and to verify is measured beside the save's.
 
 Run:
     python chapters/ch12_checkpointing/train.py                                   # one process
@@ -17,8 +20,10 @@ Run:
     srun --ntasks=16 --ntasks-per-node=8 python chapters/ch12_checkpointing/train.py --out /shared/fs/ch12
 """
 
+import hashlib
 import statistics
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +32,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,7 +44,18 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from chapters.ch12_checkpointing import delta as deltas
-from common.checkpoint import load_checkpoint, save_checkpoint
+from common.checkpoint import (
+    check_identity,
+    commit_dcp_manifest,
+    load_checkpoint,
+    load_dcp,
+    read_dcp_metadata,
+    run_id,
+    safe_load_planner,
+    save_checkpoint,
+    training_shapes,
+    verify_dcp,
+)
 from common.config import RunConfig, parse_config
 from common.data import regression_data
 from common.distributed import (
@@ -77,7 +92,7 @@ class Config(RunConfig):
     save_repeats: int = 3
     """Timed saves of each kind, after one untimed warm-up save of each kind (first-call costs)."""
     load_from: str = ""
-    """Only load this DCP checkpoint (written with any world size) and compare it to its full_state.pt."""
+    """Only load this DCP checkpoint (written with any world size, by the run whose --out this is) and compare it to its full_state.pt."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -139,10 +154,20 @@ def snapshot(state):
     return state.detach().clone() if isinstance(state, torch.Tensor) else state
 
 
-def load_sharded(path, model, opt) -> None:
-    """Read a DCP checkpoint into this world's shards, whatever world size wrote it."""
+def verified(path, rid: str, shapes: dict) -> dict:
+    """Verify a DCP folder before anything reads it: every file against its manifest (collective:
+    the ranks share the hashing), then whose it is (run id, global shapes: any world size passes).
+    Returns the manifest."""
+    manifest = verify_dcp(path)
+    check_identity(manifest, rid, shapes, path)
+    return manifest
+
+
+def load_sharded(path, model, opt, rid: str) -> None:
+    """Verify, then read a DCP checkpoint into this world's shards, whatever world size wrote it."""
+    verified(path, rid, training_shapes(model, opt))
     state = sharded_state(model, opt)  # the template: which pieces this rank needs
-    dcp.load(state, checkpoint_id=str(path))
+    load_dcp(state, path)  # .metadata through the restricted unpickler, bytes with weights_only
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
@@ -169,9 +194,8 @@ def adam_template(model) -> dict:
 def planned_reads(state: dict, path) -> dict[str, int]:
     """What `dcp.load(state, path)` will read on this rank: bytes per data file. DCP's file
     reader reads each stored chunk that overlaps this rank's shard whole, then narrows it."""
-    reader = dcp.FileSystemReader(str(path))
-    meta = reader.read_metadata()
-    planner = DefaultLoadPlanner()
+    meta = read_dcp_metadata(path)  # the restricted unpickler: reading a plan runs no code
+    planner = safe_load_planner()
     planner.set_up_planner(state, meta, is_coordinator=False)
     reads: dict[str, int] = {}
     for item in planner.create_local_plan().items:
@@ -180,15 +204,16 @@ def planned_reads(state: dict, path) -> dict[str, int]:
     return reads
 
 
-def reshard_check(path, cfg: Config | None = None, device: torch.device | None = None) -> dict:
-    """Load `path` (written by any world size) onto this world's shards on `device` (default: the
-    CPU); compare the gathered whole with full_state.pt. Returns this rank's shard rows, the
-    bytes it read per file and (rank 0) the max difference."""
+def reshard_check(path, rid: str, cfg: Config | None = None, device: torch.device | None = None) -> dict:
+    """Verify `path` (written by any world size, by run `rid`), load it onto this world's shards on
+    `device` (default: the CPU); compare the gathered whole with full_state.pt. Returns this
+    rank's shard rows, the bytes it read per file and (rank 0) the max difference."""
     cfg = cfg or Config()
-    model = shard_model(cfg, device or torch.device("cpu"))
+    model, opt = build_sharded(cfg, device or torch.device("cpu"))  # opt: for its shapes only
+    verified(path, rid, training_shapes(model, opt))
     state = {"model": get_model_state_dict(model), "optim": adam_template(model)}
     reads = planned_reads(state, path)
-    dcp.load(state, checkpoint_id=str(path))  # each rank reads only the chunks its shards need
+    load_dcp(state, path)  # each rank reads only the chunks its shards need
     set_model_state_dict(model, state["model"])
     whole = snapshot(tree_map_only(DTensor, lambda t: t.full_tensor().cpu(), state))  # collectives
     shards = {n: p.to_local().shape[0] for n, p in model.named_parameters()}
@@ -199,17 +224,18 @@ def reshard_check(path, cfg: Config | None = None, device: torch.device | None =
     return {"shards": shards, "reads": reads, "max_diff": max_state_diff(whole, saved)}
 
 
-def load_into_one_process(path, cfg: Config | None = None) -> dict:
+def load_into_one_process(path, rid: str, cfg: Config | None = None) -> dict:
     """No process group at all: a plain model and optimizer read the whole sharded checkpoint
-    (what evaluation or export does). Returns the loaded state."""
+    (what evaluation or export does), verified first. Returns the loaded state."""
     cfg = cfg or Config()
     torch.manual_seed(cfg.seed)
     model = MLP(cfg.d_in, cfg.d_hidden, 1, n_layers=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    verified(path, rid, training_shapes(model, opt))  # one process hashes every file
     state = sharded_state(model, opt)  # plain tensors: one "shard" holding everything
     with warnings.catch_warnings():  # "no process group: assuming one process" is the intent here
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        load_dcp(state, path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return snapshot(sharded_state(model, opt))
 
@@ -223,7 +249,7 @@ def save_local_shards(model, path: Path, rank: int) -> Path:
 
 def dcp_payload_bytes(path) -> int:
     """Tensor bytes the checkpoint's metadata describes (global shapes × dtype sizes)."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    meta = read_dcp_metadata(path)
     return sum(m.size.numel() * m.properties.dtype.itemsize
                for m in meta.state_dict_metadata.values() if hasattr(m, "size"))
 
@@ -237,27 +263,50 @@ def files_bytes(path: Path, pattern: str) -> list[int]:
     return [p.stat().st_size for p in sorted(path.glob(pattern))]
 
 
-def timed_saves(cfg: Config, model, opt, data, out: Path, info, async_pg) -> dict:
+def sha256_rate(n_bytes: int = 16 << 20) -> float:
+    """Bytes per second this CPU hashes with SHA-256 (hashlib, one thread): the cost model of a
+    manifest (each rank hashes its own shard) and of a verification (the ranks share the files)."""
+    block = bytes(n_bytes)  # SHA-256's speed does not depend on the bytes
+    hashlib.sha256(block[:1 << 20]).digest()  # warm-up
+    t0 = time.perf_counter()
+    hashlib.sha256(block).digest()
+    return n_bytes / (time.perf_counter() - t0)
+
+
+def timed_saves(cfg: Config, model, opt, data, out: Path, info, async_pg, meta: dict) -> dict:
     """Blocking and asynchronous DCP saves of the same state, each kind warmed up once first: the
     first save of a process pays one-time costs (planner and writer set-up, thread pool, first
     files) that would otherwise be charged to whichever kind runs first. Times are the slowest
     rank's (the next collective waits for it), device synchronised. The first timed blocking save
-    is `dcp`, the first timed async one `dcp_async` (both hold the state at that moment)."""
+    is `dcp`, the first timed async one `dcp_async` (both hold the state at that moment). Each
+    folder gets its manifest once its save has finished (`save_dcp` is `dcp.save` then
+    `commit_dcp_manifest`; split here to time the two); an async save's manifest is written after
+    its future completes, when every file exists. The blocking saves' manifests and a
+    verification of each are timed too."""
     def stall(t) -> float:
         return reduce_number(t.elapsed, "max")
 
-    times = {"block": [], "async": [], "async_total": []}
+    times = {"block": [], "async": [], "async_total": [], "manifest": [], "verify": []}
     with Timer(info.device) as t:
         dcp.save(sharded_state(model, opt), checkpoint_id=str(out / "warmup" / "block"))
     times["block_cold"] = stall(t)
+    commit_dcp_manifest(out / "warmup" / "block", **meta)
     with Timer(info.device) as t:
         dcp.async_save(sharded_state(model, opt), checkpoint_id=str(out / "warmup" / "async"),
                        process_group=async_pg).result()
     times["async_cold"] = stall(t)
+    commit_dcp_manifest(out / "warmup" / "async", **meta)
     for i in range(cfg.save_repeats):
+        target = out / ("dcp" if i == 0 else f"timing/block{i}")
         with Timer(info.device) as t:
-            dcp.save(sharded_state(model, opt), checkpoint_id=str(out / ("dcp" if i == 0 else f"timing/block{i}")))
+            dcp.save(sharded_state(model, opt), checkpoint_id=str(target))
         times["block"].append(stall(t))
+        with Timer(info.device) as t:  # each rank hashes its own file; rank 0 writes the manifest
+            commit_dcp_manifest(target, **meta)
+        times["manifest"].append(stall(t))
+        with Timer(info.device) as t:  # the ranks share the files; every file is read and hashed
+            verify_dcp(target)
+        times["verify"].append(stall(t))
     for i in range(cfg.save_repeats):
         target = out / ("dcp_async" if i == 0 else f"timing/async{i}")
         with Timer(info.device) as staged:  # returns once the state is copied aside
@@ -268,6 +317,7 @@ def timed_saves(cfg: Config, model, opt, data, out: Path, info, async_pg) -> dic
             future.result()
         times["async"].append(stall(staged))
         times["async_total"].append(reduce_number(staged.elapsed + total.elapsed, "max"))
+        commit_dcp_manifest(target, **{**meta, "step": meta["step"] + i * cfg.async_steps})
     return times
 
 
@@ -283,7 +333,7 @@ def main(cfg: Config) -> int:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)
         if cfg.load_from:  # reshard a checkpoint written by any world size onto this one
-            res = reshard_check(cfg.load_from, cfg, info.device)
+            res = reshard_check(cfg.load_from, run_id(rec.out), cfg, info.device)
             rec.check(f"loaded on {info.world_size} ranks == saved state", "parity",
                       reduce_number(res.get("max_diff", 0.0), "max"), 0.0)
             rec.figure("bytes read from the checkpoint, per rank",
@@ -305,14 +355,17 @@ def main(cfg: Config) -> int:
         # The writer's collectives stay off training's group; on GPUs async_save also refuses a
         # group without a CPU backend, and an NCCL default group has none.
         async_pg = dist.new_group(backend="gloo")
-        times = timed_saves(cfg, model, opt, data, rec.out, info, async_pg)
+        rid = run_id(rec.out)  # kept in --out: a later --load-from with this --out is this run
+        meta = {"run_id": rid, "step": cfg.steps, "shapes": training_shapes(model, opt)}
+        times = timed_saves(cfg, model, opt, data, rec.out, info, async_pg, meta)
         moved_on = full_state(model, opt)
 
-        # 2. Reload both into fresh sharded models and compare with the state at save time.
+        # 2. Reload both into fresh sharded models (verified first) and compare with the state
+        # at save time.
         fresh, fresh_opt = build_sharded(cfg, info.device)
-        load_sharded(rec.out / "dcp", fresh, fresh_opt)
+        load_sharded(rec.out / "dcp", fresh, fresh_opt, rid)
         reloaded = full_state(fresh, fresh_opt)  # a collective: outside any `if rank == 0`
-        load_sharded(rec.out / "dcp_async", fresh, fresh_opt)
+        load_sharded(rec.out / "dcp_async", fresh, fresh_opt, rid)
         reloaded_async = full_state(fresh, fresh_opt)
         blocking_diff = max_state_diff(reloaded, saved) if info.is_main else 0.0
         async_diff = max_state_diff(reloaded_async, saved) if info.is_main else 0.0
@@ -337,6 +390,14 @@ def main(cfg: Config) -> int:
         rec.figure("blocking save [median, min, max]", spread(times["block"]), unit="ms")
         rec.figure("async save: training waits [median, min, max]", spread(times["async"]), unit="ms")
         rec.figure("async save: until written [median, min, max]", spread(times["async_total"]), unit="ms")
+        # Integrity's price: hashing each rank's shard (the manifest) and every file (a verify),
+        # beside what SHA-256 at this CPU's rate predicts for the largest shard.
+        rate, per_rank = sha256_rate(), sum(files_bytes(rec.out / "dcp", "*")) / info.world_size
+        rec.figure("SHA-256 rate, one thread", round(rate / 1e6, 1), unit="MB/s")
+        rec.figure("manifest: hash own shard + write [median, min, max]", spread(times["manifest"]),
+                   expected=round(max(shard_files) / rate * 1e3, 2), unit="ms")
+        rec.figure("verify before load [median, min, max]", spread(times["verify"]),
+                   expected=round(per_rank / rate * 1e3, 2), unit="ms")
         rec.check("async stalls training less than a blocking save (median)", "timing",
                   spread(times["async"])[0], spread(times["block"])[0], compare="<")
         if info.is_main:
