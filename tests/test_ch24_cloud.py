@@ -5,11 +5,19 @@ cloud launcher templates validate against their request schemas and start a real
 options it accepts. The script's exit status after a notice (143 on every rank) is read from `main`
 on spawned ranks: torchrun exits 1 after a signal, whatever its workers returned.
 
+Checkpoints that cannot lie: faults injected into a saved run's newest step (objects missing, a
+missing shard, 16 flipped bytes, truncation, a torn manifest, damage before hashing, a crafted
+pickle with a matching manifest) are each skipped in one line for the step before, which is left
+byte-identical and from which the run ends exactly as a resume from it does; all steps bad, another
+run's or another model's checkpoint are refused in one line; a second run on a busy --out or
+--ckpt-url is refused naming the first one's pid; two ranks agree on one verdict.
+
 References are computed here: an undisturbed run of the same code on two spawned gloo ranks (the
 same computation: tolerance 0) and a hand-written one-process loop (another summation order:
 1e-12). Negative controls: resuming without the data position or without the RNG state lands
-elsewhere; a manifest written before the data objects leaves a committed step that does not load;
-a wrong field, a wrong type, an unknown script and an unknown option each fail a template.
+elsewhere; a manifest written before the data objects commits a step whose objects are missing;
+the crafted pickle runs when loaded without `weights_only`; a wrong field, a wrong type, an unknown
+script, an unknown option and an --out on the container's disk each fail a template.
 """
 
 from __future__ import annotations
