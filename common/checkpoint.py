@@ -227,12 +227,14 @@ def newest_verified(candidates: Iterable, verify: Callable, describe: Callable =
     from common.log import log
 
     candidates, reasons = list(candidates), []
+    # (a collective `verify` raises the same collective error on every rank: only rank 0 logs it)
     for c in reversed(candidates):
         try:
             return c, verify(c)
         except CheckpointError as e:
             reasons.append(str(e))
-            log.warning("skipping checkpoint %s: %s", describe(c), e)
+            if not e.collective or _rank() == 0:  # one verdict of every rank: rank 0 says it
+                log.warning("skipping checkpoint %s: %s", describe(c), e)
     if not candidates:
         return None, None
     raise CheckpointError(f"none of the {len(candidates)} checkpoints verifies "
@@ -245,6 +247,12 @@ def _dist_ready() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if _dist_ready() else 0
 
 
 def _broadcast_object(obj, src: int = 0):
