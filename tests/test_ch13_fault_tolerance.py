@@ -427,7 +427,7 @@ def _fault_cases(folder: str) -> dict:
     used = train.load_state(ckpt, rank, 2)["step"]
     out["load only"] = (used, (ckpt / "latest").read_text(), sorted(p.name for p in ckpt.glob("step*")))
     # `latest` is a hint: torn, the folders speak for themselves (no fallback needed).
-    out["torn latest"] = resume(prepared("torn latest", lambda c: (c / "latest").write_bytes(b"\x00\x1f")))
+    out["torn latest"] = resume(prepared("torn latest", lambda c: (c / "latest").write_bytes(b"1\xff")))
     # Refusals: every checkpoint bad; another run's (another --out: another run id); another model.
     both = prepared("all bad", lambda c: [flip_weight_bytes(c / s / "state.pt")
                                           for s in ("step000005", "step000010")])

@@ -27,10 +27,8 @@ Run:
         --out /shared/run13                                 # Slurm (a requeued job resumes)
 """
 
-import contextlib
 import hashlib
 import io
-import logging
 import math
 import os
 import re
@@ -240,19 +238,19 @@ def group_rank() -> int:
 
 def candidates(ckpt_dir: Path) -> list[Path]:
     """The checkpoints a resume may use, oldest first: every step folder holding a manifest (a
-    committed save), and the one `latest` names. `latest` is a hint: a folder it names without
-    a manifest is a damaged checkpoint, not an unfinished save, and is reported as such; a
-    torn `latest` is reported and the folders speak for themselves."""
+    committed save), and the one `latest` names. `latest` is a hint: a folder it names is tried
+    even without a manifest (a committed folder that lost it is skipped in a line, not ignored);
+    a torn `latest` is reported and the folders speak for themselves."""
     found = {p for p in ckpt_dir.glob("step*")
              if STEP_FOLDER.fullmatch(p.name) and (p / MANIFEST).exists()}
     try:
-        text = (ckpt_dir / "latest").read_text()
-        found.add(ckpt_dir / f"step{int(text):06d}")
+        text = (ckpt_dir / "latest").read_bytes().decode(errors="replace")
     except FileNotFoundError:
-        pass
-    except (ValueError, UnicodeDecodeError):
-        if group_rank() == 0:
-            log.warning("%s is torn (%r): trying the step folders", ckpt_dir / "latest", text[:20])
+        return sorted(found)
+    if text.strip().isdigit():
+        found.add(ckpt_dir / f"step{int(text):06d}")
+    elif group_rank() == 0:
+        log.warning("%s is torn (%r): trying the step folders", ckpt_dir / "latest", text[:20])
     return sorted(found)
 
 
@@ -301,19 +299,6 @@ def agreed(verify):
     return verdict
 
 
-@contextlib.contextmanager
-def rank0_says(rank: int):
-    """`newest_verified` logs every skipped checkpoint on every rank; the verdicts here are the
-    ranks' common ones, so rank 0 alone says them."""
-    level = log.level
-    if rank != 0:
-        log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
 def keep_aside(folder: Path) -> Path:
     """Rename a rejected checkpoint out of the way (`step000010.rejected`, `.rejected2`, ...):
     the resumed run saves that step again, and the damaged one stays for whoever looks."""
@@ -343,8 +328,8 @@ def load_state(ckpt_dir: Path, rank: int, world_size: int, identity: dict | None
             rejected.append(folder)
             raise
 
-    with rank0_says(group_rank()):
-        folder, state = newest_verified(candidates(ckpt_dir), verify, describe=lambda p: p.name)
+    # (the verdicts are collective, so `newest_verified` has rank 0 alone say what it skips)
+    folder, state = newest_verified(candidates(ckpt_dir), verify, describe=lambda p: p.name)
     if state is None:
         return None
     if identity is not None:
