@@ -69,7 +69,11 @@ class CheckpointError(RuntimeError):
 
 
 class FolderInUseError(RuntimeError):
-    """Another run holds the folder's lock."""
+    """Another run holds the folder's lock (`collective` as for `CheckpointError`)."""
+
+    def __init__(self, message: str, collective: bool = False):
+        super().__init__(message)
+        self.collective = collective
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -339,14 +343,28 @@ def lock_folder(folder: str | os.PathLike, what: str = "--out", wait_s: float = 
         import fcntl
     except ImportError:  # Windows: no flock; the course's multi-rank runs need Linux or macOS
         return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        # a restart: the dead rank's DataLoader workers (forked, holding the lock's descriptor)
+        # may outlive it by their watchdog's few seconds
+        wait_s = max(wait_s, 15.0)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"cannot use {what} {folder}: {e.strerror or e}") from None
     deadline = time.monotonic() + wait_s
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
-        except BlockingIOError:
+        except OSError as e:
+            if not isinstance(e, BlockingIOError):  # ENOLCK, EOPNOTSUPP: a file system without flock
+                from common.log import log
+
+                os.close(fd)
+                log.warning("cannot lock %s %s on this file system (%s): a second run on it would "
+                            "not be refused", what, folder, e.strerror or e)
+                return folder
             if time.monotonic() >= deadline:
                 holder = os.pread(fd, 4096, 0).decode(errors="replace")
                 os.close(fd)
@@ -405,9 +423,24 @@ _DCP_METADATA_CLASSES = {
 }
 
 
-class RestrictedUnpickler(pickle.Unpickler):
+def _buildable() -> tuple[type, ...]:
+    """The only types whose instances a DCP `.metadata` may set state on (pickle's BUILD)."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    return (metadata.Metadata, metadata.MetadataIndex, metadata.StorageMeta,
+            metadata.TensorProperties, metadata.TensorStorageMetadata,
+            metadata.BytesStorageMetadata, metadata.ChunkStorageMetadata, filesystem._StorageInfo)
+
+
+class RestrictedUnpickler(pickle._Unpickler):
     """An unpickler that builds only DCP metadata's classes and torch's dtypes (the "restricting
-    globals" recipe of Python's pickle documentation)."""
+    globals" recipe of Python's pickle documentation), and sets state (BUILD) only on instances
+    of DCP's metadata dataclasses: C's unpickler would `setattr` on anything on its stack, a
+    class or a function included, so a crafted file could rewrite `pathlib.PosixPath` for the
+    rest of the process. This is Python's own unpickler (the `_Unpickler` class `pickle` keeps for
+    that purpose), with its BUILD guarded; metadata is small, its speed does not matter."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -416,10 +449,21 @@ class RestrictedUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
+    def load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]  # BUILD pops the state, sets it on inst
+        if type(inst) not in _buildable():
+            raise pickle.UnpicklingError(f"DCP metadata may not set state on {type(inst).__name__}")
+        for part in state if isinstance(state, tuple) else (state,):
+            if isinstance(part, dict) and any(not isinstance(k, str) or k.startswith("__") for k in part):
+                raise pickle.UnpicklingError("DCP metadata may not set special attributes")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = load_build
+
 
 def _safe_reader_class():
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     class SafeReader(FileSystemReader):
         """DCP's file-system reader with `.metadata` read through `RestrictedUnpickler`."""
@@ -429,6 +473,8 @@ def _safe_reader_class():
             try:
                 with open(path, "rb") as f:
                     metadata = RestrictedUnpickler(f).load()
+                if not isinstance(metadata, Metadata):
+                    raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}")
             except FileNotFoundError:
                 raise CheckpointError(f"{path.parent} has no .metadata: not a DCP checkpoint") from None
             except Exception as e:

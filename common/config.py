@@ -195,6 +195,7 @@ def parse_config(cls: type, argv: list[str] | None = None, description: str | No
     if argv is None:  # a script's own command line, not a test or a precheck: a real run
         _check_device(cfg, parser.prog)
         _check_folders(cfg, parser.prog)
+        _lock_folders(cfg, parser.prog)
         _start_library_log(cfg)
         from common.log import one_line_errors
 
@@ -202,7 +203,16 @@ def parse_config(cls: type, argv: list[str] | None = None, description: str | No
     return cfg
 
 
-FOLDER_OPTIONS = ("out", "ckpt_dir")  # the config fields that name a folder a run writes
+# The config fields that name a folder a run writes (`ckpt_url` when it is a local path)
+FOLDER_OPTIONS = ("out", "ckpt_dir", "ckpt_url")
+
+
+def local_folder(value: str) -> str | None:
+    """The local path a folder option names: a path, or a file:// URL; None for another URL
+    (an object store: s3://, gs://, memory://), which no local check or lock applies to."""
+    if value.startswith("file://"):
+        return value[len("file://"):]
+    return None if "://" in value else value
 
 
 def _check_folders(cfg, prog: str) -> None:
@@ -212,7 +222,7 @@ def _check_folders(cfg, prog: str) -> None:
     from common.checkpoint import check_writable_folder
 
     for name in FOLDER_OPTIONS:
-        value = getattr(cfg, name, "")
+        value = local_folder(getattr(cfg, name, ""))
         if not value:
             continue
         try:
@@ -239,6 +249,46 @@ def _check_device(cfg, prog: str) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+LOCKED_ENV = "COURSE_LOCKED_FOLDERS"  # the folders this launch's global rank 0 holds
+
+
+def _lock_folders(cfg, prog: str) -> None:
+    """One run per folder: global rank 0 locks `--out` (default or given) and `--ckpt-dir`
+    (`common.checkpoint.lock_folder`) before any process group exists and before anything in
+    them is touched (the library log of the run that holds them stays). A folder held by another
+    run ends this one in one line naming the holder; the other ranks, waiting for rank 0 in
+    `init_process_group`, are stopped by their launcher. Processes this one starts itself
+    (`mp.spawn`, a launcher script's torchrun) inherit the list in COURSE_LOCKED_FOLDERS and do
+    not lock those again."""
+    if launch_world_size()[1] != 0:
+        return
+    from pathlib import Path
+
+    import __main__
+    from common.checkpoint import FolderInUseError, lock_folder
+
+    script = getattr(__main__, "__file__", None)
+    folders = []
+    if getattr(cfg, "out", "") or script:
+        from common.results import default_out_dir
+
+        folders.append(("--out", cfg.out or default_out_dir(script)))
+    for name in FOLDER_OPTIONS[1:]:
+        folder = local_folder(getattr(cfg, name, ""))
+        if folder:
+            folders.append(("--" + name.replace("_", "-"), folder))
+    held = [p for p in os.environ.get(LOCKED_ENV, "").split(os.pathsep) if p]
+    for what, folder in folders:
+        if str(Path(folder).resolve()) in held:
+            continue  # a process of this launch holds it: this one was started by it
+        try:
+            held.append(str(lock_folder(folder, what)))
+        except FolderInUseError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            sys.exit(1)
+    os.environ[LOCKED_ENV] = os.pathsep.join(held)
 
 
 def _start_library_log(cfg) -> None:

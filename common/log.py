@@ -299,9 +299,11 @@ def one_line_errors(prog: str) -> None:
             line = error_line(error)
         else:
             return default(kind, error, tb)
-        if getattr(error, "collective", False) and os.environ.get("RANK", "0") != "0":
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))  # torchrun's, or srun's
+        # DCP gathers its failures to every rank: its exception is one verdict, like `collective`
+        collective = getattr(error, "collective", False) or isinstance(error, CheckpointException)
+        if collective and rank not in (None, "0"):
             return
-        rank = os.environ.get("RANK")
         who = f" (rank {rank})" if rank not in (None, "0") else ""
         print(f"{prog}: error{who}: {line}", file=sys.stderr, flush=True)
 

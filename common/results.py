@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint import atomic_write, lock_folder, unlock_folder
-from common.config import config_dict
+from common.config import LOCKED_ENV, config_dict
 from common.log import library_log, library_output, log, name_library_log, shown_path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -174,17 +175,20 @@ class RunRecorder:
         self.start = time.perf_counter()
         self._metrics = self._tb = None
         self._locked = False
+        if self.is_main:
+            # One run per folder: a second run on this --out is refused before it touches the
+            # first one's files (common.checkpoint.lock_folder; released by `finish` or when the
+            # process ends). `parse_config` has usually taken it already, before any process
+            # group (COURSE_LOCKED_FOLDERS). A test or notebook calling a script's main in its own
+            # process takes no lock: the process outlives the run.
+            held = os.environ.get(LOCKED_ENV, "").split(os.pathsep)
+            self._locked = _is_main_script(script_file) and str(self.out.resolve()) not in held
+            if self._locked:
+                lock_folder(self.out, "--out")
         if _is_main_script(script_file):  # not a test or notebook calling in process
             library_log(self.out, info.rank if info is not None else 0)
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
-            # One run per folder: a second run on this --out is refused here, before it truncates
-            # the first one's metrics (common.checkpoint.lock_folder; released by `finish` or when
-            # the process ends). A test or notebook calling a script's main in its own process
-            # takes no lock: the process outlives the run.
-            self._locked = _is_main_script(script_file)
-            if self._locked:
-                lock_folder(self.out, "--out")
             self._metrics = open(self.out / "metrics.jsonl", "w")
             if getattr(cfg, "tensorboard", False):
                 with library_output():

@@ -887,6 +887,20 @@ def _dcp_on_ranks(folder: str, marker: str) -> dict:
             out[what] = None
         except checkpoint.CheckpointError as e:
             out[what] = str(e)
+    # a manifest that leaves out a shard the metadata points to (re-sealed: its own entries verify)
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(Path(folder) / "good", Path(folder) / "unlisted")
+        manifest = checkpoint.read_manifest(Path(folder) / "unlisted")
+        del manifest["files"]["__1_0.distcp"]
+        checkpoint.write_manifest(Path(folder) / "unlisted", manifest.pop("files"), **manifest)
+    dist.barrier()
+    try:
+        checkpoint.verify_dcp(Path(folder) / "unlisted")
+        out["unlisted"] = None
+    except checkpoint.CheckpointError as e:
+        out["unlisted"] = str(e)
     return out
 
 
@@ -908,9 +922,36 @@ def test_dcp_saved_with_a_manifest_verified_and_loaded_safely(tmp_path):
         assert "a save that did not finish" in r["raw"][0]
         assert "posix.system is not allowed in DCP metadata" in r["read"]
         assert "posix.system is not allowed" in r["load"]
+        assert r["unlisted"] == f"{tmp_path}/unlisted: __1_0.distcp is read by a load but not in its manifest"
     assert not marker.exists()
     one = launch.run_on_ranks(_load_resharded, 1, str(tmp_path / "good"), timeout=60)
     assert one == [{"step": 7, "params": 8 * 16 + 16 + 16 + 1}]
+
+
+# BUILD on the class pathlib.PosixPath itself: with C's unpickler, every later Path in the process
+# reads "/tmp/evil" (open(), torch.save() of any path would go there): a rewrite, not a call.
+REWRITE_PATHLIB = b"\x80\x02cpathlib\nPosixPath\nN}X\x04\x00\x00\x00_strX\t\x00\x00\x00/tmp/evils\x86b."
+
+
+def test_restricted_unpickler_sets_state_on_dcp_instances_only(tmp_path):
+    """Restricting the globals is not enough: pickle's BUILD sets attributes on whatever is on
+    the stack, an allowed class included. The control: C's unpickler, given the same 50 bytes,
+    rewrites pathlib.PosixPath for the whole process (checked in a child process). The safe
+    reader refuses them, and a .metadata that is not a Metadata (None, a dict) in one line."""
+    import pickle
+    import subprocess
+
+    control = subprocess.run([sys.executable, "-c", "import pickle, pathlib, sys; "
+                              f"pickle.loads({REWRITE_PATHLIB!r}); print(pathlib.Path('/x/y'))"],
+                             capture_output=True, text=True, timeout=60)
+    assert control.stdout.strip() == "/tmp/evil"
+    for payload, reason in ((REWRITE_PATHLIB, "may not set state on type"),
+                            (pickle.dumps(None), "it holds a NoneType"),
+                            (pickle.dumps({"storage_data": {}}), "it holds a dict")):
+        (tmp_path / ".metadata").write_bytes(payload)
+        with pytest.raises(checkpoint.CheckpointError, match=reason):
+            checkpoint.read_dcp_metadata(tmp_path)
+    assert str(Path("/x/y")) == "/x/y"
 
 
 def _load_resharded(folder: str) -> dict:
@@ -1044,58 +1085,79 @@ def test_faults_end_in_one_line(tmp_path, monkeypatch, capsys):
                                                          "file, not a folder")
 
 
-TWO_RUNS = '''
+TWO_RUNS = """
 import sys, time
 from dataclasses import dataclass
+from pathlib import Path
 from common.config import RunConfig, parse_config
+from common.distributed import setup_distributed, teardown_distributed
 from common.results import RunRecorder
 
 @dataclass
 class Config(RunConfig):
-    sleep: float = 0.0
-    """Seconds between metrics lines."""
+    until: str = ""
+    \"\"\"Log a metrics line every 0.05 s until this file exists.\"\"\"
 
 def main(cfg):
-    rec = RunRecorder(cfg, __file__)
-    for step in range(cfg.steps):
-        rec.metrics(step, loss=1.0 / (step + 1))
-        time.sleep(cfg.sleep)
-    rec.check("ran", "count", cfg.steps, cfg.steps)
-    return rec.finish()
+    info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
+    try:
+        rec = RunRecorder(cfg, __file__, info)
+        step = 0
+        while step < cfg.steps or (cfg.until and not Path(cfg.until).exists()):
+            rec.metrics(step, loss=1.0 / (step + 1))
+            step += 1
+            time.sleep(0.05)
+        rec.check("ran", "count", step >= cfg.steps, True)
+        return rec.finish()
+    finally:
+        teardown_distributed()
 
 if __name__ == "__main__":
     sys.exit(main(parse_config(Config)))
-'''
+"""
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_a_second_run_on_the_same_out_is_refused_and_the_first_is_intact(tmp_path):
-    """Two runs on one --out used to interleave metrics.jsonl: now the second is refused in one
-    line naming the first's pid, and the first's metrics are whole. When the first has ended,
-    the folder is free again."""
+    """Two runs on one --out used to interleave metrics.jsonl: now a second run, one process or
+    two ranks under the course's launcher, is refused in one line naming the first's pid (the
+    two-rank one: that line and the launcher's summary, no traceback from the other rank), and
+    the first's metrics and library log are whole. When the first has ended, the folder is free."""
+    import socket
     import subprocess
 
     script = tmp_path / "two.py"
     script.write_text(TWO_RUNS)
-    out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(results.REPO_ROOT)}
-    first = subprocess.Popen([sys.executable, str(script), "--out", str(out), "--steps", "40",
-                              "--sleep", "0.25"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
-    deadline = time.monotonic() + 60
-    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
-        assert time.monotonic() < deadline and first.poll() is None
-        time.sleep(0.1)
-    second = subprocess.run([sys.executable, str(script), "--out", str(out), "--steps", "3"],
-                            capture_output=True, text=True, timeout=60, env=env)
-    assert first.poll() is None, "the first run must still be running while the second is refused"
-    assert second.returncode == 1
-    assert second.stderr.strip().splitlines() == [
-        f"two.py: error: --out {out} is in use by another run (pid {first.pid} on "
-        f"{__import__('socket').gethostname()}): wait for it to end, or give this run another --out"]
-    assert first.wait(timeout=60) == 0
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == list(range(40))
+    out, release = tmp_path / "out", tmp_path / "release"
+    env = {**os.environ, "PYTHONPATH": str(results.REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([sys.executable, str(script), "--out", str(out), "--steps", "3",
+                              "--until", str(release)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.1)
+        (out / "library.log").write_text("the first run's library log\n")
+        refusal = (f"two.py: error: --out {out} is in use by another run (pid {first.pid} on "
+                   f"{socket.gethostname()}): wait for it to end, or give this run another --out")
+        second = subprocess.run([sys.executable, str(script), "--out", str(out)],
+                                capture_output=True, text=True, timeout=60, env=env)
+        assert (second.returncode, second.stderr.strip().splitlines()) == (1, [refusal])
+        ranks = subprocess.run([sys.executable, str(results.REPO_ROOT / "tools" / "torchrun.py"),
+                                "--standalone", "--nproc_per_node=2", str(script), "--out", str(out)],
+                               capture_output=True, text=True, timeout=90, env=env)
+        assert ranks.returncode == 1
+        assert ranks.stderr.strip().splitlines() == [
+            refusal, f"course: {script} failed: rank 0 exited with code 1 first; torchrun then "
+                     "stopped 1 other rank. Its own messages are above."]
+        assert first.poll() is None, "the first run must still be running"
+        assert (out / "library.log").read_text() == "the first run's library log\n"
+    finally:
+        release.write_text("")
+    assert first.wait(timeout=60) == 0, first.stderr.read()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(len(steps))) and len(steps) >= 3
     again = subprocess.run([sys.executable, str(script), "--out", str(out), "--steps", "2"],
                            capture_output=True, text=True, timeout=60, env=env)
     assert again.returncode == 0, again.stderr

@@ -310,8 +310,8 @@ HOLD_PORT = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1',
 @pytest.mark.timeout(60)
 def test_a_rendezvous_port_held_by_another_program_is_refused_in_one_line(tmp_path):
     """A raw torchrun whose `--rdzv-endpoint` port here is held by a program that is not a
-    torchrun agent waits silently until its join timeout (600 s); tools/torchrun.py names the
-    program in one line within seconds. Controls: a free port, and a port held by a process whose
+    torchrun agent blocks silently (chapter 13: 700 s, no timeout bounds it); tools/torchrun.py
+    names the program in one line within seconds. Controls: a free port, and a port held by a process whose
     command line reads like a torchrun agent (a second node started on this machine), pass."""
     from common.distributed import free_port
     from tools import torchrun as launcher

@@ -9,10 +9,11 @@ with that code.
 
 Before starting, a rendezvous endpoint on this machine (`--rdzv-endpoint HOST:PORT`, or
 `--master-addr/--master-port` without `--standalone`) whose port another program already listens on
-is refused in one line naming the program: torchrun's agent would find the port taken, assume
-another agent hosts the store there, and wait without a word until its join timeout (600 s by
-default; `--rdzv-conf join_timeout=SECONDS`). A port held by another torchrun agent (a second
-node started on this machine) is left alone. Everything else is torchrun's own `main`.
+is refused in one line naming the program: torchrun's c10d agent would find the port taken, assume
+another agent hosts the store there, and block in the `TCPStore` constructor without a word, which
+neither `join_timeout` nor `read_timeout` bounds (chapter 13 measured 700 s); a static rendezvous
+fails with EADDRINUSE. A port held by another torchrun agent (a second node started on this
+machine) is left alone. Everything else is torchrun's own `main`.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ AGENTS = ("torchrun", "torch.distributed.run")  # how a torchrun agent's command
 
 def held_port(argv: list[str]) -> str | None:
     """One line when the rendezvous port on this machine is held by a program that is not a
-    torchrun agent (torchrun would wait for its join timeout); None when all is well."""
+    torchrun agent (torchrun would block without a word); None when all is well."""
     endpoint = rendezvous_endpoint(argv)
     if endpoint is None or not is_this_machine(endpoint[0]):
         return None
@@ -123,7 +124,7 @@ def held_port(argv: list[str]) -> str | None:
     pid, cmd = holder
     cmd = cmd if len(cmd) <= 70 else cmd[:69] + "…"
     return (f"course: the rendezvous port {host}:{port} is held by another program (pid {pid}: "
-            f"{cmd}); torchrun would wait there for its join timeout. Choose another port in "
+            f"{cmd}); torchrun would block there without a word. Choose another port in "
             "--rdzv-endpoint (or --master-port).")
 
 
