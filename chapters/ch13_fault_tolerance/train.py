@@ -9,7 +9,8 @@ checkpoint that verifies and ends bit-identical to a clean run. A damaged checkp
 bytes, a truncated or missing file, a torn manifest) is skipped in one line for the previous one
 and kept aside, never deleted; another run's checkpoint is refused in one line. The checkpoint
 does not depend on the world size: an elastic job that shrinks or grows resumes from it (per-rank
-streams re-derived after a resize). One run at a time: `--ckpt-dir` is locked like `--out`.
+streams re-derived after a resize). One run at a time: global rank 0 locks `--out` and
+`--ckpt-dir` (`common.config.parse_config`).
 
 Run:
     python chapters/ch13_fault_tolerance/train.py                                 # one process
@@ -47,16 +48,13 @@ import torch.nn.functional as F
 from common.checkpoint import (
     MANIFEST,
     CheckpointError,
-    FolderInUseError,
     atomic_write,
     check_identity,
     load_checkpoint,
-    lock_folder,
     newest_verified,
     run_id,
     save_checkpoint,
     training_shapes,
-    unlock_folder,
     verify_manifest,
     write_manifest,
 )
@@ -420,25 +418,6 @@ def replica_spread(model) -> float:
     return (hi - lo).max().item()
 
 
-def lock_ckpt_dir(ckpt_dir: Path, rank: int) -> None:
-    """One run per checkpoint folder: global rank 0 locks `--ckpt-dir` (`lock_folder`; the
-    default, inside `--out`, has `--out`'s lock), so the nodes of one job never refuse each
-    other. Rank 0's verdict is every rank's: a refused job ends with rank 0's one line."""
-    problem = None
-    if rank == 0:
-        try:
-            lock_folder(ckpt_dir, "--ckpt-dir")
-        except FolderInUseError as e:
-            problem = str(e)
-    box = [problem]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    if box[0]:
-        error = FolderInUseError(box[0])
-        error.collective = True  # common.log.one_line_errors: rank 0 says it
-        raise error
-
-
 def verify_seconds(folder: Path, info, repeats: int = 5) -> list[float]:
     """Seconds to verify checkpoint `folder` as a resume does (manifest hashes shared by the
     ranks, zip CRCs, `weights_only` loads, one verdict), the slowest rank's, `repeats` times."""
@@ -452,15 +431,13 @@ def verify_seconds(folder: Path, info, repeats: int = 5) -> list[float]:
 
 
 def main(cfg: Config) -> int:
+    # One run per folder: parse_config has global rank 0 lock --out and --ckpt-dir before any
+    # process group exists (common.config; a second run is refused there in one line).
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
-    ckpt_locked = False
     try:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)
         ckpt_dir = Path(cfg.ckpt_dir) if cfg.ckpt_dir else rec.out / "ckpt"
-        if cfg.ckpt_dir:
-            lock_ckpt_dir(ckpt_dir, info.rank)
-            ckpt_locked = info.rank == 0
         log.info("world %d on %s/%s, attempt %d, checkpoints in %s", info.world_size, info.device,
                  info.backend, restart_count(), ckpt_dir)
         result = train(cfg, info, ckpt_dir, rec)
@@ -493,8 +470,6 @@ def main(cfg: Config) -> int:
                 "model": result["model"].state_dict(), "restarts": restarts, "start": result["start"]})
         return rec.finish()
     finally:
-        if ckpt_locked:
-            unlock_folder(ckpt_dir)
         teardown_distributed()
 
 
