@@ -186,6 +186,8 @@ def read_manifest(folder: str | os.PathLike) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
+        if not Path(folder).is_dir():
+            raise CheckpointError(f"no checkpoint at {folder}") from None
         raise CheckpointError(f"{folder} has no {MANIFEST}: a save that did not finish") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is torn or not a manifest ({e})") from None
