@@ -31,6 +31,7 @@ import signal
 import struct
 import subprocess
 import sys
+import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
@@ -285,6 +286,20 @@ def test_two_rank_checkpoint_loads_on_one_and_four_ranks(dcp_run, tmp_path):
     name = flip_dcp_weight(bad)
     with pytest.raises(CheckpointError, match=f"{name} does not match its manifest"):
         train.load_into_one_process(bad, rid)
+    # A crafted copy (a hyper-parameter entry is a pickle that creates a file), resealed: it
+    # verifies, and the load refuses it; DCP's own load runs it (the control).
+    shutil.rmtree(bad)
+    shutil.copytree(path, bad)
+    marker = tmp_path / "marker"
+    craft_bytes_entry(bad, "optim.param_groups.0.lr", marker)
+    with pytest.raises(CheckpointError, match="Weights only load failed"):
+        train.load_into_one_process(bad, rid)
+    assert not marker.exists()
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():  # "no process group: assuming one process" is the intent here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"optim": {"param_groups": [{"lr": 0.0}]}}, checkpoint_id=str(bad))
+    assert marker.exists()
     # Four ranks: each holds a quarter of every row-sharded tensor, and the gathered whole equals.
     results = run_on_ranks(_reshard_and_live_step, 4, str(path), rid, timeout=150)
     assert results[0]["max_diff"] == 0
@@ -335,19 +350,27 @@ def test_multi_rank_resume_is_bit_exact_and_per_rank_state_needs_its_own_key(res
         assert verify_dcp(res.out_dir / "ckpt" / name)["files"], name
 
 
-def _resume_phase(ckpt_dir: str, out: str, kill_at: int, held: str = "") -> dict:
+def _resume_phase(ckpt_dir: str, out: str, kill_at: int, held: str = "", crafted: str = "") -> dict:
     """One start of the job on this rank: take --ckpt-dir, resume from the newest checkpoint that
-    verifies, save every 4 steps, end at kill_at (a crash) or at the last step. With `held` (a
-    folder another process has locked), first try to take that one: every rank must be refused."""
-    result = {}
+    verifies, save every 4 steps, end at kill_at (a crash) or at the last step. First, with
+    `held` (a folder another process has locked): the same job on that folder, which every rank
+    must refuse; with `crafted` (a folder whose bytes entry runs code): load it, which every rank
+    must refuse."""
+    cfg, result = resume_dcp.Config(ckpt_dir=ckpt_dir, save_every=4, kill_at=kill_at), {}
+    resume.make_deterministic(cfg.deterministic)
     if held:
         try:
-            resume_dcp.lock_ckpt_dir(Path(held), wait_s=0.2)
+            resume_dcp.run_with_checkpoints(dataclasses.replace(cfg, ckpt_dir=held),
+                                            torch.device("cpu"), Path(out), lock_wait_s=0.2)
             result["refused"] = None
         except FolderInUseError as e:
             result["refused"] = [str(e), getattr(e, "collective", False)]
-    cfg = resume_dcp.Config(ckpt_dir=ckpt_dir, save_every=4, kill_at=kill_at)
-    resume.make_deterministic(cfg.deterministic)
+    if crafted:
+        try:
+            resume_dcp.load_training_state(crafted, resume_dcp.new_run(cfg, torch.device("cpu"), 1))
+            result["crafted"] = None
+        except CheckpointError as e:
+            result["crafted"] = str(e)
     result.update(resume_dcp.run_with_checkpoints(cfg, torch.device("cpu"), Path(out)))
     return result
 
@@ -404,10 +427,10 @@ def test_multi_rank_resume_in_new_processes_equals_uninterrupted(resume_dcp_run,
         resume_dcp.newest_checkpoint(ckpt, "another", shapes)
     with pytest.raises(CheckpointError, match="another model or optimizer"):
         resume_dcp.newest_checkpoint(ckpt, rid, dcp_shapes(resume_dcp.Config(d_hidden=32)))
-    resume_dcp.check_world(ckpt / "step_000008", 2)
+    assert resume_dcp.newest_checkpoint(ckpt, rid, shapes, 2)[0].name == "step_000012"
     for world in (1, 3):  # resharding resume_dcp.py's per-rank state is refused (train.py reshards)
         with pytest.raises(CheckpointError, match=f"saved by 2 ranks .* not {world}"):
-            resume_dcp.check_world(ckpt / "step_000008", world)
+            resume_dcp.newest_checkpoint(ckpt, rid, shapes, world)
     all_bad = tmp_path / "all_bad"
     shutil.copytree(ckpt, all_bad, ignore=shutil.ignore_patterns(".lock"))
     for step in (4, 8, 12):
@@ -420,10 +443,16 @@ def test_multi_rank_resume_in_new_processes_equals_uninterrupted(resume_dcp_run,
 
     # The real thing, in new processes: the newest checkpoint has 16 flipped bytes in a weight.
     # The job skips it, keeps it aside (never saved over), resumes from step 8, and equals an
-    # uninterrupted run of another launch bit for bit.
+    # uninterrupted run of another launch bit for bit. Before, each rank loads a copy of step 8
+    # whose step counter is a pickle that creates a file: refused, the file never appears.
+    crafted, marker = tmp_path / "crafted" / "step_000008", tmp_path / "marker"
+    shutil.copytree(ckpt / "step_000008", crafted)
+    craft_bytes_entry(crafted, "progress.step", marker)
     flip_dcp_weight(ckpt / "step_000012")
     flipped = shas(ckpt / "step_000012")
-    second = run_on_ranks(_resume_phase, 2, str(ckpt), str(out), 0, timeout=150)
+    second = run_on_ranks(_resume_phase, 2, str(ckpt), str(out), 0, "", str(crafted), timeout=150)
+    assert not marker.exists()
+    assert all("Weights only load failed" in second[rank]["crafted"] for rank in (0, 1)), second[0]
     reference = load_checkpoint(resume_dcp_run.out_dir / "losses.pt")["reference"]  # other launch
     for rank in (0, 1):
         assert first[rank]["first_step"] == 0 and first[rank]["losses"] == reference[rank][:13]

@@ -363,17 +363,22 @@ def step_folders(ckpt_dir: Path) -> list[Path]:
     return sorted(p for p in Path(ckpt_dir).glob("step_*") if STEP_FOLDER.fullmatch(p.name))
 
 
-def newest_checkpoint(ckpt_dir: Path, rid: str, shapes: dict) -> tuple[Path | None, dict | None]:
+def newest_checkpoint(ckpt_dir: Path, rid: str, shapes: dict,
+                      world_size: int | None = None) -> tuple[Path | None, dict | None]:
     """(folder, manifest) of the newest step_NNNNNN folder that verifies (`verify_dcp`: every
     file against its SHA-256 in manifest.json, which a save writes last, so a save that did not
     finish has none) and is this run's (`check_identity` on the manifest's run id and shapes).
+    With `world_size`, that folder must also have been saved by that many ranks (`check_world`).
     Collective: every rank walks the same folders to the same verdicts."""
     def verify(path: Path) -> dict:
         manifest = verify_dcp(path)
         check_identity(manifest, rid, shapes, path)
         return manifest
 
-    return newest_verified(step_folders(ckpt_dir), verify, describe=lambda p: p.name)
+    path, manifest = newest_verified(step_folders(ckpt_dir), verify, describe=lambda p: p.name)
+    if path is not None and world_size is not None:
+        check_world(path, world_size)
+    return path, manifest
 
 
 def check_world(path: Path, world_size: int) -> None:
@@ -405,18 +410,19 @@ def lock_ckpt_dir(ckpt_dir: Path, wait_s: float = 3.0) -> None:
         raise error
 
 
-def run_with_checkpoints(cfg: Config, device: torch.device, out: Path) -> dict:
-    """The loop a real job runs: take the checkpoint folder, resume from the newest checkpoint
-    that verifies and is this run's (run id in `out`), save every --save-every steps into a new
-    folder (never over the last good one), each with its manifest written last."""
+def run_with_checkpoints(cfg: Config, device: torch.device, out: Path,
+                         lock_wait_s: float = 3.0) -> dict:
+    """The loop a real job runs: take the checkpoint folder (waiting up to `lock_wait_s` for a
+    run that is still ending), resume from the newest checkpoint that verifies and is this run's
+    (run id in `out`), save every --save-every steps into a new folder (never over the last good
+    one), each with its manifest written last."""
     ckpt_dir = Path(cfg.ckpt_dir)
-    lock_ckpt_dir(ckpt_dir)
+    lock_ckpt_dir(ckpt_dir, lock_wait_s)
     try:
         run = new_run(cfg, device, cfg.seed)
         rid, shapes = run_id(out), training_shapes(run["model"], run["opt"])
-        path, _ = newest_checkpoint(ckpt_dir, rid, shapes)
+        path, _ = newest_checkpoint(ckpt_dir, rid, shapes, dist.get_world_size())
         if path is not None:
-            check_world(path, dist.get_world_size())
             if dist.get_rank() == 0:  # folders newer than it failed: kept, never saved over
                 set_aside([p for p in step_folders(ckpt_dir) if p.name > path.name])
             dist.barrier()
