@@ -150,7 +150,7 @@ print("re-drawn rows:", deltas.difference_roundtrip(base["embedding"], redrawn))
 # reloads both checkpoints and puts every size beside its formula.
 
 # %%
-out_dir = REPO_ROOT / "runs" / "notebooks" / "ch12"
+out_dir = REPO_ROOT / "runs" / "notebooks" / "ch12" / "train"
 result = run_torchrun(REPO_ROOT / "chapters/ch12_checkpointing/train.py", nproc=2, out_dir=out_dir)
 print(result.output[result.output.index("figure"):])
 
@@ -201,7 +201,7 @@ print("max |loaded − saved| =", train.max_state_diff(loaded, saved))
 
 # %%
 print(inspect.getsource(resume_dcp.training_state))
-rd_dir = REPO_ROOT / "runs" / "notebooks" / "ch12_resume_dcp"
+rd_dir = REPO_ROOT / "runs" / "notebooks" / "ch12" / "resume_dcp"
 rd = run_torchrun(REPO_ROOT / "chapters/ch12_checkpointing/resume_dcp.py", nproc=2, out_dir=rd_dir)
 print(rd.output[rd.output.index("figure"):])
 
