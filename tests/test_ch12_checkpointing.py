@@ -202,12 +202,27 @@ def n_params() -> int:
     return sum(p.numel() for p in MLP(cfg.d_in, cfg.d_hidden, 1, n_layers=3).parameters())
 
 
-def _reshard_and_live_step(path: str, rid: str) -> dict:
-    """On each of N ranks: reshard_check (verified first, the ranks sharing the hashing), then
-    whether get_state_dict(full) returns Adam's live `step` tensor (rank 0: [is it the
-    optimizer's own object, its value after one more step])."""
-    out = train.reshard_check(path, rid)
+def _refusal(load) -> list | None:
+    """[message, collective] of the CheckpointError `load()` raises, None if it loads."""
+    try:
+        load()
+    except CheckpointError as e:
+        return [str(e), e.collective]
+    return None
+
+
+def _reshard_and_live_step(path: str, rid: str, damaged: str) -> dict:
+    """On each of N ranks: reshard_check and load_sharded refuse another run's checkpoint and a
+    damaged copy (one verdict on every rank); reshard_check (verified first, the ranks sharing
+    the hashing); then whether get_state_dict(full) returns Adam's live `step` tensor (rank 0:
+    [is it the optimizer's own object, its value after one more step])."""
     model, opt = train.build_sharded(train.Config(), torch.device("cpu"))
+    refused = {"reshard another run": _refusal(lambda: train.reshard_check(path, "another")),
+               "reshard damaged": _refusal(lambda: train.reshard_check(damaged, rid)),
+               "load another run": _refusal(lambda: train.load_sharded(path, model, opt, "another")),
+               "load damaged": _refusal(lambda: train.load_sharded(damaged, model, opt, rid))}
+    out = train.reshard_check(path, rid)
+    out["refused"] = refused
     data = regression_data(8, train.Config().d_in, 1)
     train.train_steps(model, opt, data, 1)
     _, optim_sd = train.get_state_dict(model, opt, options=train.FULL)
@@ -301,7 +316,17 @@ def test_two_rank_checkpoint_loads_on_one_and_four_ranks(dcp_run, tmp_path):
         dcp.load({"optim": {"param_groups": [{"lr": 0.0}]}}, checkpoint_id=str(bad))
     assert marker.exists()
     # Four ranks: each holds a quarter of every row-sharded tensor, and the gathered whole equals.
-    results = run_on_ranks(_reshard_and_live_step, 4, str(path), rid, timeout=150)
+    # First, another run's checkpoint and a damaged copy: refused on every rank, one verdict.
+    shutil.rmtree(bad)
+    shutil.copytree(path, bad)
+    name = flip_dcp_weight(bad)
+    results = run_on_ranks(_reshard_and_live_step, 4, str(path), rid, str(bad), timeout=150)
+    for r in results:
+        for case, verdict in r["refused"].items():
+            assert verdict is not None, f"{case}: loaded"
+            message, collective = verdict
+            reason = "belongs to run" if "another" in case else f"{name} does not match its manifest"
+            assert reason in message and collective, (case, message)
     assert results[0]["max_diff"] == 0
     assert [r["shards"]["0.weight"] for r in results] == [64, 64, 64, 64]
     assert [r["shards"]["4.weight"] for r in results] == [1, 0, 0, 0]  # 1 row over 4 ranks
@@ -423,9 +448,12 @@ def test_multi_rank_resume_in_new_processes_equals_uninterrupted(resume_dcp_run,
         assert len(lines) == 1 and "step_000012" in lines[0] and reason in lines[0], (name, lines)
         assert shas(case / "step_000008") == good[8], name
     # Refused in one line: another run's, another model's, another world's, all bad.
-    with pytest.raises(CheckpointError, match="none of the 3 checkpoints verifies .*belongs to run"):
+    # (identity is checked on the newest that verifies: refused, not walked past as damage)
+    with course_log() as lines, pytest.raises(CheckpointError,
+                                              match="step_000012 belongs to run .*not to this run 'another'"):
         resume_dcp.newest_checkpoint(ckpt, "another", shapes)
-    with pytest.raises(CheckpointError, match="another model or optimizer"):
+    assert lines == [], lines
+    with pytest.raises(CheckpointError, match="step_000012 was written for another model or optimizer"):
         resume_dcp.newest_checkpoint(ckpt, rid, dcp_shapes(resume_dcp.Config(d_hidden=32)))
     assert resume_dcp.newest_checkpoint(ckpt, rid, shapes, 2)[0].name == "step_000012"
     for world in (1, 3):  # resharding resume_dcp.py's per-rank state is refused (train.py reshards)
@@ -561,6 +589,16 @@ def test_pt_loader_falls_back_refuses_and_cleans(tmp_path):
     # Another run's, another model's: refused in one line.
     with pytest.raises(CheckpointError, match="belongs to run 'r-pt', not to this run 'r-other'"):
         resume.load_verified(two, "r-other", shapes)
+    # Another run's newest checkpoint beside this run's older one: no damage to walk past but the
+    # wrong folder: refused in one line, nothing skipped, nothing set aside or changed.
+    mixed = tmp_path / "mixed"
+    saved_steps(cfg, mixed, rid, (2,))
+    saved_steps(cfg, mixed, "r-other", (6,))
+    before_mixed = shas(mixed)
+    with course_log() as lines, pytest.raises(
+            CheckpointError, match="step_000006.pt belongs to run 'r-other', not to this run 'r-pt'") as e:
+        resume.newest_checkpoint(mixed, rid, shapes)
+    assert e.value.collective and lines == [] and shas(mixed) == before_mixed, lines
     other = json.loads(json.dumps(shapes))
     other["model"]["0.weight"] = [32, 16]
     with pytest.raises(CheckpointError, match="another model or optimizer: model.0.weight"):
@@ -768,10 +806,19 @@ def test_impossible_settings_are_refused():
 @pytest.mark.timeout(600)
 def test_deepspeed_zero_checkpoint_layout_and_zero_to_fp32(tmp_path):
     pytest.importorskip("deepspeed", reason="pip install deepspeed==0.19.8 (requirements.txt)")
+    # A reused --out: a file of an earlier 4-rank save (a pickle that creates a marker) is there
+    # BEFORE this save. The save empties the folder first: it never enters the manifest and is
+    # never un-pickled (DeepSpeed's glob would load it, see the dropped file below).
+    marker = tmp_path / "marker"
+    for stage in (2, 3):
+        stale = tmp_path / f"zero{stage}" / "step3" / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
+        stale.parent.mkdir(parents=True)
+        torch.save({"optimizer_state_dict": Payload(marker)}, stale)
     # the first run on a machine compiles DeepSpeed's communication op (~60 s, then cached)
     res = run_torchrun(Path(deepspeed_ckpt.__file__), nproc=2, out_dir=tmp_path, timeout=540)
     failed = [c["name"] for c in res.summary["checks"] if not c["ok"]]
     assert not failed, res.output[-3000:]
+    assert not marker.exists()
     scripts = ["latest", "zero_to_fp32.py", "zero_to_torch.py"]
     optim = [f"step3/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
     assert res.summary["figures"]["ZeRO-2 files"]["measured"] == sorted(
@@ -797,7 +844,7 @@ def test_deepspeed_zero_checkpoint_layout_and_zero_to_fp32(tmp_path):
         assert deepspeed_ckpt.max_diff(plain, params) > 1e-3
     # DeepSpeed un-pickles (weights_only=False): only a folder this run wrote and that verifies.
     # Why it must: its optimizer partitions hold DeepSpeed objects that weights_only refuses.
-    save_dir, marker = tmp_path / "zero2", tmp_path / "marker"
+    save_dir = tmp_path / "zero2"
     for stage in (2, 3):
         with pytest.raises(CheckpointError, match="not a readable checkpoint .*Weights only load"):
             load_checkpoint(tmp_path / f"zero{stage}/step3/zero_pp_rank_0_mp_rank_00_optim_states.pt")

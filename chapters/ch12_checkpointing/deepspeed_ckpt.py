@@ -20,6 +20,7 @@ Run:
     srun --ntasks=16 --ntasks-per-node=8 python chapters/ch12_checkpointing/deepspeed_ckpt.py --out /shared/fs/ch12ds
 """
 
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,8 +131,11 @@ def list_checkpoint(save_dir: Path) -> list[str]:
 
 def commit_manifest(save_dir: Path, **meta) -> None:
     """Collective, right after `engine.save_checkpoint` and a barrier: the ranks share the hashing
-    of every file DeepSpeed wrote, global rank 0 writes `manifest.json` last, with `meta` (run id,
-    shapes). Which rank wrote which file is DeepSpeed's business; each file is hashed once."""
+    of every file in `save_dir`, global rank 0 writes `manifest.json` last, with `meta` (run id,
+    shapes). Which rank wrote which file is DeepSpeed's business; each file is hashed once. Every
+    file present is trusted as this save's: the caller empties `save_dir` before the save (a
+    stale `zero_pp_rank_2_...` of an earlier 4-rank run would otherwise be hashed in, verify,
+    and be un-pickled by DeepSpeed)."""
     files, rank, world = list_checkpoint(save_dir), dist.get_rank(), dist.get_world_size()
     mine = {name: file_entry(save_dir / name) for name in files[rank::world]}
     everyone = [None] * world
@@ -195,6 +199,9 @@ def main(cfg: Config) -> int:
             engine, initial, shapes = train_engine(stage, cfg, info)
             saved = whole_parameters(engine, stage)        # what the checkpoint must hold
             save_dir = rec.out / f"zero{stage}"
+            if info.is_main:  # a reused --out: files of an earlier save (another world, another
+                shutil.rmtree(save_dir, ignore_errors=True)  # tag) must not enter the manifest
+            dist.barrier()  # gone before any rank writes (--out on a file system every rank sees)
             with library_output():  # DeepSpeed logs each file it writes
                 engine.save_checkpoint(str(save_dir), tag=cfg.tag)  # a collective: every rank writes
             dist.barrier()                                  # all partitions on disk before hashing

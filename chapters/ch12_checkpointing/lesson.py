@@ -177,11 +177,15 @@ print("verifies:", bool(verify_dcp(out_dir / "dcp")))
 crafted = Path(tempfile.mkdtemp(prefix="ch12-crafted-"))
 marker = crafted / "marker"
 (crafted / ".metadata").write_bytes(b"cio\nopen\n(V" + str(marker).encode() + b"\nVw\ntR.")
+refused = None
 try:
     read_dcp_metadata(crafted)
 except CheckpointError as e:
+    refused = e
     print("refused:", e)
 print("marker exists:", marker.exists())
+assert refused is not None, "the crafted .metadata was read"
+assert not marker.exists(), "the crafted .metadata ran its call"
 
 # %% [markdown]
 # The two-rank checkpoint loads into one process with no process group at all (for evaluation

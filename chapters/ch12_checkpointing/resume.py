@@ -225,11 +225,15 @@ def load_verified(path: Path, rid: str, shapes: dict) -> dict:
 
 
 def newest_checkpoint(ckpt_dir: Path, rid: str, shapes: dict) -> tuple[Path | None, dict | None]:
-    """(path, state) of the newest step_NNNNNN.pt that verifies and is this run's, walking back
-    from the newest; each one skipped is logged in one line (`newest_verified`). (None, None)
-    when there is none; `CheckpointError` when there are some and none verifies."""
-    return newest_verified(step_files(ckpt_dir), lambda p: load_verified(p, rid, shapes),
-                           describe=lambda p: p.name)
+    """(path, state) of the newest step_NNNNNN.pt that verifies (zip CRCs, `weights_only`),
+    walking back from the newest; each damaged one skipped is logged in one line
+    (`newest_verified`). Then whose it is: another run's or another model's checkpoint is no
+    damage to walk past but the wrong folder, refused in one line (`check_identity`), nothing
+    set aside. (None, None) when there is none; `CheckpointError` when none verifies."""
+    path, state = newest_verified(step_files(ckpt_dir), load_checkpoint, describe=lambda p: p.name)
+    if path is not None:
+        check_identity(state, rid, shapes, path)
+    return path, state
 
 
 def set_aside(rejected: list[Path]) -> None:
@@ -245,12 +249,23 @@ def set_aside(rejected: list[Path]) -> None:
                     p.name, target.name)
 
 
+def called_in_process() -> bool:
+    """True when a test or notebook calls this module in its own process. Run as a script,
+    `parse_config` has locked --ckpt-dir on global rank 0 before anything else (common/config.py
+    `_lock_folders`), held until the process ends; an in-process caller has no such lock."""
+    import __main__
+
+    return Path(getattr(__main__, "__file__", "") or ".").resolve() != Path(__file__).resolve()
+
+
 def run_with_checkpoints(cfg: Config, X, Y, rec: RunRecorder) -> dict:
     """The real-job loop: take the checkpoint folder (one run at a time), resume from the newest
     checkpoint that verifies if any, save every k steps."""
     ckpt_dir, run = Path(cfg.ckpt_dir), new_run(cfg, X.device)
     rid, shapes = run_id(rec.out), training_shapes(run["model"], run["opt"])
-    lock_folder(ckpt_dir, "--ckpt-dir")  # a second run on this folder is refused here
+    own_lock = called_in_process()
+    if own_lock:  # run as a script, parse_config has locked --ckpt-dir already, until exit
+        lock_folder(ckpt_dir, "--ckpt-dir")  # a second run on this folder is refused here
     if os.environ.get("CH12_STOP_AFTER_LOCK") == "1":  # test hook: hold the lock until SIGCONT
         os.kill(os.getpid(), signal.SIGSTOP)
     try:
@@ -270,7 +285,8 @@ def run_with_checkpoints(cfg: Config, X, Y, rec: RunRecorder) -> dict:
                 save_training_state(ckpt_dir, training_state(run, rid), naive=cfg.naive_save)
                 log.info("saved step %d", run["step"])
     finally:
-        unlock_folder(ckpt_dir)
+        if own_lock:  # never parse_config's: locks are re-entrant, not counted
+            unlock_folder(ckpt_dir)
     rec.figure("resumed from step", first)
     rec.figure("incomplete saves found and removed", len(incomplete))
     return {"first_step": first, "losses": losses}

@@ -367,17 +367,16 @@ def newest_checkpoint(ckpt_dir: Path, rid: str, shapes: dict,
                       world_size: int | None = None) -> tuple[Path | None, dict | None]:
     """(folder, manifest) of the newest step_NNNNNN folder that verifies (`verify_dcp`: every
     file against its SHA-256 in manifest.json, which a save writes last, so a save that did not
-    finish has none) and is this run's (`check_identity` on the manifest's run id and shapes).
-    With `world_size`, that folder must also have been saved by that many ranks (`check_world`).
-    Collective: every rank walks the same folders to the same verdicts."""
-    def verify(path: Path) -> dict:
-        manifest = verify_dcp(path)
+    finish has none); each damaged one skipped is logged in one line. That folder must be this
+    run's (`check_identity` on the manifest's run id and shapes): another run's or another
+    model's is refused in one line, not walked past as damage. With `world_size`, it must also
+    have been saved by that many ranks (`check_world`). Collective: every rank walks the same
+    folders to the same verdicts."""
+    path, manifest = newest_verified(step_folders(ckpt_dir), verify_dcp, describe=lambda p: p.name)
+    if path is not None:
         check_identity(manifest, rid, shapes, path)
-        return manifest
-
-    path, manifest = newest_verified(step_folders(ckpt_dir), verify, describe=lambda p: p.name)
-    if path is not None and world_size is not None:
-        check_world(path, world_size)
+        if world_size is not None:
+            check_world(path, world_size)
     return path, manifest
 
 
@@ -390,6 +389,15 @@ def check_world(path: Path, world_size: int) -> None:
         raise CheckpointError(f"{path} was saved by {saved} ranks and resume_dcp.py resumes on the "
                               f"same number, not {world_size} (per-rank RNG and data positions; "
                               f"chapter 13 resumes on any world)", collective=True)
+
+
+def called_in_process() -> bool:
+    """True when a test or notebook calls this module in its own processes. Run as a script,
+    `parse_config` has locked --ckpt-dir on global rank 0 before any process group (common/
+    config.py `_lock_folders`), held until the process ends; in-process callers have no lock."""
+    import __main__
+
+    return Path(getattr(__main__, "__file__", "") or ".").resolve() != Path(__file__).resolve()
 
 
 def lock_ckpt_dir(ckpt_dir: Path, wait_s: float = 3.0) -> None:
@@ -416,8 +424,9 @@ def run_with_checkpoints(cfg: Config, device: torch.device, out: Path,
     run that is still ending), resume from the newest checkpoint that verifies and is this run's
     (run id in `out`), save every --save-every steps into a new folder (never over the last good
     one), each with its manifest written last."""
-    ckpt_dir = Path(cfg.ckpt_dir)
-    lock_ckpt_dir(ckpt_dir, lock_wait_s)
+    ckpt_dir, own_lock = Path(cfg.ckpt_dir), called_in_process()
+    if own_lock:  # run as a script, parse_config has locked it on global rank 0, until exit
+        lock_ckpt_dir(ckpt_dir, lock_wait_s)
     try:
         run = new_run(cfg, device, cfg.seed)
         rid, shapes = run_id(out), training_shapes(run["model"], run["opt"])
@@ -436,7 +445,7 @@ def run_with_checkpoints(cfg: Config, device: torch.device, out: Path,
                          step=run["step"], shapes=shapes, world=dist.get_world_size())
                 log.info("saved step %d", run["step"])
     finally:
-        if dist.get_rank() == 0:
+        if own_lock and dist.get_rank() == 0:  # never parse_config's lock (re-entrant, not counted)
             unlock_folder(ckpt_dir)
     return {"first_step": first, "losses": losses}
 

@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,8 +47,10 @@ from torch.utils._pytree import tree_map_only
 
 from chapters.ch12_checkpointing import delta as deltas
 from common.checkpoint import (
+    CheckpointError,
     check_identity,
     commit_dcp_manifest,
+    error_line,
     load_checkpoint,
     load_dcp,
     read_dcp_metadata,
@@ -273,6 +277,17 @@ def sha256_rate(n_bytes: int = 16 << 20) -> float:
     return n_bytes / (time.perf_counter() - t0)
 
 
+@contextmanager
+def saving(target):
+    """A DCP save that fails (a full disk ends as "failed on ranks 0, 1: No space left on device",
+    no path) as one collective CheckpointError naming the folder, as `save_dcp` does. DCP's
+    CheckpointException is a BaseException: caught by name."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"saving {target} {error_line(e)}", collective=True) from e
+
+
 def timed_saves(cfg: Config, model, opt, data, out: Path, info, async_pg, meta: dict) -> dict:
     """Blocking and asynchronous DCP saves of the same state, each kind warmed up once first: the
     first save of a process pays one-time costs (planner and writer set-up, thread pool, first
@@ -287,18 +302,18 @@ def timed_saves(cfg: Config, model, opt, data, out: Path, info, async_pg, meta: 
         return reduce_number(t.elapsed, "max")
 
     times = {"block": [], "async": [], "async_total": [], "manifest": [], "verify": []}
-    with Timer(info.device) as t:
+    with Timer(info.device) as t, saving(out / "warmup" / "block"):
         dcp.save(sharded_state(model, opt), checkpoint_id=str(out / "warmup" / "block"))
     times["block_cold"] = stall(t)
     commit_dcp_manifest(out / "warmup" / "block", **meta)
-    with Timer(info.device) as t:
+    with Timer(info.device) as t, saving(out / "warmup" / "async"):
         dcp.async_save(sharded_state(model, opt), checkpoint_id=str(out / "warmup" / "async"),
                        process_group=async_pg).result()
     times["async_cold"] = stall(t)
     commit_dcp_manifest(out / "warmup" / "async", **meta)
     for i in range(cfg.save_repeats):
         target = out / ("dcp" if i == 0 else f"timing/block{i}")
-        with Timer(info.device) as t:
+        with Timer(info.device) as t, saving(target):
             dcp.save(sharded_state(model, opt), checkpoint_id=str(target))
         times["block"].append(stall(t))
         with Timer(info.device) as t:  # each rank hashes its own file; rank 0 writes the manifest
@@ -309,12 +324,13 @@ def timed_saves(cfg: Config, model, opt, data, out: Path, info, async_pg, meta: 
         times["verify"].append(stall(t))
     for i in range(cfg.save_repeats):
         target = out / ("dcp_async" if i == 0 else f"timing/async{i}")
-        with Timer(info.device) as staged:  # returns once the state is copied aside
+        with Timer(info.device) as staged, saving(target):  # returns once the state is copied aside
             future = dcp.async_save(sharded_state(model, opt), checkpoint_id=str(target),
                                     process_group=async_pg)
         with Timer(info.device) as total:
             train_steps(model, opt, data, cfg.async_steps)  # training goes on during the write
-            future.result()
+            with saving(target):
+                future.result()
         times["async"].append(stall(staged))
         times["async_total"].append(reduce_number(staged.elapsed + total.elapsed, "max"))
         commit_dcp_manifest(target, **{**meta, "step": meta["step"] + i * cfg.async_steps})
