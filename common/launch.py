@@ -136,6 +136,7 @@ def _record(key: str, out_dir: Path, output: str) -> None:
     folder = os.environ.get("COURSE_RUN_RECORD")
     if not folder or (Path(folder) / key).exists() or not out_dir.is_dir():
         return
+    Path(folder).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=folder))
     shutil.copytree(out_dir, tmp / "out")
     (tmp / "console.json").write_text(json.dumps({"output": output, "out_dir": str(out_dir)}))
