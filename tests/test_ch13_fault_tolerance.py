@@ -24,6 +24,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -229,12 +230,24 @@ def _resume_controls(folder: str) -> dict:
     return out
 
 
-def _two_ranks(root: str) -> dict:
+def _two_ranks(root: str, disk: str) -> dict:
     """Everything this module asks of 2 in-process gloo ranks, in one start (each costs seconds):
-    world 2 resuming the checkpoints of the crashed world 1, the resume controls, the faults."""
+    world 2 resuming the checkpoints of the crashed world 1, the resume controls, the faults
+    (`disk`: a small tmpfs, or "" where none could be mounted)."""
     return {"larger world": _job(str(Path(root, "crash")), dict(steps=CRASH_STEPS)),
             "controls": _resume_controls(str(Path(root, "controls"))),
-            "faults": _fault_cases(str(Path(root, "faults")))}
+            "faults": _fault_cases(str(Path(root, "faults")), disk)}
+
+
+def small_disk(folder: Path, size: str = "256k") -> str | None:
+    """Mount a tmpfs of `size` at `folder`; None (and why) where this machine will not."""
+    folder.mkdir()
+    if os.geteuid() != 0:
+        return "mounting a small tmpfs needs root (CI runs as root)"
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                      capture_output=True).returncode != 0:
+        return "this machine refuses to mount a tmpfs (a container without CAP_SYS_ADMIN)"
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -257,8 +270,14 @@ def two_ranks(tmp_path_factory) -> dict:
         crashed["per-rank read"] = "read"
     except CheckpointError as e:
         crashed["per-rank read"] = str(e)
-    return {"crashed": crashed, "root": root,
-            "ranks": run_on_ranks(_two_ranks, 2, str(root), timeout=100)}
+    disk = root / "disk"
+    no_disk = small_disk(disk)
+    try:
+        ranks = run_on_ranks(_two_ranks, 2, str(root), "" if no_disk else str(disk), timeout=100)
+    finally:
+        if not no_disk:
+            subprocess.run(["umount", str(disk)], check=True)
+    return {"crashed": crashed, "root": root, "no disk": no_disk, "ranks": ranks}
 
 
 @pytest.mark.timeout(200)
@@ -366,7 +385,7 @@ def flip_weight_bytes_rng(path: Path, n: int = 16) -> None:
     path.write_bytes(bytes(data))
 
 
-def _fault_cases(folder: str) -> dict:
+def _fault_cases(folder: str, disk: str) -> dict:
     """On 2 gloo ranks: a run that saves steps 5 and 10 and "crashes" at 12, then, each on a
     copy of its folder, every fault above and a resume; then the refusals. Rank 0 damages the
     copies; each rank reports what it resumed from, its parameters and the warnings it logged."""
@@ -378,10 +397,10 @@ def _fault_cases(folder: str) -> dict:
     handler.emit = lambda record: said.append(record.getMessage())
     log.addHandler(handler)
 
-    def resume(ckpt: Path) -> dict:
+    def resume(ckpt: Path, rec=None) -> dict:
         said.clear()
         try:
-            res = train.train(cfg, info, ckpt)
+            res = train.train(cfg, info, ckpt, rec)
         except CheckpointError as e:
             return {"error": str(e), "collective": e.collective, "said": list(said)}
         return {"start": res["start"], "from": Path(res["resumed_from"]).name, "said": list(said),
@@ -399,6 +418,11 @@ def _fault_cases(folder: str) -> dict:
 
     train.train(cfg, info, root / "pristine", stop_at=12)
     out = {"pristine": shas(root / "pristine" / "step000005") if rank == 0 else None}
+    # Rank 0 lists the folder and reads `latest` for every rank: rank 1, given a stale view of it
+    # (here an empty folder), still walks rank 0's list.
+    view = root / ("pristine" if rank == 0 else "stale_view")
+    view.mkdir(exist_ok=True)
+    out["candidates"] = [p.name for p in train.candidates(view)]
     for name, fault in STEP10_FAULTS.items():
         ckpt = prepared(name, lambda c, fault=fault: fault(c / "step000010"))
         damaged = shas(ckpt / "step000010") if rank == 0 else None
@@ -423,12 +447,93 @@ def _fault_cases(folder: str) -> dict:
         out["all bad"]["untouched"] = before == {s: shas(both / s) for s in before}
         out["all bad"]["listing"] = sorted(p.name for p in both.iterdir())
     out["another run"] = resume(prepared("another run", lambda c: (c / "run_id").write_text("0123456789ab\n")))
-    other = prepared("another model")  # step 10 saved again, for a model with a wider first layer
+    # A real run keeps its id in --out (train() with a recorder): a run with another --out is
+    # refused, one whose --out holds the writer's id resumes.
+    def recorder(name: str, rid: str | None = None) -> SimpleNamespace:
+        if rid is not None and rank == 0:
+            (root / name).mkdir(exist_ok=True)
+            (root / name / "run_id").write_text(rid)
+        return SimpleNamespace(out=root / name, metrics=lambda *a, **k: None)
+
+    writer = (root / "pristine" / "run_id").read_text()
+    out["another --out"] = resume(prepared("another out"), recorder("other_out"))
+    theirs = root / "other_out" / "run_id"
+    out["another --out"]["its id"] = theirs.read_text().strip() if theirs.exists() else None
+    out["the writer's --out"] = resume(prepared("writer out"), recorder("writer_out", writer))
+    # Step 10 saved again, for a model with a wider first layer: a re-save of a committed step.
+    # Rank 0 takes its time to uncommit the folder; rank 1 must not write into it before that.
+    other = prepared("another model")
     saved = load_checkpoint(other / "step000010" / "state.pt")
     saved["shapes"]["model"]["0.weight"] = [64, 8]
-    train.save_state(other, 10, saved, load_checkpoint(other / "step000010" / f"rng{rank}.pt"), rank)
+    uncommit, write_file, seen = train.uncommit, train.write_file, []
+    if rank == 0:
+        train.uncommit = lambda folder: (time.sleep(0.2), uncommit(folder))[1]
+    else:
+        train.write_file = lambda path, *a, **k: (seen.append((path.parent / MANIFEST).exists()),
+                                                 write_file(path, *a, **k))[1]
+    try:
+        train.save_state(other, 10, saved, load_checkpoint(other / "step000010" / f"rng{rank}.pt"), rank)
+    finally:
+        train.uncommit, train.write_file = uncommit, write_file
+    out["committed folder seen by rank 1's write"] = seen
     out["another model"] = resume(other)
+    if disk:  # a full disk (a 256 KiB tmpfs) under the save of step 10, on rank 1 only
+        out["full disk"] = _full_disk(Path(disk), root / "pristine", rank)
     log.removeHandler(handler)
+    return out
+
+
+def _full_disk(disk: Path, pristine: Path, rank: int) -> dict:
+    """Step 5 of the fault run on a small tmpfs, then step 10 saved there with 1 MB more in rank
+    1's RNG file: rank 1's write fails, rank 0's files fit; then step 15, whose manifest meets
+    the full disk. Every rank must raise the same collective error naming the file (no rank left
+    waiting in a collective), step 5 untouched and resumed."""
+    if rank == 0:
+        for name in ("step000005", "latest", "run_id"):
+            copy = shutil.copytree if (pristine / name).is_dir() else shutil.copy
+            copy(pristine / name, disk / name)
+    dist.barrier()
+    before = shas(disk / "step000005") if rank == 0 else None
+    state = load_checkpoint(disk / "step000005" / "state.pt")
+    rng = load_checkpoint(disk / "step000005" / f"rng{rank}.pt")
+    if rank == 1:
+        rng["ballast"] = torch.zeros(1 << 18)  # 1 MB: more than the tmpfs has
+
+    def save(step: int, rng: dict) -> dict:
+        try:
+            train.save_state(disk, step, state, rng, rank)
+            return {"error": None}
+        except CheckpointError as e:
+            return {"error": str(e), "collective": e.collective}
+
+    out = save(10, rng)
+    # Phase 2: the data files of step 15 fit, then the disk fills up (a file takes what is left)
+    # just before rank 0 writes the manifest.
+    write_manifest = train.write_manifest
+
+    def fill_then_write(folder, *a, **k):
+        try:
+            with open(disk / "ballast", "wb") as f:
+                while True:
+                    f.write(bytes(1 << 12))
+                    f.flush()
+        except OSError:  # ENOSPC: the disk is full
+            pass
+        return write_manifest(folder, *a, **k)
+
+    if rank == 0:
+        train.write_manifest = fill_then_write
+    try:
+        out["manifest"] = save(15, load_checkpoint(disk / "step000005" / f"rng{rank}.pt"))
+    finally:
+        train.write_manifest = write_manifest
+    dist.barrier()
+    if rank == 0:
+        (disk / "ballast").unlink()
+        out["step 5 untouched"] = before == shas(disk / "step000005")
+        out["listing"] = {s: sorted(p.name for p in (disk / s).iterdir())
+                          for s in ("step000010", "step000015")}
+    out["resumes from"] = train.load_state(disk, rank, 2)["step"]
     return out
 
 
@@ -463,6 +568,17 @@ def test_damaged_checkpoints_fall_back_and_foreign_ones_are_refused(two_ranks):
     torn = res["torn latest"]
     assert torn["start"] == 10 and max_diff(torn["model"], expected) <= 1e-12
     assert len(torn["said"]) == 1 and "latest is torn" in torn["said"][0], torn["said"]
+    assert other["torn latest"]["said"] == [], other["torn latest"]["said"]  # rank 0 reads it
+    # Every rank walks rank 0's list (rank 1's own view was an empty folder).
+    assert res["candidates"] == other["candidates"] == ["step000005", "step000010"], other["candidates"]
+    # The run id of a real run lives in its --out: another --out is refused, the writer's resumes.
+    theirs = res["another --out"]
+    assert f"not to this run '{theirs['its id']}' (the run id in --out)" in theirs.get("error", ""), theirs
+    assert theirs["error"] == other["another --out"]["error"] and theirs["collective"]
+    assert res["the writer's --out"]["start"] == other["the writer's --out"]["start"] == 10
+    assert max_diff(res["the writer's --out"]["model"], expected) <= 1e-12
+    # A re-save of a committed step: rank 1 wrote its file only after rank 0 had uncommitted it.
+    assert other["committed folder seen by rank 1's write"] == [False]
     # Refusals: one collective error, the same on both ranks; nothing used, nothing renamed.
     for name, words in (("all bad", "none of the 2 checkpoints verifies (the newest: "),
                         ("another run", "not to this run '0123456789ab' (the run id in --out)"),
@@ -474,6 +590,26 @@ def test_damaged_checkpoints_fall_back_and_foreign_ones_are_refused(two_ranks):
     assert res["all bad"]["listing"] == ["latest", "run_id", "step000005", "step000010"]
     assert "step000010/state.pt does not match its manifest" in res["all bad"]["error"]
     assert sum(line.startswith("skipping checkpoint") for line in res["all bad"]["said"]) == 2
+
+
+def test_a_full_disk_fails_the_save_on_every_rank_in_one_line(two_ranks):
+    """Rank 1 alone meets a full disk while saving step 10 (`_full_disk`): both ranks raise the
+    one collective error naming rank 1's file (at the console rank 0 says it, in one line), the
+    step stays uncommitted, no temporary is left, and step 5 is untouched and resumed."""
+    if two_ranks["no disk"]:
+        pytest.skip(two_ranks["no disk"])
+    res, other = (r["faults"]["full disk"] for r in two_ranks["ranks"])
+    assert "step000010/rng1.pt: No space left on device" in (res["error"] or ""), res
+    assert res["error"] == other["error"] and res["collective"] and other["collective"]
+    assert res["error"].startswith("cannot write "), res["error"]
+    # The disk fills up before rank 0 writes step 15's manifest: rank 1 hears it too.
+    late, late1 = res["manifest"], other["manifest"]
+    assert "step000015/manifest.json: No space left on device" in (late["error"] or ""), late
+    assert late["error"] == late1["error"] and late["collective"] and late1["collective"], late1
+    assert res["step 5 untouched"], res
+    assert res["listing"] == {"step000010": ["rng0.pt", "state.pt"],
+                              "step000015": ["rng0.pt", "rng1.pt", "state.pt"]}, res["listing"]
+    assert res["resumes from"] == other["resumes from"] == 5
 
 
 def _console(cmd: list[str]) -> subprocess.Popen:
@@ -517,11 +653,11 @@ def test_a_second_run_is_refused_and_all_bad_checkpoints_end_in_one_line(two_ran
         # (torch's init_process_group prefixes an uncaught error with "[rank0]: ")
         assert errors[0].removeprefix("[rank0]: ").startswith("train.py: error: "), (name, console)
     # The 2-rank job: rank 0's line (before any process group: the launcher stops rank 1), the
-    # launcher's; nothing written to its --out.
+    # launcher's; nothing written to its --out but the lock file (parse_config locks --out first).
     lines = said["same --ckpt-dir"][0].strip().splitlines()
     assert len(lines) == 2 and lines[1].startswith("course: "), lines
     assert f"--ckpt-dir {ckpt} is in use by another run (pid {os.getpid()} on " in lines[0]
-    assert not (tmp_path / "B" / "metrics.jsonl").exists()
+    assert [p.name for p in (tmp_path / "B").iterdir()] == [".lock"]
     assert f"none of the {len(committed)} checkpoints verifies" in said["all bad"][0]
     assert damaged == {p.name: shas(p) for p in committed}  # a refused run changes nothing
     assert sorted(p.name for p in bad.iterdir() if p.name != ".lock") == [

@@ -26,9 +26,9 @@
 import dataclasses
 import inspect
 import json
-import shutil
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 import torch
@@ -113,7 +113,10 @@ except CheckpointError as e:
 # them. Flip 16 bytes of a weight in the newest checkpoint of the "full" run: `torch.load` reads
 # it without a word; the resume (`load_state`) finds that `state.pt` no longer matches its
 # manifest, says so in one line, resumes from the previous step and keeps the damaged folder
-# aside. A checkpoint of another run (another `--out`, so another run id) is refused.
+# aside. A run with another `--out` is another run (its own run id) and is refused: a real run
+# keeps its id in `--out` (`train(..., rec)` reads `rec.out`); `train()` called without a
+# recorder, as in the cells above, keeps it in the checkpoint folder. The cell gives it a
+# stand-in recorder whose `out` is another folder.
 
 # %%
 setup_logging()  # the course's log lines, as a run prints them
@@ -127,11 +130,8 @@ print("torch.load of the damaged file: step", torch.load(newest / "state.pt", we
 resumed = train.load_state(folder, rank=0, world_size=1)
 print("resumed from", Path(resumed["folder"]).name, "| folders:",
       sorted(p.name for p in folder.iterdir() if p.is_dir()))
-other = work / "another_run"
-shutil.copytree(folder, other)
-(other / "run_id").write_text("another-run\n")  # train() keeps the run id in its checkpoint folder
-try:
-    train.train(cfg, info, other)
+try:  # the same checkpoint folder, run with another --out
+    train.train(cfg, info, folder, rec=SimpleNamespace(out=work / "another_out"))
 except CheckpointError as e:
     print("refused:", e)
 teardown_distributed()
@@ -170,7 +170,7 @@ for check in result.summary["checks"]:
 # ## Exercises
 # 1. Make rank 0 die halfway through the save of step 15 (`--fail-rank 0 --fail-step 15
 #    --fail-in save`). From which step does the run resume, and what is in `ckpt/step000015/`?
-# 2. With a save of 18.8 ms and of 30 s and $M$ = 24 h, what interval and overhead does Young/Daly give?
+# 2. With a save of 16 ms and of 30 s and $M$ = 24 h, what interval and overhead does Young/Daly give?
 # 3. Keep the global batch at 16 when the elastic demo shrinks to one node.
 # 4. Catch a desync (different shapes on two ranks) with `TORCH_DISTRIBUTED_DEBUG=DETAIL`.
 # 5. Why does node A print `attempt 0` at world 2 in the elastic demo?

@@ -209,25 +209,57 @@ def write_file(path: Path, obj: dict, crash=None) -> dict:
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def uncommit(folder: Path) -> None:
+    """Remove a step folder's manifest before that step is saved again: the re-save is then
+    uncommitted until its end (a crash halfway leaves a folder no resume reads)."""
+    (folder / MANIFEST).unlink(missing_ok=True)
+
+
 def save_state(ckpt_dir: Path, step: int, shared: dict, rng: dict, rank: int, crash=None) -> None:
     """Two phases, independent of the world size. Phase 1: rank 0 writes what every replica
     holds alike (model, optimizer, data position, step, world size, run id, shapes) once, every
     rank its own RNG stream, each file atomically. Phase 2, once every rank's entry has reached
     rank 0 (the gather is the barrier): rank 0 writes the folder's manifest, every file with its
     size and SHA-256, and then names the step in `latest`. The manifest is the commit: a crash
-    before it leaves a folder without one, which no resume reads."""
-    folder = ckpt_dir / f"step{step:06d}"
-    mine = {}
+    before it leaves a folder without one, which no resume reads. A step saved again (its folder
+    already committed) is first uncommitted by rank 0, and a barrier keeps the other ranks' files
+    out of the folder until then. A write that fails (a full disk: `atomic_write` names the
+    file) fails the save on every rank, in both phases: one collective `CheckpointError`, so that
+    no rank is left waiting in a collective for a rank that has gone."""
+    folder, world = ckpt_dir / f"step{step:06d}", dist.get_world_size()
     if rank == 0:
-        (folder / MANIFEST).unlink(missing_ok=True)  # a re-save of a step is uncommitted until its end
-        mine["state.pt"] = write_file(folder / "state.pt", shared, crash)
-    mine[f"rng{rank}.pt"] = write_file(folder / f"rng{rank}.pt", rng, crash)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if rank == 0:
-        write_manifest(folder, {name: e for part in everyone for name, e in part.items()},
-                       step=step, world_size=len(everyone), run_id=shared["run_id"])
-        atomic_write(ckpt_dir / "latest", lambda f: f.write(str(step).encode()))
+        uncommit(folder)
+    if world > 1:
+        dist.barrier()  # no rank writes into a committed folder: its manifest is gone first
+    mine, problem = {}, None
+    try:
+        if rank == 0:
+            mine["state.pt"] = write_file(folder / "state.pt", shared, crash)
+        mine[f"rng{rank}.pt"] = write_file(folder / f"rng{rank}.pt", rng, crash)
+    except CheckpointError as e:
+        problem = str(e)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (mine, problem))
+    problem = next((p for _, p in everyone if p), None)
+    if rank == 0 and problem is None:
+        try:
+            write_manifest(folder, {name: e for part, _ in everyone for name, e in part.items()},
+                           step=step, world_size=world, run_id=shared["run_id"])
+            atomic_write(ckpt_dir / "latest", lambda f: f.write(str(step).encode()))
+        except CheckpointError as e:
+            problem = str(e)
+    problem = from_rank0(problem)
+    if problem:
+        raise CheckpointError(problem, collective=True)
+
+
+def from_rank0(obj):
+    """Global rank 0's `obj` on every rank (a collective when the world has several ranks)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def group_rank() -> int:
@@ -238,18 +270,24 @@ def candidates(ckpt_dir: Path) -> list[Path]:
     """The checkpoints a resume may use, oldest first: every step folder holding a manifest (a
     committed save), and the one `latest` names. `latest` is a hint: a folder it names is tried
     even without a manifest (a committed folder that lost it is skipped in a line, not ignored);
-    a torn `latest` is reported and the folders speak for themselves."""
-    found = {p for p in ckpt_dir.glob("step*")
-             if STEP_FOLDER.fullmatch(p.name) and (p / MANIFEST).exists()}
-    try:
-        text = (ckpt_dir / "latest").read_bytes().decode(errors="replace")
-    except FileNotFoundError:
-        return sorted(found)
-    if text.strip().isdigit():
-        found.add(ckpt_dir / f"step{int(text):06d}")
-    elif group_rank() == 0:
-        log.warning("%s is torn (%r): trying the step folders", ckpt_dir / "latest", text[:20])
-    return sorted(found)
+    a torn `latest` is reported and the folders speak for themselves. Global rank 0 lists the
+    folder and reads `latest`, and every rank gets its list: on a shared file system another
+    node may see a stale listing, and ranks walking different lists would call the verdict's
+    collectives a different number of times (a hang)."""
+    found = None
+    if group_rank() == 0:
+        found = {p for p in ckpt_dir.glob("step*")
+                 if STEP_FOLDER.fullmatch(p.name) and (p / MANIFEST).exists()}
+        try:
+            text = (ckpt_dir / "latest").read_bytes().decode(errors="replace")
+        except FileNotFoundError:
+            text = None
+        if text is not None and text.strip().isdigit():
+            found.add(ckpt_dir / f"step{int(text):06d}")
+        elif text is not None:
+            log.warning("%s is torn (%r): trying the step folders", ckpt_dir / "latest", text[:20])
+        found = sorted(found)
+    return from_rank0(found)
 
 
 def read_step(folder: Path, rank: int, world_size: int) -> dict:
