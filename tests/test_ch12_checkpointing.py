@@ -803,6 +803,20 @@ def test_impossible_settings_are_refused():
     assert e.value.code == 2
 
 
+def test_failed_dcp_save_is_one_line_naming_the_folder(tmp_path):
+    """train.py's timed DCP saves fail as save_dcp's do: one collective CheckpointError naming the
+    folder (here a folder under a file, in one process)."""
+    import torch.distributed.checkpoint as dcp
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    target = blocker / "dcp"
+    with pytest.raises(CheckpointError, match=f"saving {target} ") as e, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no process group: one process
+        with train.saving(target):
+            dcp.save({"w": torch.zeros(4)}, checkpoint_id=str(target))
+    assert e.value.collective and "\n" not in str(e.value), str(e.value)
+
+
 @pytest.mark.timeout(600)
 def test_deepspeed_zero_checkpoint_layout_and_zero_to_fp32(tmp_path):
     pytest.importorskip("deepspeed", reason="pip install deepspeed==0.19.8 (requirements.txt)")
