@@ -1046,7 +1046,9 @@ def test_faults_end_in_one_line(tmp_path, monkeypatch, capsys):
 
     from common.log import one_line_errors
 
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    # Python's own hook underneath (an in-process init_process_group earlier in the session
+    # leaves torch's "[rank0]:" wrapper installed)
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     one_line_errors("demo.py")
 
     def said(error, rank="0") -> list[str]:
