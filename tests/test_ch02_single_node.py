@@ -5,13 +5,16 @@ classic mistakes do not."""
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
+from torch import nn
 
-from chapters.ch02_single_node import controls, make_diff, single, spawn, train
+from chapters.ch02_single_node import controls, dataparallel, make_diff, single, spawn, train
 from chapters.ch02_single_node.task import (
     PARITY_TOLERANCE,
     TaskConfig,
@@ -59,20 +62,28 @@ def reference_history(cfg: TaskConfig) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The three scripts, launched for real, once each, with the same options."""
+def launches(tmp_path_factory):
+    """The four scripts, launched for real, once each, with the same options."""
     base = tmp_path_factory.mktemp("ch02")
     # Independent jobs, started together: on 2 cores this saves ~30 % of the wall time (process
     # start-up waits on I/O), and nothing here depends on timings.
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {
             "single": pool.submit(run_python, CH / "single.py", args=ARGS, out_dir=base / "single"),
             "spawn": pool.submit(run_python, CH / "spawn.py", args=[*ARGS, "--nprocs", 2],
                                  out_dir=base / "spawn"),
             "train": pool.submit(run_torchrun, CH / "train.py", nproc=2, args=ARGS,
                                  out_dir=base / "train"),
+            "dataparallel": pool.submit(run_python, CH / "dataparallel.py", args=ARGS,
+                                        out_dir=base / "dataparallel"),
         }
         return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(launches):
+    """single.py and the two DDP scripts: the runs that save their final parameters."""
+    return {k: v for k, v in launches.items() if k != "dataparallel"}
 
 
 def final_params(result) -> dict:
@@ -301,3 +312,165 @@ def test_readme_diff_is_generated_and_current():
     assert readme == make_diff.readme_with_diff(readme, make_diff.render_diff()), \
         "the README's diff is stale: run python tools/figures.py ch02"
     assert "+        idx = shard_for_rank(batch, info.rank, info.world_size)" in readme
+
+
+# --- nn.DataParallel: its mechanism counted on simulated devices, its timing on GPUs -------------
+
+DP_STEPS = 4  # >= 3 steps: every forward must replicate again, not only the first
+
+
+def dp_config(devices: int, batch: int, steps: int = DP_STEPS) -> dataparallel.Config:
+    return dataparallel.Config(steps=steps, seed=SEED, global_batch_size=batch, device="cpu",
+                               devices=devices)
+
+
+def assert_mechanism(cfg, tap, chunks: list[int], devices: list[str]) -> None:
+    """Every step's record against closed forms written here. P parameters of 8 bytes
+    (float64), B rows of d_in = 16 features in, 1 out; R = len(chunks) devices got rows:
+    the whole batch scattered, R replicas of which R - 1 are fresh copies of the P parameters
+    (replica 0 shares the module's storage), the whole output gathered on device 0, R - 1 sets
+    of P gradients sent back to it; R forwards in this process, each on its own thread."""
+    P = sum(p.numel() for p in build_model(cfg, CPU).parameters())
+    B, size, R = cfg.global_batch_size, 8, len(chunks)
+    assert len(tap.records) == cfg.steps >= 3
+    for rec in tap.records:
+        assert rec.calls == ["scatter", "replicate", "parallel_apply", "gather"]  # forward's order
+        assert rec.chunk_rows == chunks and rec.replicas == R
+        assert rec.replica_devices == devices[:R]
+        assert rec.scattered_bytes == B * 16 * size
+        assert rec.copied_param_bytes == (R - 1) * P * size
+        assert rec.shared_param_bytes == P * size
+        assert rec.replica_grad_bytes == (R - 1) * P * size
+        assert rec.gathered_bytes == B * 1 * size and rec.gathered_device == devices[0]
+        names = [name for _, name, _ in rec.forwards]
+        assert {pid for pid, _, _ in rec.forwards} == {os.getpid()} and len(set(names)) == R
+        assert R == 1 or "MainThread" not in names  # parallel_apply's own threads
+        assert sorted(rows for *_, rows in rec.forwards) == sorted(chunks)
+
+
+@pytest.mark.timeout(60)
+def test_dataparallel_mechanism_on_simulated_devices():
+    """torch's own DataParallel.forward drives the simulated devices: the tap sees its four
+    calls in order, and what they moved equals the closed forms at every step, also where a
+    device gets no rows (torch.chunk: 5 rows over 4 devices make 2, 2, 1; 3 rows make 1, 1, 1);
+    the trained parameters equal one process's on the whole batch."""
+    assert dataparallel.SimulatedDataParallel.forward is nn.DataParallel.forward
+    for devices, batch, chunks in ((2, 48, [24, 24]), (4, 48, [12] * 4), (4, 5, [2, 2, 1]),
+                                   (4, 3, [1, 1, 1])):
+        cfg = dp_config(devices, batch)
+        model, tap, losses, _ = dataparallel.train_data_parallel(cfg, "cpu", devices)
+        assert_mechanism(cfg, tap, chunks, ["cpu"] * devices)
+        measured = [dataparallel.measured_per_step(r) for r in tap.records]
+        assert measured == [dataparallel.expected_per_step(cfg, devices, 8)] * cfg.steps
+        reference = reference_history(cfg)
+        assert max_param_diff(model.state_dict(), reference[-1]) <= TOL, (devices, batch)
+        assert max_param_diff(model.state_dict(), reference[0]) > 1e-3  # it trained
+    # On a machine without GPUs torch's own DataParallel keeps no devices and calls the module;
+    # the simulated one computes the same output through scatter, replicas and gather.
+    cfg = dp_config(2, 48)
+    model = build_model(cfg, CPU)
+    X, _ = build_data(cfg, CPU)
+    plain = nn.DataParallel(model)
+    assert plain.device_ids == [] and torch.equal(plain(X[:48]), model(X[:48]))
+    simulated = dataparallel.SimulatedDataParallel(model, 2)
+    tap = dataparallel.MechanismTap(simulated)
+    assert (simulated(X[:48]) - model(X[:48])).abs().max().item() <= TOL
+    assert len(tap.records) == 1 and tap.records[0].chunk_rows == [24, 24]
+
+
+class ReplicateOnce(dataparallel.SimulatedDataParallel):
+    """Broken: replicates at the first forward and reuses those replicas ever after."""
+
+    def replicate(self, module, device_ids):
+        if not hasattr(self, "kept"):
+            self.kept = super().replicate(module, device_ids)
+        return self.kept
+
+
+def broadcast_without_graph(tensors, devices, detach=False):
+    """dataparallel.simulated_broadcast, broken: the copies leave the autograd graph."""
+    return [[t.view_as(t) if j == 0 else t.detach().clone() for t in tensors]
+            for j in range(len(devices))]
+
+
+class DetachedReplicas(dataparallel.SimulatedDataParallel):
+    """Broken: the copies on devices 1.. carry no gradient back, so only device 0's rows train."""
+
+    def replicate(self, module, device_ids):
+        with mock.patch.object(dataparallel._REPLICATE, "_broadcast_coalesced_reshape",
+                               broadcast_without_graph):
+            return dataparallel._REPLICATE.replicate(module, list(device_ids))
+
+
+@pytest.mark.timeout(60)
+def test_dataparallel_negative_controls():
+    """The same counts and parity reject a DataParallel that keeps its first replicas (stale
+    copies from step 1 on: no bytes copied, parameters off) and one whose copies carry no
+    gradient back to device 0 (nothing reduced: device 0's rows alone train the model)."""
+    cfg = dp_config(2, 48)
+    P8 = 1633 * 8
+    reference = reference_history(cfg)[-1]
+    model, tap, *_ = dataparallel.train_data_parallel(cfg, "cpu", 2, dp_class=ReplicateOnce)
+    assert [r.copied_param_bytes for r in tap.records] == [P8, 0, 0, 0]
+    assert max_param_diff(model.state_dict(), reference) > 1e-3
+    model, tap, *_ = dataparallel.train_data_parallel(cfg, "cpu", 2, dp_class=DetachedReplicas)
+    assert [r.replica_grad_bytes for r in tap.records] == [0] * cfg.steps
+    assert [r.copied_param_bytes for r in tap.records] == [P8] * cfg.steps  # copies were made
+    assert max_param_diff(model.state_dict(), reference) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_dataparallel_script_counts_match_closed_forms(launches):
+    run = launches["dataparallel"]
+    assert run.summary["world_size"] == 1 and run.summary["device"] == "cpu"
+    assert all(c["ok"] for c in run.summary["checks"]), run.summary["checks"]
+    P8, B = 1633 * 8, 48
+    want = {"replicas built": 2 * STEPS, "replica forwards, a thread each": 2 * STEPS,
+            "rows through the replicas": B * STEPS, "batch bytes scattered": B * 16 * 8 * STEPS,
+            "parameter bytes copied": P8 * STEPS, "device 0 replica: shared bytes": P8 * STEPS,
+            "output bytes gathered": B * 8 * STEPS, "gradient bytes to device 0": P8 * STEPS}
+    for name, value in want.items():
+        check = run.check(f"{name} ({STEPS} steps)")
+        assert check["measured"] == check["expected"] == value, name
+    assert run.check("DataParallel == one process on the batch")["measured"] <= TOL
+    figures = run.summary["figures"]
+    assert figures["DataParallel vs DDP on GPUs"]["measured"] == "not measured (CPU)"
+    assert figures["rows per device, step 0"]["measured"] == [24, 24]
+    # the same losses as one process (single.py, same options)
+    single_loss = launches["single"].summary["figures"]["final loss"]["measured"]
+    assert figures["final loss"]["measured"] == pytest.approx(single_loss, rel=1e-12)
+
+
+def test_dataparallel_needs_two_gpus_for_real(monkeypatch, capsys, tmp_path):
+    """--device cuda with fewer than two GPUs is refused in one line (gpu-check reports it
+    n/a); the simulated devices need none; --devices 1 would not be DataParallel."""
+    for gpus in (0, 1):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        with pytest.raises(ValueError, match=f"needs 2 GPUs and torch sees {gpus}"):
+            dataparallel.validate(dataparallel.Config(device="cuda"), 1)
+        dataparallel.validate(dataparallel.Config(device="cpu"), 1)
+        assert dataparallel.data_parallel_devices(dataparallel.Config()) == ("cpu", 2)
+    assert dataparallel.main(dataparallel.Config(device="cuda", out=str(tmp_path))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dataparallel.py: error: --device cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    dataparallel.validate(dataparallel.Config(device="cuda"), 1)
+    with pytest.raises(ValueError, match="needs 8 GPUs and torch sees 4"):
+        dataparallel.validate(dataparallel.Config(device="cuda", devices=8), 1)
+    with pytest.raises(ValueError, match="--devices must be 0"):
+        dataparallel.Config(devices=1)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="torch's nn.DataParallel needs 2 GPUs")
+@pytest.mark.timeout(120)
+def test_real_dataparallel_moves_what_the_simulation_moves():
+    """On GPUs the tap wraps torch's own scatter, replicate, parallel_apply and gather: the
+    same closed forms hold (the GPU run of the simulation's model)."""
+    n = torch.cuda.device_count()
+    cfg = replace(dp_config(n, 48), device="cuda")
+    model, tap, *_ = dataparallel.train_data_parallel(cfg, "cuda", n)
+    chunks = [len(c) for c in torch.arange(48).chunk(n)]
+    assert_mechanism(cfg, tap, chunks, [f"cuda:{j}" for j in range(n)])
+    reference = reference_history(cfg)[-1]
+    assert max_param_diff(model.state_dict(), reference) <= TOL
