@@ -331,6 +331,7 @@ def assert_mechanism(cfg, tap, chunks: list[int], devices: list[str]) -> None:
     (replica 0 shares the module's storage), the whole output gathered on device 0, R - 1 sets
     of P gradients sent back to it; R forwards in this process, each on its own thread."""
     P = sum(p.numel() for p in build_model(cfg, CPU).parameters())
+    assert dataparallel.n_params(cfg) == P
     B, size, R = cfg.global_batch_size, 8, len(chunks)
     assert len(tap.records) == cfg.steps >= 3
     for rec in tap.records:
@@ -474,3 +475,16 @@ def test_real_dataparallel_moves_what_the_simulation_moves():
     assert_mechanism(cfg, tap, chunks, [f"cuda:{j}" for j in range(n)])
     reference = reference_history(cfg)[-1]
     assert max_param_diff(model.state_dict(), reference) <= TOL
+
+
+def test_exercise_4_bytes_per_step():
+    """Exercise 4's numbers: the ~100 M-parameter MLP, float64, DataParallel's copies through
+    GPU 0 against DDP's ring all-reduce per GPU, 2(W - 1)/W · P · 8 bytes."""
+    cfg = dataparallel.Config(d_hidden=4096, n_layers=8)
+    P = 16 * 4096 + 4096 + 6 * (4096 * 4096 + 4096) + 4096 + 1
+    assert dataparallel.n_params(cfg) == P == 100_761_601
+    two, eight = (dataparallel.expected_per_step(cfg, w, 8) for w in (2, 8))
+    assert two["copied_param_bytes"] == two["replica_grad_bytes"] == P * 8 == 806_092_808
+    assert 2 * (2 - 1) * P * 8 // 2 == 806_092_808  # DDP on 2 GPUs: the same bytes per GPU
+    assert eight["copied_param_bytes"] == eight["replica_grad_bytes"] == 5_642_649_656
+    assert 2 * (8 - 1) * P * 8 // 8 == 1_410_662_414  # DDP per GPU on 8

@@ -406,16 +406,20 @@ CHECKED = {  # measured_per_step's key -> the check's name (summed over the step
 }
 
 
-def train_data_parallel(cfg: Config, kind: str, n: int, dp_class=None):
+def train_data_parallel(cfg: Config, kind: str, n: int, dp_class=None, count: bool = True):
     """cfg.steps SGD steps of the shared task with the model wrapped in DataParallel over n
-    devices (`dp_class(model, n)` instead, for the tests' broken variants). The batch stays on
-    the host (DataParallel scatters it), the targets go to device 0 where the output is
-    gathered. Returns (model, tap, losses, step seconds)."""
+    devices (`dp_class(model, n)` instead, for the tests' broken variants; n = 1 and
+    `dp_class=None`: the bare model on device 0). The batch stays on the host (DataParallel
+    scatters it), the targets go to device 0 where the output is gathered. With `count` a
+    MechanismTap counts every forward. Returns (model, tap or None, losses, step seconds)."""
     src = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
     X, Y = build_data(cfg, torch.device("cpu"))
     model = build_model(cfg, src)
-    dp = dp_class(model, n) if dp_class else wrap_data_parallel(model, kind, n)
-    tap = MechanismTap(dp)
+    if dp_class is not None:
+        dp = dp_class(model, n)
+    else:
+        dp = wrap_data_parallel(model, kind, n) if n > 1 else model
+    tap = MechanismTap(dp) if count else None
     opt = build_optimizer(model, cfg)
     losses, seconds = [], []
     # A simulated device is a thread, as a GPU is one device: no intra-op threads besides
@@ -464,7 +468,11 @@ def train(cfg: Config, script_file: str = __file__) -> int:
     what = f"torch's nn.DataParallel over {n} GPUs" if kind == "cuda" else \
         f"torch's DataParallel.forward over {n} simulated CPU devices"
     log.info("%s, one process (pid %d)", what, os.getpid())
-    model, tap, losses, seconds = train_data_parallel(cfg, kind, n)
+    model, tap, losses, counted_seconds = train_data_parallel(cfg, kind, n)
+    # Timed without the tap (it synchronises every device around each call and compares the
+    # copies with the parameters), and one device alone on the same global batch.
+    seconds = train_data_parallel(cfg, kind, n, count=False)[3]
+    alone = train_data_parallel(cfg, kind, 1, count=False)[3]
     for step, loss in enumerate(losses):
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             log.info("step %3d  loss %.6f", step, loss)
@@ -483,8 +491,10 @@ def train(cfg: Config, script_file: str = __file__) -> int:
     rec.figure("per step, measured", measured=measured, table=False)
     median, spread = _ms(seconds)
     rec.figure("step time, DataParallel (median)", measured=median, unit="ms", spread=spread)
+    rec.figure("step time, one device (median)", measured=_ms(alone)[0], unit="ms",
+               spread=_ms(alone)[1])
     overhead = [sum(r.seconds[p] for p in ("scatter", "replicate", "gather")) / s
-                for r, s in zip(tap.records, seconds)]
+                for r, s in zip(tap.records, counted_seconds)]
     rec.figure("scatter+replicate+gather / step", measured=statistics.median(overhead) * 100,
                unit="%", spread=(min(overhead) * 100, max(overhead) * 100))
     reference = reference_state(cfg, src)

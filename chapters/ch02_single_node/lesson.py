@@ -16,9 +16,10 @@
 # One training task, three scripts: `single.py` (one process, the whole global batch),
 # `spawn.py` (DDP, processes started by `torch.multiprocessing.spawn`) and `train.py` (DDP,
 # processes started by `torchrun`). With the same seed and global batch they must end with the
-# same parameters — to 1e-12 in float64. This notebook shows the code, the CUDA and
-# `nn.DataParallel` background, runs the three scripts as subprocesses (DDP cannot run inside a
-# notebook kernel: spawned workers cannot be pickled from `__main__`) and compares what they saved.
+# same parameters — to 1e-12 in float64. This notebook shows the code, the CUDA background,
+# `nn.DataParallel`'s mechanism counted step by step (`dataparallel.py`), runs the three scripts
+# as subprocesses (DDP cannot run inside a notebook kernel: spawned workers cannot be pickled
+# from `__main__`) and compares what they saved.
 
 # %%
 # %matplotlib inline
@@ -27,14 +28,15 @@ import inspect
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import matplotlib.pyplot as plt
 import torch
 from torch import nn
 
-from chapters.ch02_single_node import spawn, task, train
+from chapters.ch02_single_node import dataparallel, spawn, task, train
 from chapters.ch02_single_node.make_diff import code_lines
-from chapters.ch02_single_node.task import PARITY_TOLERANCE, TaskConfig, build_data, build_model
+from chapters.ch02_single_node.task import PARITY_TOLERANCE, build_model
 from common.checkpoint import load_checkpoint
 from common.launch import run_python, run_torchrun
 from common.results import REPO_ROOT
@@ -71,29 +73,47 @@ else:
           "show. On a GPU this cell shows a timer that reads ~0.01 ms for an 8192² matmul that takes ms.")
 
 # %% [markdown]
-# ## 2. `nn.DataParallel`: one process, many GPUs — and why DDP replaced it
+# ## 2. `nn.DataParallel`: one process drives every device, counted
 #
 # `nn.DataParallel(model)` runs in ONE Python process. Every forward it scatters the input batch
-# over the GPUs, *replicates the module* onto each of them, runs the replicas in Python threads
-# (which share the GIL), then gathers the outputs onto GPU 0, where the loss is computed; the
-# backward reduces the gradients onto GPU 0 too. GPU 0 holds more memory and does more work,
-# and the replication and the GIL cost time every step. DDP instead runs one process per
-# device, copies the parameters once (at construction), and all-reduces gradients while the
-# backward runs. On a CPU-only machine `DataParallel` has no devices and simply calls the module:
+# over the devices, *replicates the module* onto each of them, runs the replicas in Python
+# threads (which share the GIL), then gathers the outputs onto device 0, where the loss is
+# computed; the backward sums every replica's gradients back onto device 0's parameters. DDP
+# instead runs one process per device, copies the parameters once (at construction), and
+# all-reduces gradients while the backward runs.
+#
+# Without two GPUs torch's `DataParallel` keeps no devices and just calls the module, so
+# `dataparallel.py` runs torch's own `DataParallel.forward` over *simulated* CPU devices
+# (`SimulatedDataParallel` supplies only the four device operations forward calls) and a
+# `MechanismTap` counts, at those four calls, what each step moved. Below: 3 steps each, the
+# last step's counts beside their closed forms (P = 1,633 parameters of 8 bytes, B rows of 16
+# features in and 1 out, R devices that got rows; `torch.chunk` gives 5 rows over 4 devices as
+# 2, 2, 1, so the fourth device gets nothing).
 
 # %%
-cfg = TaskConfig()
+cfg = dataparallel.Config(steps=3, device="cpu")
 model = build_model(cfg, torch.device("cpu"))
-X, Y = build_data(cfg, torch.device("cpu"))
-dp = nn.DataParallel(model)
-print("device_ids:", dp.device_ids, "| same output as the bare model:", torch.equal(dp(X), model(X)))
-if torch.cuda.device_count() >= 2:
-    dp = nn.DataParallel(build_model(cfg, torch.device("cuda"))).cuda()
-    out = dp(X.cuda())
-    print(f"{torch.cuda.device_count()} GPUs: the batch of {len(X)} was split over them, and the "
-          f"outputs were gathered onto {out.device}")
+print("torch's own nn.DataParallel here: device_ids =", nn.DataParallel(model).device_ids,
+      "(no GPUs: it calls the module)")
+for devices, batch in ((2, 48), (4, 48), (4, 5)):
+    run_cfg = replace(cfg, devices=devices, global_batch_size=batch)
+    trained, tap, losses, _ = dataparallel.train_data_parallel(run_cfg, "cpu", devices)
+    last = tap.records[-1]
+    print(f"\n{devices} devices, batch {batch}: {' -> '.join(last.calls)}; rows per device "
+          f"{last.chunk_rows}; replica threads {sorted({name for _, name, _ in last.forwards})}")
+    expected = dataparallel.expected_per_step(run_cfg, devices, 8)
+    for key, value in dataparallel.measured_per_step(last).items():
+        print(f"  {key:<20} measured {value:>6}   closed form {expected[key]:>6}")
+    difference = task.max_param_diff(trained.state_dict(), task.reference_state(run_cfg, torch.device("cpu")))
+    print(f"  parameters after 3 steps vs one process on the batch: {difference:.1e}")
+if torch.cuda.device_count() >= 2:  # torch's own DataParallel, counted by the same tap
+    n = torch.cuda.device_count()
+    run_cfg = replace(cfg, devices=n, device="cuda")
+    trained, tap, losses, _ = dataparallel.train_data_parallel(run_cfg, "cuda", n)
+    print(f"\n{n} GPUs: replicas on {tap.records[-1].replica_devices}, "
+          f"{dataparallel.measured_per_step(tap.records[-1])}")
 else:
-    print(f"{torch.cuda.device_count()} CUDA GPU(s): the multi-GPU DataParallel demonstration needs 2 or more.")
+    print(f"\n{torch.cuda.device_count()} CUDA GPU(s): torch's own multi-GPU DataParallel needs 2 or more.")
 
 # %% [markdown]
 # ## 3. The shared task, and the one function about data distribution
