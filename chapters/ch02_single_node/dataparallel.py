@@ -46,6 +46,7 @@ from chapters.ch02_single_node.task import (
     reference_state,
     train_step,
 )
+from common.checkpoint import save_checkpoint
 from common.config import parse_config
 from common.distributed import DistInfo
 from common.log import log, setup_logging
@@ -469,6 +470,7 @@ def train(cfg: Config, script_file: str = __file__) -> int:
         f"torch's DataParallel.forward over {n} simulated CPU devices"
     log.info("%s, one process (pid %d)", what, os.getpid())
     model, tap, losses, counted_seconds = train_data_parallel(cfg, kind, n)
+    save_checkpoint(rec.out / "final_params.pt", model.state_dict())
     # Timed without the tap (it synchronises every device around each call and compares the
     # copies with the parameters), and one device alone on the same global batch.
     seconds = train_data_parallel(cfg, kind, n, count=False)[3]
