@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from chapters.ch28_inference import engine as E
 from chapters.ch28_inference import model as M
 from chapters.ch28_inference import paged as P
 from chapters.ch28_inference import train as T
@@ -39,14 +40,20 @@ def _plain(config) -> SimpleNamespace:
                            rope_theta=M.rope_theta(config))
 
 
-def _tp_worker(state, config, prompt):
-    """Each rank: its shard's generation, and the same without g's all-reduce (the control)."""
+def _tp_worker(state, config, prompt, reqs):
+    """Each rank: its shard's generation, the same without g's all-reduce (the control), and
+    the serving engine tensor-parallel over all ranks (each rank's pool holds its heads)."""
     import torch.distributed as dist
+
+    from chapters.ch28_inference import engine as E
 
     torch.set_default_dtype(torch.float64)
     rank, tp = dist.get_rank(), dist.get_world_size()
-    return [M.generate(M.HandLlama(state, config, rank, tp, reduce=reduce), prompt, 10)
+    gens = [M.generate(M.HandLlama(state, config, rank, tp, reduce=reduce), prompt, 10)
             for reduce in (True, False)]
+    shard = M.HandLlama(state, config, rank, tp)
+    run = E.Engine(shard, 64, 4, 4, "continuous", choose=E.Chooser(0.1, 0)).run(reqs)
+    return gens, run["tokens"], run["logits"], shard.kv_pool(64, 4).bytes()
 
 
 def _static_steps(outs, batch):
@@ -71,18 +78,48 @@ def test_script_checks_pass_on_two_ranks(tmp_path):
     assert all(c["ok"] for c in checks.values() if c["kind"] != "timing"), res.output[-3000:]
     assert checks["TP on 2 ranks = one device: max |logit diff|"]["measured"] <= T.PARITY_TOL
     assert checks["control: TP without the all-reduce differs"]["ok"]
-    assert checks["benchmark: requests served over all ranks"]["measured"] == T.Config().requests
+    assert checks["control: one block table scrambled differs"]["measured"] > T.PARITY_TOL
+    assert checks["TP engine on 2 ranks: tokens differing from one device"]["measured"] == 0
+    assert checks[f"pool of {T.Config().tight_blocks} blocks: preemptions"]["measured"] > 0
+    # the headline, measured on the engines: the test recomputes the prediction and the counts
+    cfg = T.Config()
+    work = [d for _, d in P.workload(cfg.requests_per_rank * 2, cfg.max_decode, cfg.seed)]
+    static = sum(_static_steps(work[r::2], cfg.batch) for r in range(2))
+    cont = sum(_continuous_steps(work[r::2], cfg.batch) for r in range(2))
+    figure = summary["figures"]["engine decode steps summed over ranks: static, continuous"]
+    assert figure["measured"] == [static, cont]
+    ratio = checks["engines: continuous / static in decode steps >= 1.5"]["measured"]
+    assert ratio == pytest.approx(static / cont) and ratio >= 1.5
+    assert abs(ratio / _expected_ratio(cfg.max_decode, cfg.batch) - 1) <= 0.05
+    assert checks["overlap engine: plans made while the previous step ran"]["measured"] > 0
+    assert checks["control: the synchronous engine's plans never overlap a step"]["measured"] == 0
+    assert checks["benchmark: requests served over all ranks"]["measured"] == 2 * cfg.requests_per_rank
+
+
+def _expected_ratio(m, b):
+    """E[max of b draws uniform on 1..m] / E[draw], from the maximum's own distribution
+    (P(max <= k) = (k/m)^b), not from the lesson's tail-sum form that paged.py uses."""
+    from fractions import Fraction
+
+    e_max = sum(k * (Fraction(k, m) ** b - Fraction(k - 1, m) ** b) for k in range(1, m + 1))
+    return float(e_max / Fraction(m + 1, 2))
 
 
 @pytest.mark.timeout(200)
 def test_tensor_parallel_on_four_ranks_equals_one_device_without_cache():
-    _, config, hf, prompt, (ref_t, ref_l) = _reference()
+    cfg, config, hf, prompt, (ref_t, ref_l) = _reference()
     state = {k: v.clone() for k, v in hf.state_dict().items()}
-    ranks = run_on_ranks(_tp_worker, 4, state, _plain(config), prompt, timeout=180)
-    for (tok, lg), (_, bad) in ranks:
+    reqs = T.chat_workload(T.Config(chat_requests=6, system_len=8), config.vocab_size, 11)
+    ranks = run_on_ranks(_tp_worker, 4, state, _plain(config), prompt, reqs, timeout=180)
+    dense = M.HandLlama(hf.state_dict(), config)
+    one = E.Engine(dense, 64, 4, 4, "continuous", choose=E.Chooser(0.1, 0)).run(reqs)
+    for ((tok, lg), (_, bad)), tokens, logits, pool_bytes in ranks:
         assert torch.equal(tok, ref_t)
         assert (lg - ref_l).abs().max() <= T.PARITY_TOL
         assert (bad - ref_l).abs().max() > T.PARITY_TOL  # without g the same check fails
+        assert tokens == one["tokens"]
+        assert max(float((logits[k] - one["logits"][k]).abs().max()) for k in logits) <= T.PARITY_TOL
+        assert 4 * pool_bytes == dense.kv_pool(64, 4).bytes()  # a quarter of the heads per rank
 
 
 @pytest.mark.timeout(120)
@@ -130,7 +167,7 @@ def test_copy_on_write_and_last_user_frees_prefix():
 @pytest.mark.timeout(60)
 def test_continuous_batching_beats_static_by_the_length_distribution():
     cfg = T.Config()
-    outs = [o for _, o in P.workload(cfg.requests, cfg.max_out, cfg.seed)]
+    outs = [o for _, o in P.workload(cfg.requests_per_rank, cfg.max_decode, cfg.seed)]
     s, c = P.static_schedule(outs, cfg.batch), P.continuous_schedule(outs, cfg.batch)
     # the test's own count of static steps: each batch costs its longest request
     assert s["steps"] == _static_steps(outs, cfg.batch)
@@ -143,40 +180,114 @@ def test_continuous_batching_beats_static_by_the_length_distribution():
     assert P.static_schedule(same, 8)["steps"] == P.continuous_schedule(same, 8)["steps"] == 80
 
 
-@pytest.mark.timeout(120)
-def test_engines_equal_no_cache_generation_and_their_counted_schedules():
-    from chapters.ch28_inference import engine as E
+def _requests(config, n=20, max_decode=12, seed=3):
+    cfg = T.Config()
+    work = P.workload(n, max_decode, seed=seed)
+    return [E.Request(T.prompt_of(cfg, config.vocab_size, 50 + i, p)[0].tolist(), d)
+            for i, (p, d) in enumerate(work)]
 
+
+def _worst(run, refs):
+    """(max |logit diff|, sequences with a differing token) of a run against references."""
+    worst = max(float((run["logits"][k] - lg).abs().max()) for k, (_, lg, _) in refs.items())
+    return worst, sum(run["tokens"][k] != t for k, (t, _, _) in refs.items())
+
+
+@pytest.mark.timeout(120)
+def test_engines_equal_contiguous_cache_and_their_counted_schedules():
+    _, config, hf, _, _ = _reference(1)
+    llama = M.HandLlama(hf.state_dict(), config)
+    reqs = _requests(config)
+    decode = [r.n_decode for r in reqs]
+    # counted here, not by paged.py
+    expect = {"static": _static_steps(decode, 4), "continuous": _continuous_steps(decode, 4)}
+    expect["overlap"] = expect["continuous"]
+    refs = {(j, 0): E.reference(llama, r.prompt, 1 + r.n_decode, E.Chooser(), j) for j, r in enumerate(reqs)}
+    runs = {mode: E.Engine(llama, 64, 4, 4, mode).run(reqs) for mode in expect}
+    for mode, run in runs.items():
+        assert run["decode_steps"] == expect[mode], mode
+        assert _worst(run, refs)[0] <= T.PARITY_TOL and _worst(run, refs)[1] == 0, mode
+    assert expect["static"] > expect["continuous"]
+    # the overlap engine made plans while a step ran; the synchronous one never did
+    assert T.overlap_intervals(runs["overlap"]["timeline"])[1] > 0
+    assert T.overlap_intervals(runs["continuous"]["timeline"])[1] == 0
+    # control: a block table that names a wrong block
+    bad = T.ScrambledTables(llama, 64, 4, 4, "continuous").run(reqs)
+    assert _worst(bad, refs)[0] > T.PARITY_TOL
+    with pytest.raises(ValueError):
+        E.Engine(llama, 64, 4, 4, "eager")
+
+
+class _NoCopy(E.Engine):
+    """Control: copy-on-write that forgets to copy (the new block's keys are whatever it held)."""
+
+    def execute(self, plan):
+        return super().execute({**plan, "copies": []})
+
+
+class _PromptOnlyRecompute(E.Engine):
+    """Control: a preempted sequence recomputes its prompt only, dropping its output so far."""
+
+    def _preempt(self, seq):
+        super()._preempt(seq)
+        del seq.ids[len(seq.ids) - len(seq.out):]
+
+
+@pytest.mark.timeout(120)
+def test_prefix_cache_forks_and_preemption_keep_every_token():
     cfg, config, hf, _, _ = _reference(1)
     llama = M.HandLlama(hf.state_dict(), config)
-    work = P.workload(20, 24, seed=3)
-    # requests 6, 7 and 12 end at their prefill (one output token): they must take no slot, and
-    # the next waiting request takes it before the same step
-    work = [(p, 1 if i in (6, 7, 12) else n) for i, (p, n) in enumerate(work)]
-    reqs = [(T.prompt_of(cfg, config.vocab_size, 50 + i, p), n) for i, (p, n) in enumerate(work)]
-    decode = [n - 1 for _, n in reqs]  # the prefill gives the first token
-    # counted here, not by paged.py: a request done at its prefill idles its static slot, and
-    # takes no continuous slot
-    expect = {"static": _static_steps(decode, 4), "continuous": _continuous_steps(decode, 4)}
-    expect["async"] = expect["continuous"]
-    runs = {mode: E.serve(llama, reqs, 4, mode) for mode in expect}
-    for mode, run in runs.items():
-        assert run["steps"] == expect[mode], mode
-    assert expect["static"] > expect["continuous"]
-    refs = [M.generate(llama, prompt, n, use_cache=False) for prompt, n in reqs]
-    for j, (ref_t, ref_l) in enumerate(refs):
-        for run in runs.values():
-            assert run["tokens"][j] == ref_t[0].tolist()
-            assert (run["logits"][j] - ref_l[0]).abs().max() <= T.PARITY_TOL
-    # control: slots whose positions never advance (each step writes and rotates at 0)
-    frozen = _FrozenSlots(hf.state_dict(), config)
-    bad = E.serve(frozen, reqs, 4, "continuous")
-    worst = max(float((bad["logits"][j] - ref_l[0]).abs().max()) for j, (_, ref_l) in enumerate(refs))
-    assert worst > T.PARITY_TOL
-    with pytest.raises(ValueError):
-        E.serve(llama, reqs, 4, "eager")
+    small = T.Config(chat_requests=10)
+    reqs = T.chat_workload(small, config.vocab_size, 5)
+    choose = E.Chooser(0.1, 0)
+    refs = {(i, s): E.reference(llama, r.prompt, 1 + r.n_decode, choose, i, s)
+            for i, r in enumerate(reqs) for s in range(r.n)}
+    assert min(m for _, _, m in refs.values()) > 2 * T.PARITY_TOL
+    run = lambda blocks, cache=True, cls=E.Engine, mode="continuous": cls(  # noqa: E731
+        llama, blocks, 4, 8, mode, cache, choose).run(reqs)
+    on, off, tight, tight_overlap = run(128), run(128, False), run(small.tight_blocks), \
+        run(small.tight_blocks, mode="overlap")
+    for r in (on, off, tight, tight_overlap):
+        assert _worst(r, refs)[0] <= T.PARITY_TOL and _worst(r, refs)[1] == 0
+    # prefix caching: the prompts' shared full blocks (counted here from the token lists) are
+    # not recomputed; the prefill tokens fall by exactly that many
+    shared = 0
+    for i, r in enumerate(reqs):
+        earlier = [q.prompt for q in reqs[:i]]
+        full = (len(r.prompt) - 1) // 4
+        shared += 4 * max((max(k for k in range(full + 1) if e[:4 * k] == r.prompt[:4 * k]) for e in earlier),
+                          default=0)
+    assert shared > 0 and on["cached_tokens"] == shared and off["cached_tokens"] == 0
+    assert off["prefill_tokens"] - on["prefill_tokens"] == shared
+    assert on["peak_blocks"] < off["peak_blocks"]
+    # forks shared the prompt's blocks: the partial last block was copied, and that copy matters
+    assert on["copies"] > 0
+    assert _worst(run(128, cls=_NoCopy), refs)[0] > T.PARITY_TOL
+    # a pool too small: preempted, recomputed, nothing lost, never more blocks than the pool
+    for r in (tight, tight_overlap):
+        assert r["preemptions"] > 0 and r["peak_blocks"] <= small.tight_blocks
+        assert all(len(t) == 1 + reqs[i].n_decode for (i, _), t in r["tokens"].items())
+        assert len(r["tokens"]) == len(refs)
+    assert _worst(run(small.tight_blocks, cls=_PromptOnlyRecompute), refs)[0] > T.PARITY_TOL
 
 
-class _FrozenSlots(M.HandLlama):
-    def decode_slots(self, tokens, pos, kv):
-        return super().decode_slots(tokens, torch.zeros_like(pos), kv)
+@pytest.mark.timeout(60)
+def test_exercise_answers():
+    # 1: the gain for B = 32
+    assert round(P.expected_ratio(16, 32), 3) == 1.866 == round(_expected_ratio(16, 32), 3)
+    # 3: Llama-3.1-8B's KV bytes per token and the 4096-token sequences an H200 holds
+    per_token = P.kv_bytes_per_token(32, 8, 128, 2)
+    assert per_token == 131072
+    assert P.sequences_that_fit(141e9, 2 * 8.03e9, per_token, 4096) == 206
+    assert P.sequences_that_fit(141e9, 2 * 8.03e9, P.kv_bytes_per_token(32, 32, 128, 2), 4096) == 51
+    # 4: admission steps are the continuous schedule's: the last request ends when it does
+    cfg = T.Config()
+    work = [d for _, d in P.workload(cfg.requests_per_rank * 2, cfg.max_decode, cfg.seed)][0::2]
+    at = P.admitted_at(work, cfg.batch)
+    assert max(a + d for a, d in zip(at, work)) == P.continuous_schedule(work, cfg.batch)["steps"]
+    assert at[: cfg.batch] == [0] * cfg.batch and sorted(at) == at
+    # 5: a 2,000-token system prompt before 200 user tokens, blocks of 16 and of 32
+    system = list(range(2000))
+    reqs = [E.Request(system + [3000 + u] * 200, 1) for u in range(2)]
+    assert T.expected_cached_tokens(reqs, 16) == 2000
+    assert T.expected_cached_tokens(reqs, 32) == 1984

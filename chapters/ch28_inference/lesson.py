@@ -14,8 +14,9 @@
 # # Chapter 28 · Distributed inference · 推理阶段的分布式技术
 #
 # A Llama with a KV cache, checked against generation without one and against `transformers`;
-# a paged KV block manager; static against continuous batching; then the real run on two
-# processes (tensor-parallel generation and a sharded benchmark). The lesson is
+# the paged block manager; a serving engine whose attention reads a paged KV pool (prefix caching,
+# parallel samples, preemption); static against continuous batching on the engines; the overlap
+# scheduler's timeline; then the real run on two processes. The lesson is
 # [chapters/ch28_inference/README.md](../chapters/ch28_inference/README.md).
 
 # %%
@@ -54,27 +55,59 @@ print(P.random_stream(P.BlockManager(64, 4), 3000))
 print(P.random_stream(P.LeakyManager(64, 4), 3000)["first_violation"])
 
 # %% [markdown]
-# ## Static against continuous batching, counted in decode steps
-
-# %%
-outs = [o for _, o in P.workload(cfg.requests, cfg.max_out, cfg.seed)]
-s, c = P.static_schedule(outs, cfg.batch), P.continuous_schedule(outs, cfg.batch)
-print(s, c, f"ratio {s['steps'] / c['steps']:.3f}, theory {T.expected_ratio(cfg.max_out, cfg.batch):.3f}")
-
-# %% [markdown]
-# ## The same schedules on the real model
-# Three engines serve 16 requests in 4 slots; each one's tokens equal generation without a cache.
+# ## The engine: attention reads the pool through block tables
+# A chat workload (two shared system prompts, some requests with two samples) served with and
+# without prefix caching, and in a pool too small for it. Every sequence's logits equal a
+# contiguous cache's; prefix caching computes fewer prompt tokens; the small pool preempts.
 
 # %%
 from chapters.ch28_inference import engine as E
 
-work = P.workload(16, 24, seed=3)
-reqs = [(T.prompt_of(cfg, config.vocab_size, 50 + i, p), n) for i, (p, n) in enumerate(work)]
-for mode in ("static", "continuous", "async"):
-    run = E.serve(llama, reqs, 4, mode)
-    same = all(run["tokens"][j] == M.generate(llama, p, n, use_cache=False)[0][0].tolist()
-               for j, (p, n) in enumerate(reqs))
-    print(f"{mode:10s} {run['steps']:3d} decode steps, {run['seconds'] * 1e3:6.1f} ms, tokens = no-cache: {same}")
+choose = E.Chooser(temperature=0.1, seed=0)
+chat = T.chat_workload(cfg, config.vocab_size, 7)
+refs = {(i, s): E.reference(llama, r.prompt, 1 + r.n_decode, choose, i, s)
+        for i, r in enumerate(chat) for s in range(r.n)}
+for name, blocks, cache in (("prefix cache", 128, True), ("no prefix cache", 128, False), ("20 blocks", 20, True)):
+    run = E.Engine(llama, blocks, 4, 8, "continuous", cache, choose).run(chat)
+    worst, wrong = T.compare_runs({name: run}, refs)
+    print(f"{name:16s} prefill tokens {run['prefill_tokens']:4d}, reused {run['cached_tokens']:4d}, "
+          f"peak blocks {run['peak_blocks']:3d}, preemptions {run['preemptions']}, "
+          f"max |logit diff| {worst:.1e}, tokens differing {wrong}")
+
+# %% [markdown]
+# ## Static against continuous batching: the schedule model, then the engines
+# The model counts decode steps from the lengths alone; the engines must take exactly as many.
+
+# %%
+work = P.workload(64, cfg.max_decode, cfg.seed)
+decode = [d for _, d in work]
+s, c = P.static_schedule(decode, cfg.batch), P.continuous_schedule(decode, cfg.batch)
+print(f"model: static {s['steps']}, continuous {c['steps']} steps, ratio {s['steps'] / c['steps']:.3f}, "
+      f"E[max]/E[mean] {P.expected_ratio(cfg.max_decode, cfg.batch):.3f}")
+reqs = [E.Request(T.prompt_of(cfg, config.vocab_size, 1000 + i, p)[0].tolist(), d) for i, (p, d) in enumerate(work)]
+runs = {mode: E.Engine(llama, 128, 4, cfg.batch, mode).run(reqs) for mode in E.MODES}
+for mode, run in runs.items():
+    print(f"{mode:10s} {run['decode_steps']:4d} decode steps, {run['seconds'] * 1e3:7.1f} ms")
+
+# %% [markdown]
+# ## Overlap: plan t+1 is made while step t runs
+# The overlap engine's timeline (the first 12 ms): scheduling intervals on the CPU thread, steps
+# on the executor thread. The synchronous engine's plans never overlap a step.
+
+# %%
+import matplotlib.pyplot as plt
+
+fig, axes = plt.subplots(2, 1, figsize=(8, 3), sharex=True)
+for ax, mode in zip(axes, ("continuous", "overlap")):
+    tl = runs[mode]["timeline"]
+    t0 = min(a for _, _, a, _ in tl)
+    for kind, _, a, b in tl:
+        if a - t0 < 0.012:
+            ax.barh(kind, (b - a) * 1e3, left=(a - t0) * 1e3, color="tab:blue" if kind == "step" else "tab:orange")
+    after, during, secs = T.overlap_intervals(tl)
+    ax.set_title(f"{mode}: {during} of {after} plans made while the previous step ran", fontsize=9)
+axes[-1].set_xlabel("ms")
+fig.tight_layout()
 
 # %% [markdown]
 # ## The real run: two processes

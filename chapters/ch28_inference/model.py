@@ -78,47 +78,56 @@ class HandLlama:
     def rms(self, x, w):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
-    def rope(self, x, start: int | torch.Tensor):
-        """Rotary position embedding (rotate-half form): positions start.. start+T-1, or, with
-        a tensor `start` of B positions and T = 1, row b at position start[b]."""
-        if isinstance(start, torch.Tensor):
-            pos = start.to(torch.float64)[:, None, None]  # (B, 1, 1): one position per row
-        else:
-            pos = torch.arange(start, start + x.shape[-2], dtype=torch.float64, device=x.device)
-        ang = pos[..., None] * self.inv_freq if pos.dim() == 3 else torch.outer(pos, self.inv_freq)
-        cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
-        x1, x2 = x[..., : self.d // 2], x[..., self.d // 2:]
-        return x * cos + torch.cat([-x2, x1], -1) * sin
+    def rope(self, x, start: int):
+        """Rotary position embedding (rotate-half form) at positions start .. start + T - 1."""
+        pos = torch.arange(start, start + x.shape[-2], dtype=torch.float64, device=x.device)
+        return self.rope_at(x, pos[None].expand(x.shape[0], -1))
 
-    def attention_slots(self, x, L, kv, pos):
-        """One decode step for B independent sequences in batch slots: row b's new key and
-        value go to slot b's cache at position pos[b]; it attends to positions 0..pos[b]."""
-        B = x.shape[0]
+    def rope_at(self, x, pos: torch.Tensor):
+        """Rotary embedding of x (B, heads, T, d) at per-token positions pos (B, T)."""
+        ang = pos.to(torch.float64)[..., None] * self.inv_freq  # (B, T, d/2)
+        ang = torch.cat([ang, ang], -1)[:, None]  # (B, 1, T, d): the same angle for every head
+        x1, x2 = x[..., : self.d // 2], x[..., self.d // 2:]
+        return x * ang.cos().to(x.dtype) + torch.cat([-x2, x1], -1) * ang.sin().to(x.dtype)
+
+    def attention_paged(self, x, L, kv, pos, slots, tables):
+        """Attention whose keys and values live in a paged pool: the new tokens' keys and values
+        are written to their slots, then every key of each sequence is gathered through its
+        block table (what vLLM's PagedAttention kernel reads in place, here an index_select)."""
+        B, T, _ = x.shape
         x = self.f(x)
-        heads = lambda t: t.view(B, 1, self.n_heads, self.d).transpose(1, 2)  # noqa: E731
-        q, k = self.rope(heads(x @ L["q"].T), pos), self.rope(heads(x @ L["k"].T), pos)
+        heads = lambda t: t.view(B, T, self.n_heads, self.d).transpose(1, 2)  # noqa: E731
+        q, k = self.rope_at(heads(x @ L["q"].T), pos), self.rope_at(heads(x @ L["k"].T), pos)
         v = heads(x @ L["v"].T)
-        rows = torch.arange(B, device=x.device)
-        kv[0][rows, :, pos], kv[1][rows, :, pos] = k[:, :, 0], v[:, :, 0]
-        mask = (torch.arange(kv[0].shape[2], device=x.device)[None] <= pos[:, None])[:, None, None]
-        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask)
-        return self.g(out.transpose(1, 2).reshape(B, 1, -1) @ L["o"].T)
+        pool_k, pool_v = kv  # (n_blocks, block_size, heads, d)
+        flat = slots.reshape(-1)
+        pool_k.view(-1, self.n_heads, self.d).index_copy_(0, flat, k.transpose(1, 2).reshape(-1, self.n_heads, self.d))
+        pool_v.view(-1, self.n_heads, self.d).index_copy_(0, flat, v.transpose(1, 2).reshape(-1, self.n_heads, self.d))
+        keys = lambda pool: pool.index_select(0, tables.reshape(-1)).view(  # noqa: E731
+            B, -1, self.n_heads, self.d).transpose(1, 2)  # (B, heads, blocks x block_size, d)
+        S = tables.shape[1] * pool_k.shape[1]
+        mask = (torch.arange(S, device=x.device) <= pos[..., None])[:, None]  # key j at position j
+        out = F.scaled_dot_product_attention(q, keys(pool_k), keys(pool_v), attn_mask=mask)
+        return self.g(out.transpose(1, 2).reshape(B, T, -1) @ L["o"].T)
 
     @torch.no_grad()
-    def decode_slots(self, tokens: torch.Tensor, pos: torch.Tensor, kv: list) -> torch.Tensor:
-        """Logits (B, V) of one decode step over every batch slot of `kv` (from `slot_cache`):
-        a fixed shape, as CUDA-graph engines run it; an idle slot computes a row nobody reads."""
-        tokens, pos = tokens.to(self.device), pos.to(self.device)
-        x = self.embed[tokens][:, None]
+    def forward_paged(self, ids, pos, slots, tables, pool) -> torch.Tensor:
+        """Logits (B, T, V) of `ids` (B, T) at positions `pos` (B, T), whose keys and values go to
+        the flat pool `slots` (B, T); row b reads its keys through block table `tables[b]`
+        (padded with any block: positions beyond pos are masked). A prefill is B = 1 and T
+        prompt tokens; a decode step is B running sequences and T = 1."""
+        x = self.embed[ids]
         for i, L in enumerate(self.layers):
-            x = x + self.attention_slots(self.rms(x, L["in_norm"]), L, kv[i], pos)
+            x = x + self.attention_paged(self.rms(x, L["in_norm"]), L, pool.layers[i], pos, slots, tables)
             x = x + self.mlp(self.rms(x, L["post_norm"]), L)
-        return (self.rms(x, self.norm) @ self.head.T)[:, 0]
+        return self.rms(x, self.norm) @ self.head.T
 
-    def slot_cache(self, batch: int, max_len: int) -> list:
-        """A preallocated cache of `batch` slots x `max_len` positions per layer."""
-        shape = (batch, self.n_heads, max_len, self.d)
-        return [[self.embed.new_zeros(shape), self.embed.new_zeros(shape)] for _ in self.layers]
+    def kv_pool(self, n_blocks: int, block_size: int):
+        """A paged pool for this rank's heads (1/tp of them under tensor parallelism)."""
+        from chapters.ch28_inference.paged import KVPool
+
+        return KVPool(len(self.layers), n_blocks, block_size, self.n_heads, self.d,
+                      self.embed.dtype, self.device)
 
     def g(self, y):
         return reduce_from_tp(y) if self.tp > 1 and self.reduce else y

@@ -1,12 +1,13 @@
-"""Figures for the chapter 28 lesson (redraw with `python tools/figures.py ch28`). Both are
-counted schedules computed at draw time from train.py's default workload: nothing timed."""
+"""Figures for the chapter 28 lesson (redraw with `./course figures ch28`). batching.png and
+slots.png are counted schedules computed at draw time from train.py's default workload (nothing
+timed); overlap.png is the recorded timeline of two engines serving 64 requests on this machine."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from chapters.ch28_inference import paged as P
-from chapters.ch28_inference.train import Config, expected_ratio
+from chapters.ch28_inference.train import Config
 from common.results import save_figure
 
 
@@ -15,14 +16,14 @@ def make_figures(fig_dir: Path) -> list[Path]:
 
     cfg = Config()
     fig_dir.mkdir(parents=True, exist_ok=True)
-    outs = [o for _, o in P.workload(cfg.requests, cfg.max_out, cfg.seed)]
+    outs = [o for _, o in P.workload(cfg.requests_per_rank, cfg.max_decode, cfg.seed)]
     paths = []
     batches = [1, 2, 4, 8, 16, 32]
     measured = [P.static_schedule(outs, b)["steps"] / P.continuous_schedule(outs, b)["steps"] for b in batches]
-    theory = [expected_ratio(cfg.max_out, b) for b in batches]
+    theory = [P.expected_ratio(cfg.max_decode, b) for b in batches]
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
-    ax.plot(batches, measured, "o-", label=f"counted on the default workload ({cfg.requests} requests)")
-    ax.plot(batches, theory, "k--", label="E[max of B] / E[mean], outputs uniform on 1..64")
+    ax.plot(batches, measured, "o-", label=f"counted on one rank's default workload ({cfg.requests_per_rank} requests)")
+    ax.plot(batches, theory, "k--", label=f"E[max of B] / E[mean], decode steps uniform on 1..{cfg.max_decode}")
     ax.axhline(1.5, c="gray", ls=":", label="goal 1.5")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch slots B")
@@ -44,4 +45,44 @@ def make_figures(fig_dir: Path) -> list[Path]:
     fig.tight_layout()
     paths.append(fig_dir / "slots.png")
     save_figure(fig, paths[-1])
+    paths.append(fig_dir / "overlap.png")
+    save_figure(overlap_figure(cfg), paths[-1])
     return paths
+
+
+def overlap_figure(cfg):
+    """40 ms of the synchronous and the overlap engine's timelines, from their 20th plan (the
+    first steps include one-off warm-up): plans (CPU) and steps (the executor), 64 requests of
+    the default workload on one process."""
+    import matplotlib.pyplot as plt
+    import torch
+
+    from chapters.ch28_inference import engine as E
+    from chapters.ch28_inference import model as M
+    from chapters.ch28_inference import train as T
+
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        config, hf = T.build(cfg)
+        llama = M.HandLlama(hf.state_dict(), config)
+        work = P.workload(64, cfg.max_decode, cfg.seed)
+        reqs = [E.Request(T.prompt_of(cfg, config.vocab_size, 1000 + i, p)[0].tolist(), d)
+                for i, (p, d) in enumerate(work)]
+        runs = {mode: E.Engine(llama, cfg.n_blocks, cfg.block_size, cfg.batch, mode).run(reqs)
+                for mode in ("continuous", "overlap")}
+    finally:
+        torch.set_default_dtype(dtype)
+    fig, axes = plt.subplots(2, 1, figsize=(7.5, 2.8), sharex=True)
+    for ax, (mode, run) in zip(axes, runs.items()):
+        tl = run["timeline"]
+        t0 = next(a for kind, no, a, _ in tl if kind == "schedule" and no == 20)  # warmed up
+        for kind, _, a, b in tl:
+            if 0 <= a - t0 < 0.04 and b - t0 < 0.04:
+                ax.barh("CPU: plan" if kind == "schedule" else "executor: step", (b - a) * 1e3,
+                        left=(a - t0) * 1e3, color="tab:orange" if kind == "schedule" else "tab:blue")
+        after, during, _ = T.overlap_intervals(tl)
+        ax.set_title(f"{mode}: {during} of {after} plans made while the previous step ran", fontsize=9)
+    axes[-1].set_xlabel("ms since plan 20 began")
+    fig.tight_layout()
+    return fig

@@ -15,6 +15,7 @@ Run:
         chapters/ch28_inference/train.py
 """
 
+import random
 import statistics
 import sys
 import time
@@ -48,16 +49,22 @@ class Config(RunConfig):
     """Decoder layers."""
     prompt_len: int = 8
     """Prompt tokens of the parity runs."""
-    requests: int = 64
-    """Requests of the batching workload and of the benchmark (sharded over the ranks)."""
-    max_out: int = 64
-    """Output lengths of the batching workload are uniform on 1..max_out."""
+    requests_per_rank: int = 256
+    """Requests of the batching workload per engine replica (one replica per rank)."""
+    max_decode: int = 16
+    """Decode steps per request are uniform on 1..max_decode (fixed before anything is measured)."""
     batch: int = 8
-    """Batch slots of the static and continuous schedules."""
+    """Sequences one decode step runs at most (the engines' batch slots)."""
     block_size: int = 4
-    """Token slots per KV block of the paged block manager."""
-    n_blocks: int = 64
-    """KV blocks in the block manager's pool."""
+    """Token positions per KV block."""
+    n_blocks: int = 128
+    """KV blocks in each engine's pool (enough for the batching workload: no preemption)."""
+    tight_blocks: int = 20
+    """A pool too small for the chat workload: the scheduler must preempt."""
+    chat_requests: int = 16
+    """Requests of the chat workload (shared system prompts, some with parallel samples)."""
+    system_len: int = 24
+    """Tokens of each of the chat workload's two system prompts."""
     stream_ops: int = 3000
     """Operations of the random request stream (invariants checked after each)."""
 
@@ -70,9 +77,17 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ValueError("--hidden-size / --n-heads must be an even head size")
     if (2 * cfg.hidden_size) % world_size:
         raise ValueError("the world size must divide the FFN size 2 x --hidden-size")
-    for name in ("prompt_len", "requests", "max_out", "batch", "block_size", "n_blocks", "stream_ops"):
+    for name in ("prompt_len", "requests_per_rank", "max_decode", "batch", "block_size", "n_blocks",
+                 "tight_blocks", "chat_requests", "system_len", "stream_ops"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    longest = -(-(16 + cfg.max_decode + 1) // cfg.block_size) + 1
+    if cfg.batch < 2 or cfg.n_blocks < max(cfg.batch * longest, longest + 1):
+        raise ValueError(f"--n-blocks {cfg.n_blocks} cannot hold --batch {cfg.batch} requests of up "
+                         f"to {16 + cfg.max_decode + 1} tokens ({longest} blocks each), or --batch < 2")
+    chat = -(-(cfg.system_len + 8 + 13) // cfg.block_size) + 2
+    if cfg.tight_blocks < chat:
+        raise ValueError(f"--tight-blocks must hold one chat request ({chat} blocks)")
 
 
 def build(cfg: Config):
@@ -170,74 +185,187 @@ def record_block_manager(rec, cfg) -> dict:
     return good
 
 
-def expected_ratio(max_out: int, batch: int) -> float:
-    """E[max of `batch` draws] / E[one draw] for outputs uniform on 1..max_out: static pays
-    the longest request of each batch, continuous (nearly) only the mean."""
-    n = max_out
-    e_max = sum(1 - ((k - 1) / n) ** batch for k in range(1, n + 1))
-    return e_max / ((n + 1) / 2)
+def chat_workload(cfg, vocab: int, seed: int) -> list[E.Request]:
+    """Chat requests: one of two system prompts of `system_len` tokens, then 1-8 user tokens;
+    4-12 decode steps; every fourth request asks for two samples (n = 2, forked)."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(vocab) for _ in range(cfg.system_len)] for _ in range(2)]
+    return [E.Request(systems[i % 2] + [rng.randrange(vocab) for _ in range(rng.randint(1, 8))],
+                      rng.randint(4, 12), n=2 if i % 4 == 0 else 1) for i in range(cfg.chat_requests)]
 
 
-def record_batching(rec, cfg) -> dict:
-    outs = [o for _, o in P.workload(cfg.requests, cfg.max_out, cfg.seed)]
-    s, c = P.static_schedule(outs, cfg.batch), P.continuous_schedule(outs, cfg.batch)
-    ratio = s["steps"] / c["steps"]
-    rec.figure("decode steps: static, continuous", [s["steps"], c["steps"]])
-    rec.figure("padded slots: static, continuous", [s["padded"], c["padded"]])
-    rec.figure("continuous / static throughput (steps)", round(ratio, 3),
-               expected=round(expected_ratio(cfg.max_out, cfg.batch), 3))
-    rec.check("continuous / static throughput >= 1.5", "formula", ratio, 1.5, compare=">=")
-    rec.check("continuous steps >= ceil(tokens / batch)", "formula", c["steps"],
-              -(-sum(outs) // cfg.batch), compare=">=")
-    return {"static": s, "continuous": c, "outs": outs, "ratio": ratio}
+def expected_cached_tokens(reqs: list[E.Request], block_size: int) -> int:
+    """Prefix caching's saving from the prompts alone: each request reuses its longest run of
+    leading full blocks equal to an earlier request's (its last token always recomputed)."""
+    total = 0
+    for i, r in enumerate(reqs):
+        best = 0
+        for earlier in reqs[:i]:
+            same = 0
+            while (same + 1) * block_size <= min(len(r.prompt) - 1, len(earlier.prompt)) and \
+                    r.prompt[: (same + 1) * block_size] == earlier.prompt[: (same + 1) * block_size]:
+                same += 1
+            best = max(best, same)
+        total += best * block_size
+    return total
 
 
-def benchmark(rec, cfg, hf, config, info) -> dict:
-    """Offline benchmark: the default workload's request i is served by rank i mod world (one
-    model replica per rank, `cfg.batch` slots) with static, continuous and asynchronous
-    continuous batching; each engine's tokens are checked against generation without a cache,
-    its decode steps against the counted schedule; TTFT and TPOT gathered to rank 0."""
-    model = M.HandLlama(hf.state_dict(), config, device=info.device)
-    work = P.workload(cfg.requests, cfg.max_out, cfg.seed)
-    mine = [i for i in range(cfg.requests) if i % info.world_size == info.rank]
-    reqs = [(prompt_of(cfg, config.vocab_size, 1000 + i, work[i][0]), work[i][1]) for i in mine]
-    runs = {}
-    for mode in ("static", "continuous", "async"):
-        synchronize(info.device)
-        runs[mode] = E.serve(model, reqs, cfg.batch, mode)
+def compare_runs(runs: dict, refs: dict) -> tuple[float, int]:
+    """(max |logit diff|, sequences with a differing token) of engine runs against references."""
     worst, wrong = 0.0, 0
-    for j, (prompt, n_out) in enumerate(reqs):
-        ref_t, ref_l = M.generate(model, prompt, n_out, use_cache=False)
-        for run in runs.values():
-            wrong += int(run["tokens"][j] != ref_t[0].tolist())
-            worst = max(worst, float((run["logits"][j] - ref_l[0]).abs().max()))
-    rec.check("engines (3 modes) = no-cache generation: max |logit diff|", "parity", worst, 0.0, PARITY_TOL)
-    rec.check("engines: requests with a differing token", "count", wrong, 0)
-    decode = [n - 1 for _, n in reqs]  # the prefill gives the first token
+    for run in runs.values():
+        for key, (tokens, logits, _) in refs.items():
+            wrong += int(run["tokens"][key] != tokens)
+            worst = max(worst, float((run["logits"][key].cpu() - logits.cpu()).abs().max()))
+    return worst, wrong
+
+
+class ScrambledTables(E.Engine):
+    """Negative control: one decode row's table names its first block twice, so that row reads
+    the keys of positions 0..b-1 where those of b..2b-1 belong. (Swapping two full blocks would
+    not do: the keys carry their rotary positions, and attention sums over keys in any order.)"""
+
+    def schedule(self) -> dict:
+        plan = super().schedule()
+        for table in plan["tables"]:
+            if len(table) > 2:
+                table[1] = table[0]
+                break
+        return plan
+
+
+def record_serving(rec, cfg, hf, config, info) -> dict:
+    """The engine on the chat workload: paged attention against contiguous caches, prefix
+    caching on and off, a pool that forces preemption, and tensor parallelism over all ranks."""
+    dense = M.HandLlama(hf.state_dict(), config, device=info.device)
+    choose = E.Chooser(temperature=0.1, seed=cfg.seed)
+    reqs = chat_workload(cfg, config.vocab_size, cfg.seed + 7)
+    refs = {(i, s): E.reference(dense, r.prompt, 1 + r.n_decode, choose, i, s)
+            for i, r in enumerate(reqs) for s in range(r.n)}
+    engine = lambda blocks, cache=True, cls=E.Engine, model=dense: cls(  # noqa: E731
+        model, blocks, cfg.block_size, cfg.batch, "continuous", cache, choose).run(reqs)
+    runs = {"cache": engine(cfg.n_blocks), "no cache": engine(cfg.n_blocks, False),
+            "tight": engine(cfg.tight_blocks)}
+    worst, wrong = compare_runs(runs, refs)
+    margin = min(m for _, _, m in refs.values())
+    rec.check("paged engine = contiguous cache: max |logit diff|", "parity", worst, 0.0, PARITY_TOL)
+    rec.check(f"paged engine: sequences with a differing token (of {len(refs)})", "count", wrong, 0)
+    rec.check("top-2 margin of the sampled choices > 2x the tolerance", "formula", margin,
+              2 * PARITY_TOL, compare=">")
+    bad, _ = compare_runs({"bad": engine(cfg.n_blocks, cls=ScrambledTables)}, refs)
+    rec.check("control: one block table scrambled differs", "parity", bad, PARITY_TOL, compare=">")
+
+    on, off = runs["cache"], runs["no cache"]
+    rec.check("prefix cache: prompt tokens reused", "count", on["cached_tokens"],
+              expected_cached_tokens(reqs, cfg.block_size))
+    rec.check("no prefix cache: prompt tokens reused", "count", off["cached_tokens"], 0)
+    rec.figure("prefill tokens computed: with, without prefix caching",
+               [on["prefill_tokens"], off["prefill_tokens"]], expected=sum(len(r.prompt) for r in reqs))
+    rec.figure("peak KV blocks held: with, without prefix caching", [on["peak_blocks"], off["peak_blocks"]])
+    rec.figure("copy-on-write block copies (parallel samples)", on["copies"])
+    tight = runs["tight"]
+    rec.check(f"pool of {cfg.tight_blocks} blocks: preemptions", "count", tight["preemptions"], 0, compare=">")
+    rec.check(f"pool of {cfg.tight_blocks} blocks: peak blocks held", "formula", tight["peak_blocks"],
+              cfg.tight_blocks, compare="<=")
+    rec.check("preempted run: sequences finished whole", "count",
+              sum(len(t) == 1 + reqs[i].n_decode for (i, _), t in tight["tokens"].items()), len(refs))
+    rec.figure("preempted run: prefill tokens computed (recompute included)", tight["prefill_tokens"])
+
+    W = info.world_size
+    if W > 1:  # the same engine tensor-parallel over every rank: each rank holds its heads' blocks
+        shard = M.HandLlama(hf.state_dict(), config, info.rank, W, device=info.device)
+        tp = engine(cfg.n_blocks, model=shard)
+        rec.check(f"TP engine on {W} ranks: tokens differing from one device", "count",
+                  sum(tp["tokens"][k] != on["tokens"][k] for k in refs), 0)
+        rec.check(f"TP engine on {W} ranks: max |logit diff|", "parity",
+                  max(float((tp["logits"][k] - on["logits"][k]).abs().max()) for k in refs), 0.0, PARITY_TOL)
+        per_rank = shard.kv_pool(cfg.n_blocks, cfg.block_size).bytes()
+        rec.check("TP: KV pool bytes per rank x ranks = 2 L blocks b h 8", "formula", per_rank * W,
+                  2 * cfg.n_layers * cfg.n_blocks * cfg.block_size * cfg.hidden_size * 8)
+    return {"runs": runs, "margin": margin}
+
+
+def overlap_intervals(timeline: list) -> tuple[int, int, float]:
+    """From an engine's timeline: (plans made after a previous step, of them made while that step
+    executed, seconds of that overlap). Plan t+1's scheduling overlaps step t's execution."""
+    steps = {no: (a, b) for kind, no, a, b in timeline if kind == "step"}
+    after = during = 0
+    seconds = 0.0
+    for kind, no, a, b in timeline:
+        if kind == "schedule" and no - 1 in steps:
+            after += 1
+            s0, s1 = steps[no - 1]
+            if min(b, s1) > max(a, s0):
+                during += 1
+                seconds += min(b, s1) - max(a, s0)
+    return after, during, seconds
+
+
+def record_batching(rec, cfg, hf, config, info) -> dict:
+    """The batching workload, request i on rank i mod world: static, continuous and overlapped
+    continuous engines, their decode steps against the schedule model and summed over ranks
+    against E[max]/E[mean]; tokens against a contiguous cache; TTFT and TPOT."""
+    model = M.HandLlama(hf.state_dict(), config, device=info.device)
+    W, choose = info.world_size, E.Chooser()
+    work = P.workload(cfg.requests_per_rank * W, cfg.max_decode, cfg.seed)
+    mine = [(i, p, d) for i, (p, d) in enumerate(work) if i % W == info.rank]
+    reqs = [E.Request(prompt_of(cfg, config.vocab_size, 1000 + i, p)[0].tolist(), d) for i, p, d in mine]
+    E.Engine(model, cfg.n_blocks, cfg.block_size, cfg.batch).run(reqs[:cfg.batch])  # warm-up
+    runs = {}
+    for mode in E.MODES:
+        synchronize(info.device)
+        runs[mode] = E.Engine(model, cfg.n_blocks, cfg.block_size, cfg.batch, mode).run(reqs)
+    # every 8th request against a contiguous cache (the chat workload checked every one), and
+    # every request of the other engines against the continuous one
+    refs = {(j, 0): E.reference(model, r.prompt, 1 + r.n_decode, choose, j) for j, r in enumerate(reqs)
+            if j % 8 == 0}
+    worst, wrong = compare_runs({"continuous": runs["continuous"]}, refs)
+    same = {k: (t, runs["continuous"]["logits"][k], None) for k, t in runs["continuous"]["tokens"].items()}
+    worst2, wrong2 = compare_runs({m: runs[m] for m in ("static", "overlap")}, same)
+    rec.check(f"continuous engine = contiguous cache ({len(refs)} requests): max |logit diff|", "parity",
+              worst, 0.0, PARITY_TOL)
+    rec.check(f"static, overlap engines = continuous ({len(reqs)} requests): max |logit diff|", "parity",
+              worst2, 0.0, PARITY_TOL)
+    rec.check("engines: requests with a differing token", "count", wrong + wrong2, 0)
+    decode = [r.n_decode for r in reqs]
     expect = {"static": P.static_schedule(decode, cfg.batch)["steps"],
-              "continuous": P.continuous_schedule([d for d in decode if d], cfg.batch)["steps"]}
-    expect["async"] = expect["continuous"]
+              "continuous": P.continuous_schedule(decode, cfg.batch)["steps"]}
+    expect["overlap"] = expect["continuous"]
     for mode, run in runs.items():
-        rec.check(f"engine decode steps, {mode} (rank {info.rank})", "count", run["steps"], expect[mode])
+        rec.check(f"engine decode steps = schedule model, {mode} (rank {info.rank})", "count",
+                  run["decode_steps"], expect[mode])
+    total = {mode: sum(gather_numbers(run["decode_steps"])) for mode, run in runs.items()}
+    ratio, predicted = total["static"] / total["continuous"], P.expected_ratio(cfg.max_decode, cfg.batch)
+    rec.figure("engine decode steps summed over ranks: static, continuous", [total["static"], total["continuous"]])
+    rec.check("engines: continuous / static in decode steps >= 1.5", "formula", ratio, 1.5, compare=">=")
+    rec.check("... within 5% of E[max]/E[mean]", "formula", ratio, round(predicted, 4), 0.05, relative=True)
     seconds = {mode: max(gather_numbers(run["seconds"])) for mode, run in runs.items()}
-    rec.figure("engine wall clock: static, continuous, async", [round(seconds[m], 3) for m in runs], unit="s")
+    rec.figure("engine wall clock: static, continuous, overlap", [round(seconds[m], 3) for m in runs], unit="s")
     rec.check("continuous / static wall-clock throughput", "timing", seconds["static"] / seconds["continuous"],
               1.0, compare=">")
-    rec.figure("async: prefills that overlapped a decode step (rank 0)", runs["async"]["overlapped_prefills"])
+
+    after, during, secs = overlap_intervals(runs["overlap"]["timeline"])
+    sync = overlap_intervals(runs["continuous"]["timeline"])
+    rec.figure("overlap: plans made while the previous step ran, of plans (rank 0)", [during, after])
+    rec.figure("overlap: seconds of scheduling hidden behind steps (rank 0)", round(secs, 4), unit="s")
+    rec.check("overlap engine: plans made while the previous step ran", "count", during, 0, compare=">")
+    rec.check("control: the synchronous engine's plans never overlap a step", "count", sync[1], 0)
 
     cont = runs["continuous"]
-    ttft = [cont["ttft"][j] for j in range(len(reqs))]
-    tpot = [(cont["done_at"][j] - cont["ttft"][j]) / (n - 1) for j, (_, n) in enumerate(reqs) if n > 1]
+    keys = [(j, 0) for j in range(len(reqs))]
+    ttft = [cont["ttft"][k] for k in keys]
+    tpot = [(cont["done_at"][k] - cont["ttft"][k]) / r.n_decode for k, r in zip(keys, reqs)]
     all_ttft = [x for r in gather_numbers_list(ttft, info) for x in r]
     all_tpot = [x for r in gather_numbers_list(tpot, info) for x in r]
-    rec.check("benchmark: requests served over all ranks", "count", len(all_ttft), cfg.requests)
-    wall = seconds["continuous"]
+    rec.check("benchmark: requests served over all ranks", "count", len(all_ttft), len(work))
     q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1e3 if len(xs) > 1 else xs[0] * 1e3  # noqa: E731
     rec.figure("TTFT p50, p99 (continuous)", [round(q(all_ttft, 50), 2), round(q(all_ttft, 99), 2)], unit="ms")
     rec.figure("TPOT p50, p99 (continuous)", [round(q(all_tpot, 50), 3), round(q(all_tpot, 99), 3)], unit="ms")
-    total = sum(n for _, n in work)
-    rec.figure("requests/s, output tokens/s (continuous)", [round(cfg.requests / wall, 1), round(total / wall, 1)])
-    return {"ttft": all_ttft, "tpot": all_tpot, "seconds": seconds}
+    tokens = sum(1 + d for _, d in work)
+    wall = seconds["continuous"]
+    rec.figure("requests/s, output tokens/s (continuous)", [round(len(work) / wall, 1), round(tokens / wall, 1)])
+    return {"ratio": ratio, "predicted": predicted, "total": total, "seconds": seconds,
+            "overlap": (during, after, secs)}
 
 
 def gather_numbers_list(values: list[float], info) -> list[list[float]]:
@@ -252,7 +380,6 @@ def gather_numbers_list(values: list[float], info) -> list[list[float]]:
     dist.all_gather(parts, t)
     return [[float(x) for x in p.cpu() if x == x] for p in parts]
 
-
 def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
@@ -266,9 +393,12 @@ def main(cfg: Config) -> int:
         gen = record_generation(rec, cfg, hf, config, info)
         log.info("generation parity done (top-2 margin %.2e)", gen["margin"])
         record_block_manager(rec, cfg)
-        bat = record_batching(rec, cfg)
-        log.info("static %d steps, continuous %d steps", bat["static"]["steps"], bat["continuous"]["steps"])
-        benchmark(rec, cfg, hf, config, info)
+        record_serving(rec, cfg, hf, config, info)
+        log.info("chat workload served: paged, prefix cache, preemption, TP")
+        bat = record_batching(rec, cfg, hf, config, info)
+        log.info("engines: static %d, continuous %d decode steps over all ranks (ratio %.3f, "
+                 "E[max]/E[mean] %.3f)", bat["total"]["static"], bat["total"]["continuous"],
+                 bat["ratio"], bat["predicted"])
         rec.metrics(0, loss=None, lr=None, ratio=bat["ratio"])
         return rec.finish()
     finally:
