@@ -1,13 +1,18 @@
-"""Chapter 27: RL fine-tuning by hand — GAE, the clipped objective and GRPO's advantages against
-the test's own references and hand-worked numbers (with wrong variants as controls), weight
-pushes from a trainer to generators bitwise (full and delta, a delta missing an element
-rejected, bytes counted), the script's reward rise and staleness on 2 and 3 ranks, PPO with a
-value head, the Bradley–Terry loss, and TRL's GRPOTrainer configuration.
+"""Chapter 27: RL fine-tuning by hand — GAE, the clipped objective, GRPO's advantages and PPO's
+KL-penalised rewards against the test's own references and hand-worked numbers (with wrong
+variants as controls); PPO's advantages computed once per rollout batch; the KL penalty holding
+the policy nearer its reference than β = 0 (a sign-flipped penalty caught); weight pushes from a
+trainer to generators bitwise (full and delta, a delta missing an element rejected, bytes
+counted); the asynchronous pipeline on 2 and 3 ranks (generation of step t + k beside training
+on step t, counted on the timeline; each rollout's log-probs recomputed under the version it
+carries, a mislabelled generator caught; lock-step as the control); the reward model driving RL
+(an untrained one as the control); and TRL's GRPOTrainer configuration.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from pathlib import Path
 
@@ -16,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 from chapters.ch27_rlhf import rl, sync, train
+from common.distributed import DistInfo, setup_distributed
 from common.launch import run_on_ranks, run_python, run_torchrun
+from common.results import RunRecorder
 
 SCRIPT = Path(train.__file__)
 TOL = train.EXAMPLE_TOLERANCE
@@ -92,9 +99,113 @@ def test_reward_uniform_level_kl_and_bradley_terry():
     assert abs(loss.item() - math.log(1 + math.exp(-1))) <= 1e-6
 
 
-def _sync_worker(n_changed: int) -> dict:
+@pytest.mark.timeout(30)
+def test_kl_penalised_rewards_and_whitening_hand_examples():
+    f64 = torch.float64
+    old, ref = torch.tensor([[0.5, -0.2, 0.1]], dtype=f64), torch.zeros(1, 3, dtype=f64)
+    r = rl.kl_penalty_rewards(torch.tensor([1.0], dtype=f64), old, ref, beta=0.1)
+    hand = torch.tensor([[-0.05, 0.02, 0.99]], dtype=f64)
+    assert (r - hand).abs().max() <= TOL
+    # control: the penalty with its sign flipped (a bonus for leaving the reference) misses
+    assert (rl.kl_penalty_rewards(torch.tensor([1.0], dtype=f64), old, ref, -0.1) - hand).abs().max() > 0.05
+    x = torch.tensor([1.0, 2.0, 3.0, 6.0], dtype=f64)  # mean 3, sample std sqrt(14/3)
+    w = rl.whiten(x)
+    assert (w - (x - 3) / (math.sqrt(14 / 3) + 1e-8)).abs().max() <= TOL
+    assert abs(w.mean().item()) <= TOL and abs(w.std().item() - 1) <= 1e-8
+    ctl = rl.AdaptiveKL(0.1, target=0.5, horizon=1000)  # KL twice the target: error clipped at 0.2
+    assert abs(ctl.update(1.0, 100) - 0.1 * (1 + 0.2 * 100 / 1000)) <= 1e-15
+    assert abs(ctl.update(0.45, 100) - 0.102 * (1 - 0.1 * 100 / 1000)) <= 1e-15
+
+
+@pytest.mark.timeout(60)
+def test_ppo_advantages_computed_once_per_rollout_batch(monkeypatch):
+    """The loss of every inner step sees the advantages and returns computed before the first
+    one, from the old log-probs (KL to the reference in the rewards), the critic as it was, the
+    configured γ and λ, whitened; the test computes them itself."""
+    cfg = train.Config(algo="ppo", gamma=0.9, lam=0.8, beta=0.1, inner_steps=3)
+    torch.manual_seed(0)
+    model = rl.TinyDecoder(value_head=True)
+    ref = rl.TinyDecoder(value_head=True)  # another network: the KL term is far from 0
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    rows = train.rollouts(model, cfg, torch.Generator().manual_seed(1), 0, torch.device("cpu"))
+    batch = train.unpack(rows, cfg)
+    with torch.no_grad():
+        ref_logp, _ = rl.token_logprobs(ref, batch["targets"], batch["digits"])
+        _, values = rl.token_logprobs(model, batch["targets"], batch["digits"])
+    rewards = -0.1 * (batch["old_logp"] - ref_logp).double()
+    rewards[:, -1] += batch["scores"].double()
+    adv = torch.tensor([reference_gae(r, v, 0.9, 0.8) for r, v in zip(rewards.tolist(),
+                                                                     values.double().tolist())])
+    white = (adv - adv.mean()) / (adv.std() + 1e-8)
+    raw = rl.ppo_batch(model, ref, batch, 0.1, 0.9, 0.8, whiten_advantages=False)["advantages"]
+    assert (raw.double() - adv).abs().max() <= 1e-5  # --no-whiten: GAE as it is
+    seen = []
+    original = rl.ppo_loss
+
+    def spy(m, b, eps, vf_coef):
+        seen.append((b["advantages"].clone(), b["returns"].clone()))
+        return original(m, b, eps, vf_coef)
+
+    monkeypatch.setattr(rl, "ppo_loss", spy)
+    train.update(model, ref, opt, batch, cfg, average=False, beta=0.1)
+    assert len(seen) == 3
+    for a, ret in seen:
+        assert (a.double() - white).abs().max() <= 1e-5
+        assert (ret.double() - (adv + values.double())).abs().max() <= 1e-5
+    # the critic did move: advantages recomputed from it at the last step would differ
+    with torch.no_grad():
+        _, moved = rl.token_logprobs(model, batch["targets"], batch["digits"])
+    assert (moved - values).abs().max() > 1e-3
+    assert (rl.ppo_batch(model, ref, batch, 0.1, 0.9, 0.8)["advantages"].double() - white).abs().max() > 1e-3
+
+
+def _in_process(tmp_path, name: str, **options) -> dict:
+    """train.train on a world of one, in this process (colocated): its figures and checks."""
+    cfg = train.Config(out=str(tmp_path / name), **options)
+    info = DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                    device=torch.device("cpu"), backend="gloo", launcher="none")
+    rec = RunRecorder(cfg, train.__file__, info)
+    train.train(cfg, info, rec)
+    rec.finish()
+    return {"figures": {k: v["measured"] for k, v in rec.figures.items()},
+            "checks": {c["name"]: c for c in rec.checks}}
+
+
+KL_FIGURE = "KL(π‖π_ref) per token, mean of the last 10 steps"
+RISE = "mean reward rises: last 5 − first 5 >= 0.1"
+KL_MARGIN = 0.5  # with the penalty, at most half the KL of the run without it (seed 0)
+
+
+@pytest.mark.timeout(90)
+def test_kl_penalty_keeps_the_policy_near_its_reference(tmp_path, monkeypatch):
+    """PPO, seed 0, 60 updates on one process: β = 0.05 ends with at most half the KL to the
+    reference that β = 0 reaches (measured 0.37 against 1.49), and still learns; the penalty
+    with its sign flipped (a bonus for leaving the reference) fails the same bound."""
+    common = {"algo": "ppo", "rm_steps": 0, "seed": 0}
+    free = _in_process(tmp_path, "beta0", beta=0.0, **common)
+    held = _in_process(tmp_path, "beta", beta=0.05, **common)
+    assert held["figures"][KL_FIGURE] <= KL_MARGIN * free["figures"][KL_FIGURE]
+    assert held["checks"][RISE]["ok"]
+    original = rl.kl_penalty_rewards
+    monkeypatch.setattr(rl, "kl_penalty_rewards", lambda s, o, r, beta: original(s, o, r, -beta))
+    flipped = _in_process(tmp_path, "flipped", beta=0.05, **common)
+    assert not flipped["figures"][KL_FIGURE] <= KL_MARGIN * free["figures"][KL_FIGURE]
+
+
+@pytest.mark.timeout(60)
+def test_untrained_reward_model_drives_nothing(tmp_path):
+    """The control of the 3-rank run where the reward model drives RL: the same loop driven by a
+    reward model trained for one step only (ranking accuracy near chance) does not raise the
+    program's reward by the margin."""
+    res = _in_process(tmp_path, "rm1", algo="ppo", reward="model", rm_steps=1)
+    assert not res["checks"][RISE]["ok"]
+    assert res["checks"]["reward model ranks held-out pairs (accuracy) >= 0.8"]["measured"] < 0.6
+
+
+def _sync_worker(n_changed: int, out: str) -> dict:
     """Trainer (rank 0) and generators: a full push, a delta push of n_changed elements, then a
-    delta with one element dropped (no repair), returning every rank's vectors."""
+    delta with one element dropped (no repair), returning every rank's vectors; then two short
+    RL runs (`_train_checks`)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = rl.TinyDecoder()
@@ -116,15 +227,34 @@ def _sync_worker(n_changed: int) -> dict:
     if rank == 1:
         collision.view(torch.int32)[0] += 2
         collision.view(torch.int32)[1] -= 1
-    return {"same_checksum": bool(sync.checksum(collision) == sync.checksum(new)),
-            "verify_collision": train.verify(collision), "verify_equal": train.verify(new.clone()),
-            "full": after_full, "delta": after_delta, "target": target, "new": new, "bad": bad,
-            "after_bad": flat.clone(), "ok": ok, "ok_bad": ok_bad, "stats": stats}
+    result = {"same_checksum": bool(sync.checksum(collision) == sync.checksum(new)),
+              "verify_collision": train.verify(collision), "verify_equal": train.verify(new.clone()),
+              "full": after_full, "delta": after_delta, "target": target, "new": new, "bad": bad,
+              "after_bad": flat.clone(), "ok": ok, "ok_bad": ok_bad, "stats": stats}
+    # the RL loop itself on these 3 ranks (one start serves them all): lock-step, the control of
+    # the asynchronous pipeline, then generators that label their rollouts one version too old
+    result["lockstep"] = _train_checks(out, "lockstep", staleness=0, steps=5)
+    labelled = train.rollouts
+    train.rollouts = lambda m, cfg, gen, version, dev: labelled(m, cfg, gen, max(version - 1, 0), dev)
+    try:
+        result["mislabelled"] = _train_checks(out, "mislabelled", staleness=1, steps=5)
+    finally:
+        train.rollouts = labelled
+    return result
+
+
+def _train_checks(out: str, name: str, **options) -> dict:
+    info = setup_distributed("cpu", "gloo")  # the group run_on_ranks made
+    cfg = train.Config(out=f"{out}/{name}", rm_steps=0, margin=-1.0, **options)
+    rec = RunRecorder(cfg, train.__file__, info)
+    train.train(cfg, info, rec)
+    rec.finish()  # every rank's verdicts, merged
+    return {c["name"]: c for c in rec.checks}
 
 
 @pytest.fixture(scope="module")
-def synced():
-    return run_on_ranks(_sync_worker, 3, 50, timeout=90)
+def synced(tmp_path_factory):
+    return run_on_ranks(_sync_worker, 3, 50, str(tmp_path_factory.mktemp("ch27")), timeout=90)
 
 
 @pytest.mark.timeout(120)
@@ -162,35 +292,77 @@ def test_delta_bytes_counted_far_below_full(synced):
     assert stats.changed == [50, 3]
 
 
+LOCKSTEP_BETWEEN = "generations of batch t+0 between gather t and push t+1 (beside train t)"
+RECOMPUTED = "rollout log-probs recomputed under their version: max |Δ|"
+
+
 @pytest.mark.timeout(120)
-def test_script_two_ranks_disaggregated_delta():
-    res = run_torchrun(SCRIPT, 2, timeout=150)
+def test_lockstep_control_has_no_generation_beside_training(synced):
+    """Lock-step (staleness 0) on 3 ranks: the pipeline's counts say 0 generations beside a
+    training step (the same count is 2 × (T − 1) when asynchronous), and it is on-policy."""
+    checks = synced[0]["lockstep"]
+    assert checks[LOCKSTEP_BETWEEN]["measured"] == 0 and checks[LOCKSTEP_BETWEEN]["ok"]
+    assert checks["max staleness (updates) == the bound"]["measured"] == 0
+    assert checks[RECOMPUTED]["ok"] and checks[RECOMPUTED]["measured"] <= train.RECOMPUTE_TOLERANCE
+    assert checks["mislabelled-version controls run (every step but the first)"]["measured"] == 4
+    assert all(c["ok"] for c in checks.values() if c["kind"] != "timing"), checks
+
+
+@pytest.mark.timeout(120)
+def test_mislabelled_generator_is_caught(synced):
+    """Generators whose rollouts carry a version one older than the weights that sampled them:
+    the recomputation under the carried version no longer matches."""
+    checks = synced[0]["mislabelled"]
+    assert not checks[RECOMPUTED]["ok"]
+    assert checks[RECOMPUTED]["measured"] > train.MISLABEL_FLOOR
+
+
+@pytest.mark.timeout(120)
+def test_script_two_ranks_asynchronous_delta():
+    res = run_torchrun(SCRIPT, 2, ["--log-every", "1"], timeout=150)  # the notebook's run
     s = res.summary
-    assert all(c["ok"] for c in s["checks"]), [c for c in s["checks"] if not c["ok"]]
-    rise = res.check("mean reward rises: last 5 − first 5 >= 0.1")
-    assert rise["measured"] >= 0.1
+    assert all(c["ok"] for c in s["checks"] if c["kind"] != "timing"), \
+        [c for c in s["checks"] if not c["ok"]]
+    assert res.check(RISE)["measured"] >= 0.1
     assert res.check("max staleness (updates) == the bound")["measured"] == 1
     assert res.check("delta missing one element: rejected (control)")["measured"] == 1
     assert res.check("weights equal the trainer's (bitwise) after every sync")["measured"] == "59/59"
     assert res.check("pushes accepted at the first attempt (no repair needed)")["measured"] == "59/59"
+    assert res.check("generations of batch t+1 between gather t and push t+1 (beside train t)")[
+        "measured"] == 59
+    assert res.check(RECOMPUTED)["measured"] <= train.RECOMPUTE_TOLERANCE
+    assert res.check("control: under a mislabelled version, min over steps of max |Δ| >= 0.001")[
+        "measured"] >= train.MISLABEL_FLOOR
+    for name in ("initial weights: every rank == the trainer's after the broadcast (bitwise)",
+                 "control: before the broadcast the ranks' own initial weights differ"):
+        assert res.check(name)["measured"] == 1
+    n = len(sync.flatten(rl.TinyDecoder()))
+    figs = s["figures"]
+    assert figs["verify's bytes per sync (a check, kept out of the sync bytes)"]["measured"] == 4 * n + 16
+    assert figs["initial broadcast: bytes"]["measured"] == 4 * n
+    timeline = json.loads((res.out_dir / "timeline.json").read_text())
+    trains = [e for e in timeline["ranks"][0] if e[0] == "train"]
+    gens = [e for e in timeline["ranks"][1] if e[0] == "generate"]
+    assert [e[1] for e in trains] == list(range(60)) and [e[1] for e in gens] == list(range(60))
 
 
 @pytest.mark.timeout(120)
-def test_script_three_ranks_full_sync_staleness_two():
-    res = run_torchrun(SCRIPT, 3, ["--sync", "full", "--staleness", "2", "--steps", "20",
-                                   "--rm-steps", "0", "--margin", "-1"], timeout=150)
-    assert all(c["ok"] for c in res.summary["checks"])
+def test_script_three_ranks_ppo_reward_model_staleness_two():
+    """PPO with the KL penalty, driven by the reward model, two generators running two batches
+    ahead, full pushes: the program's reward rises all the same (the control with an untrained
+    reward model is `test_untrained_reward_model_drives_nothing`)."""
+    res = run_torchrun(SCRIPT, 3, ["--algo", "ppo", "--reward", "model", "--sync", "full",
+                                   "--staleness", "2", "--beta", "0.05"], timeout=150)
+    assert all(c["ok"] for c in res.summary["checks"] if c["kind"] != "timing")
+    assert res.check(RISE)["measured"] >= 0.1
     assert res.check("max staleness (updates) == the bound")["measured"] == 2
-    assert res.check("weights equal the trainer's (bitwise) after every sync")["measured"] == "18/18"
+    assert res.check("weights equal the trainer's (bitwise) after every sync")["measured"] == "59/59"
+    assert res.check("generations of batch t+2 between gather t and push t+1 (beside train t)")[
+        "measured"] == 2 * 58
+    assert res.check(RECOMPUTED)["measured"] <= train.RECOMPUTE_TOLERANCE
     n = int(res.summary["figures"]["bytes per full push in training"]["expected"])
     assert res.summary["figures"]["bytes per full push in training"]["measured"] == n
-
-
-@pytest.mark.timeout(120)
-def test_ppo_with_value_head_one_process():
-    res = run_python(SCRIPT, ["--algo", "ppo", "--rm-steps", "0"], timeout=150)
-    assert all(c["ok"] for c in res.summary["checks"])
-    assert res.check("mean reward rises: last 5 − first 5 >= 0.1")["measured"] >= 0.1
+    assert res.summary["figures"]["reward model's score: last 5 − first 5"]["measured"] > 0
 
 
 @pytest.mark.timeout(30)

@@ -1,6 +1,7 @@
 """The pieces of RL fine-tuning, written out: the verifiable task, a tiny decoder, sampling and
-log-probabilities, GAE, the clipped PPO objective, GRPO's group-relative advantages, the KL
-penalty to a frozen reference, and a Bradley–Terry reward model.
+log-probabilities, GAE, the clipped PPO objective, PPO's batch preparation (the per-token KL
+penalty in the reward, values and advantages once per rollout batch, whitening), GRPO's
+group-relative advantages, the KL to a frozen reference, and a Bradley–Terry reward model.
 
 The task: the prompt is a target T in 0..27; the model writes `length` digits (0–9) and is
 rewarded by how close their sum is to T: r = 1 − |sum − T| / 27, exact and cheap (no judge).
@@ -125,16 +126,66 @@ def grpo_loss(model, batch: dict, eps: float, beta: float, ref_model=None) -> tu
     return (-objective + beta * kl).mean(), kl.mean().item()
 
 
-def ppo_loss(model, batch: dict, eps: float, gamma: float, lam: float, vf_coef: float) -> tuple:
-    """PPO with a value head: the reward arrives on the last token, GAE turns it and the
-    (detached) values into per-token advantages; loss = −clipped objective + c·(V − return)²."""
+def kl_penalty_rewards(scores: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
+                       beta: float) -> torch.Tensor:
+    """RLHF's per-token rewards (InstructGPT; OpenRLHF's `compute_reward`): every token pays
+    −β·(log π_old − log π_ref), the sampled estimate of its KL to the frozen reference, and the
+    last token also earns the completion's score."""
+    rewards = -beta * (old_logp - ref_logp)
+    rewards[:, -1] += scores
+    return rewards
+
+
+def whiten(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x − mean) / (std + ε) over the whole batch (advantage whitening: the step size no longer
+    depends on the reward's scale; OpenRLHF and TRL do the same before the PPO epochs)."""
+    return (x - x.mean()) / (x.std() + eps)
+
+
+@torch.no_grad()
+def ppo_batch(model, ref_model, batch: dict, beta: float, gamma: float, lam: float,
+              whiten_advantages: bool = True) -> dict:
+    """Everything PPO needs from a rollout batch, computed ONCE, before the inner steps: the
+    reference's log-probs, the critic's values V_old, the per-token rewards with the KL penalty,
+    GAE advantages (whitened) and returns A + V_old (not whitened: the critic's target)."""
+    ref_logp, _ = token_logprobs(ref_model, batch["targets"], batch["digits"])
+    _, values = token_logprobs(model, batch["targets"], batch["digits"])
+    rewards = kl_penalty_rewards(batch["scores"], batch["old_logp"], ref_logp, beta)
+    adv, returns = gae(rewards, values, gamma, lam)
+    return {"advantages": whiten(adv) if whiten_advantages else adv, "returns": returns,
+            "values": values, "ref_logp": ref_logp, "token_rewards": rewards}
+
+
+def ppo_loss(model, batch: dict, eps: float, vf_coef: float) -> tuple:
+    """PPO with a value head on a batch `ppo_batch` prepared: loss = −clipped objective with the
+    fixed advantages + c·(V − return)², mean over tokens. Only log π and V carry gradients."""
     logp, values = token_logprobs(model, batch["targets"], batch["digits"])
-    rewards = torch.zeros_like(logp)
-    rewards[:, -1] = batch["rewards"]
-    adv, returns = gae(rewards, values.detach(), gamma, lam)
-    objective = clipped_objective(logp, batch["old_logp"], adv, eps)
-    value_loss = ((values - returns) ** 2).mean()
+    objective = clipped_objective(logp, batch["old_logp"], batch["advantages"], eps)
+    value_loss = ((values - batch["returns"]) ** 2).mean()
     return -objective.mean() + vf_coef * value_loss, value_loss.item()
+
+
+@torch.no_grad()
+def kl_exact(model, ref_model, targets: torch.Tensor, digits: torch.Tensor) -> float:
+    """The measured KL(π‖π_ref) per token: at every position the rollouts visited, the exact
+    KL of the next-digit distributions, Σ_a π(a|s)·(log π(a|s) − log π_ref(a|s)), averaged."""
+    tokens = as_tokens(targets, digits[:, :-1])
+    logp = F.log_softmax(model(tokens)[0].float(), dim=-1)
+    ref = F.log_softmax(ref_model(tokens)[0].float(), dim=-1)
+    return (logp.exp() * (logp - ref)).sum(-1).mean().item()
+
+
+class AdaptiveKL:
+    """Ziegler et al. (2019)'s controller, as in OpenRLHF and TRL: β ← β·(1 + e·n/horizon),
+    e = clip(KL/target − 1, −0.2, 0.2), after each batch of n completions whose KL was measured."""
+
+    def __init__(self, beta: float, target: float, horizon: int = 10_000):
+        self.beta, self.target, self.horizon = beta, target, horizon
+
+    def update(self, kl: float, n: int) -> float:
+        error = min(max(kl / self.target - 1, -0.2), 0.2)
+        self.beta *= 1 + error * n / self.horizon
+        return self.beta
 
 
 class RewardModel(nn.Module):
