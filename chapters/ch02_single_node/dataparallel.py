@@ -96,11 +96,12 @@ def data_parallel_devices(cfg: Config) -> tuple[str, int]:
 # --- the four device operations, on simulated CPU devices -----------------------------------------
 
 def simulated_scatter(obj, n: int, dim: int = 0):
-    """torch.nn.parallel.scatter over n simulated devices. A tensor is cut as comm.scatter cuts
-    it without chunk sizes, `tensor.chunk(n, dim)` (so 5 rows over 4 devices make chunks of
-    2, 2, 1: only 3 devices get work), and each chunk copied to its device (here a fresh CPU
-    tensor: from the host, every chunk is a copy); tuples, lists and dicts are scattered
-    element by element; anything else is handed to every device as it is."""
+    """torch.nn.parallel.scatter over n simulated devices. A tensor is cut as comm.scatter
+    (torch/csrc/cuda/comm.cpp) cuts it without chunk sizes, `tensor.chunk(n, dim)` (so 5 rows
+    over 4 devices make chunks of 2, 2, 1: only 3 devices get work), and each chunk moved to
+    its device with `.to`, a copy unless it is there already (here a fresh CPU tensor: from
+    the host, every chunk is a copy); tuples, lists and dicts are scattered element by
+    element; anything else is handed to every device as it is."""
     if isinstance(obj, torch.Tensor):
         return tuple(c.clone(memory_format=torch.contiguous_format) for c in obj.chunk(n, dim))
     if isinstance(obj, tuple) and obj:
