@@ -21,6 +21,7 @@ one process on the whole batch. Start it with plain `python`: it is one process 
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
 import statistics
@@ -441,17 +442,15 @@ def train_data_parallel(cfg: Config, kind: str, n: int, dp_class=None, count: bo
     return model, tap, losses, seconds
 
 
-def ddp_step_time(cfg: Config, n: int, out: Path) -> float | None:
+def ddp_step_time(cfg: Config, n: int, out: Path, device: str = "cuda") -> float | None:
     """DDP on the same task, batch and n GPUs, one process each (spawn.py's run): its median
     step time in ms, or None if it failed."""
     from chapters.ch02_single_node import spawn
 
     task = {f.name: getattr(cfg, f.name) for f in fields(TaskConfig)}
-    ddp = spawn.Config(**{**task, "out": str(out), "device": "cuda", "nprocs": n})
+    ddp = spawn.Config(**{**task, "out": str(out), "device": device, "nprocs": n})
     if spawn.main(ddp) != 0:
         return None
-    import json
-
     summary = json.loads((out / "summary.json").read_text())
     return summary["figures"]["step time (median)"]["measured"]
 
