@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from chapters.ch28_inference import checks as C
 from chapters.ch28_inference import engine as E
 from chapters.ch28_inference import model as M
 from chapters.ch28_inference import paged as P
@@ -27,7 +28,7 @@ def _reference(n_new=10):
     torch.set_default_dtype(torch.float64)
     cfg = T.Config()
     config, hf = T.build(cfg)
-    prompt = T.prompt_of(cfg, config.vocab_size, 5)
+    prompt = C.prompt_of(cfg, config.vocab_size, 5)
     return cfg, config, hf, prompt, M.generate(M.HandLlama(hf.state_dict(), config), prompt, n_new, use_cache=False)
 
 
@@ -44,8 +45,6 @@ def _tp_worker(state, config, prompt, reqs):
     """Each rank: its shard's generation, the same without g's all-reduce (the control), and
     the serving engine tensor-parallel over all ranks (each rank's pool holds its heads)."""
     import torch.distributed as dist
-
-    from chapters.ch28_inference import engine as E
 
     torch.set_default_dtype(torch.float64)
     rank, tp = dist.get_rank(), dist.get_world_size()
@@ -76,9 +75,9 @@ def test_script_checks_pass_on_two_ranks(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     checks = {c["name"]: c for c in summary["checks"]}
     assert all(c["ok"] for c in checks.values() if c["kind"] != "timing"), res.output[-3000:]
-    assert checks["TP on 2 ranks = one device: max |logit diff|"]["measured"] <= T.PARITY_TOL
+    assert checks["TP on 2 ranks = one device: max |logit diff|"]["measured"] <= C.PARITY_TOL
     assert checks["control: TP without the all-reduce differs"]["ok"]
-    assert checks["control: one block table scrambled differs"]["measured"] > T.PARITY_TOL
+    assert checks["control: one block table scrambled differs"]["measured"] > C.PARITY_TOL
     assert checks["TP engine on 2 ranks: tokens differing from one device"]["measured"] == 0
     assert checks[f"pool of {T.Config().tight_blocks} blocks: preemptions"]["measured"] > 0
     # the headline, measured on the engines: the test recomputes the prediction and the counts
@@ -109,16 +108,16 @@ def _expected_ratio(m, b):
 def test_tensor_parallel_on_four_ranks_equals_one_device_without_cache():
     cfg, config, hf, prompt, (ref_t, ref_l) = _reference()
     state = {k: v.clone() for k, v in hf.state_dict().items()}
-    reqs = T.chat_workload(T.Config(chat_requests=6, system_len=8), config.vocab_size, 11)
+    reqs = C.chat_workload(T.Config(chat_requests=6, system_len=8), config.vocab_size, 11)
     ranks = run_on_ranks(_tp_worker, 4, state, _plain(config), prompt, reqs, timeout=180)
     dense = M.HandLlama(hf.state_dict(), config)
     one = E.Engine(dense, 64, 4, 4, "continuous", choose=E.Chooser(0.1, 0)).run(reqs)
     for ((tok, lg), (_, bad)), tokens, logits, pool_bytes in ranks:
         assert torch.equal(tok, ref_t)
-        assert (lg - ref_l).abs().max() <= T.PARITY_TOL
-        assert (bad - ref_l).abs().max() > T.PARITY_TOL  # without g the same check fails
+        assert (lg - ref_l).abs().max() <= C.PARITY_TOL
+        assert (bad - ref_l).abs().max() > C.PARITY_TOL  # without g the same check fails
         assert tokens == one["tokens"]
-        assert max(float((logits[k] - one["logits"][k]).abs().max()) for k in logits) <= T.PARITY_TOL
+        assert max(float((logits[k] - one["logits"][k]).abs().max()) for k in logits) <= C.PARITY_TOL
         assert 4 * pool_bytes == dense.kv_pool(64, 4).bytes()  # a quarter of the heads per rank
 
 
@@ -127,13 +126,13 @@ def test_cache_and_transformers_generate_match_no_cache():
     cfg, config, hf, prompt, (ref_t, ref_l) = _reference(12)
     dense = M.HandLlama(hf.state_dict(), config)
     tok, lg = M.generate(dense, prompt, 12, use_cache=True)
-    assert torch.equal(tok, ref_t) and (lg - ref_l).abs().max() <= T.PARITY_TOL
+    assert torch.equal(tok, ref_t) and (lg - ref_l).abs().max() <= C.PARITY_TOL
     hf_t, hf_l = M.hf_generate(hf, prompt, 12)
-    assert M.top2_margin(ref_l) > 2 * T.HF_TOL  # no near-tie can flip a token
-    assert torch.equal(hf_t, ref_t) and (hf_l - ref_l).abs().max() <= T.HF_TOL
-    _, bad = T.wrong_position_generate(dense, prompt, 12)
-    assert (bad - ref_l).abs().max() > T.PARITY_TOL
-    assert (hf_l - bad).abs().max() > T.HF_TOL  # the transformers tolerance tells them apart
+    assert M.top2_margin(ref_l) > 2 * C.HF_TOL  # no near-tie can flip a token
+    assert torch.equal(hf_t, ref_t) and (hf_l - ref_l).abs().max() <= C.HF_TOL
+    _, bad = C.wrong_position_generate(dense, prompt, 12)
+    assert (bad - ref_l).abs().max() > C.PARITY_TOL
+    assert (hf_l - bad).abs().max() > C.HF_TOL  # the transformers tolerance tells them apart
 
 
 @pytest.mark.timeout(60)
@@ -165,6 +164,36 @@ def test_copy_on_write_and_last_user_frees_prefix():
 
 
 @pytest.mark.timeout(60)
+def test_prefix_keys_need_the_whole_prefix_and_full_blocks():
+    m = P.BlockManager(16, 4)
+    assert m.allocate(0, [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 0
+    # the same second block after a different first one: nothing shared
+    assert m.allocate(1, [9, 9, 9, 9, 5, 6, 7, 8, 0]) == 0
+    assert m.tables[1][1] != m.tables[0][1]
+    # the same tokens at another position: a different block (its keys were rotated elsewhere)
+    assert m.allocate(6, [5, 6, 7, 8, 1]) == 0
+    m.finish(6)
+    # a partly filled block is never shared: [1..5] leaves block 1 with one token
+    assert m.allocate(2, [1, 2, 3, 4, 5]) == 4
+    assert m.allocate(3, [1, 2, 3, 4, 5, 6, 7, 9, 1]) == 4 and m.tables[3][1] != m.tables[2][1]
+    # a prompt of whole cached blocks still computes its last block (its last token's logits)
+    assert m.allocate(4, [1, 2, 3, 4, 5, 6, 7, 8]) == 4
+    # finished blocks stay cached until reused: a later request revives them
+    for seq in range(5):
+        m.finish(seq)
+    assert m.allocate(5, [1, 2, 3, 4, 5, 6, 7, 8, 3]) == 8 and not m.check()
+    # a block filled by decoding enters the cache once full
+    m.allocate(7, [1, 2, 3, 4, 10, 11])
+    m.append(7, 12)
+    assert m.allocate(8, [1, 2, 3, 4, 10, 11, 12, 0, 2]) == 4  # block 1 holds 3 tokens: not cached
+    m.append(7, 13)
+    assert m.allocate(9, [1, 2, 3, 4, 10, 11, 12, 13, 2]) == 8 and not m.check()
+    off = P.BlockManager(16, 4, prefix_cache=False)
+    off.allocate(0, [1, 2, 3, 4, 5])
+    assert off.allocate(1, [1, 2, 3, 4, 5]) == 0
+
+
+@pytest.mark.timeout(60)
 def test_continuous_batching_beats_static_by_the_length_distribution():
     cfg = T.Config()
     outs = [o for _, o in P.workload(cfg.requests_per_rank, cfg.max_decode, cfg.seed)]
@@ -183,7 +212,7 @@ def test_continuous_batching_beats_static_by_the_length_distribution():
 def _requests(config, n=20, max_decode=12, seed=3):
     cfg = T.Config()
     work = P.workload(n, max_decode, seed=seed)
-    return [E.Request(T.prompt_of(cfg, config.vocab_size, 50 + i, p)[0].tolist(), d)
+    return [E.Request(C.prompt_of(cfg, config.vocab_size, 50 + i, p)[0].tolist(), d)
             for i, (p, d) in enumerate(work)]
 
 
@@ -206,14 +235,14 @@ def test_engines_equal_contiguous_cache_and_their_counted_schedules():
     runs = {mode: E.Engine(llama, 64, 4, 4, mode).run(reqs) for mode in expect}
     for mode, run in runs.items():
         assert run["decode_steps"] == expect[mode], mode
-        assert _worst(run, refs)[0] <= T.PARITY_TOL and _worst(run, refs)[1] == 0, mode
+        assert _worst(run, refs)[0] <= C.PARITY_TOL and _worst(run, refs)[1] == 0, mode
     assert expect["static"] > expect["continuous"]
     # the overlap engine made plans while a step ran; the synchronous one never did
-    assert T.overlap_intervals(runs["overlap"]["timeline"])[1] > 0
-    assert T.overlap_intervals(runs["continuous"]["timeline"])[1] == 0
+    assert C.overlap_intervals(runs["overlap"]["timeline"])[1] > 0
+    assert C.overlap_intervals(runs["continuous"]["timeline"])[1] == 0
     # control: a block table that names a wrong block
-    bad = T.ScrambledTables(llama, 64, 4, 4, "continuous").run(reqs)
-    assert _worst(bad, refs)[0] > T.PARITY_TOL
+    bad = C.ScrambledTables(llama, 64, 4, 4, "continuous").run(reqs)
+    assert _worst(bad, refs)[0] > C.PARITY_TOL
     with pytest.raises(ValueError):
         E.Engine(llama, 64, 4, 4, "eager")
 
@@ -238,17 +267,17 @@ def test_prefix_cache_forks_and_preemption_keep_every_token():
     cfg, config, hf, _, _ = _reference(1)
     llama = M.HandLlama(hf.state_dict(), config)
     small = T.Config(chat_requests=10)
-    reqs = T.chat_workload(small, config.vocab_size, 5)
+    reqs = C.chat_workload(small, config.vocab_size, 5)
     choose = E.Chooser(0.1, 0)
     refs = {(i, s): E.reference(llama, r.prompt, 1 + r.n_decode, choose, i, s)
             for i, r in enumerate(reqs) for s in range(r.n)}
-    assert min(m for _, _, m in refs.values()) > 2 * T.PARITY_TOL
+    assert min(m for _, _, m in refs.values()) > 2 * C.PARITY_TOL
     run = lambda blocks, cache=True, cls=E.Engine, mode="continuous": cls(  # noqa: E731
         llama, blocks, 4, 8, mode, cache, choose).run(reqs)
     on, off, tight, tight_overlap = run(128), run(128, False), run(small.tight_blocks), \
         run(small.tight_blocks, mode="overlap")
     for r in (on, off, tight, tight_overlap):
-        assert _worst(r, refs)[0] <= T.PARITY_TOL and _worst(r, refs)[1] == 0
+        assert _worst(r, refs)[0] <= C.PARITY_TOL and _worst(r, refs)[1] == 0
     # prefix caching: the prompts' shared full blocks (counted here from the token lists) are
     # not recomputed; the prefill tokens fall by exactly that many
     shared = 0
@@ -262,13 +291,13 @@ def test_prefix_cache_forks_and_preemption_keep_every_token():
     assert on["peak_blocks"] < off["peak_blocks"]
     # forks shared the prompt's blocks: the partial last block was copied, and that copy matters
     assert on["copies"] > 0
-    assert _worst(run(128, cls=_NoCopy), refs)[0] > T.PARITY_TOL
+    assert _worst(run(128, cls=_NoCopy), refs)[0] > C.PARITY_TOL
     # a pool too small: preempted, recomputed, nothing lost, never more blocks than the pool
     for r in (tight, tight_overlap):
         assert r["preemptions"] > 0 and r["peak_blocks"] <= small.tight_blocks
         assert all(len(t) == 1 + reqs[i].n_decode for (i, _), t in r["tokens"].items())
         assert len(r["tokens"]) == len(refs)
-    assert _worst(run(small.tight_blocks, cls=_PromptOnlyRecompute), refs)[0] > T.PARITY_TOL
+    assert _worst(run(small.tight_blocks, cls=_PromptOnlyRecompute), refs)[0] > C.PARITY_TOL
 
 
 @pytest.mark.timeout(60)
@@ -289,5 +318,5 @@ def test_exercise_answers():
     # 5: a 2,000-token system prompt before 200 user tokens, blocks of 16 and of 32
     system = list(range(2000))
     reqs = [E.Request(system + [3000 + u] * 200, 1) for u in range(2)]
-    assert T.expected_cached_tokens(reqs, 16) == 2000
-    assert T.expected_cached_tokens(reqs, 32) == 1984
+    assert C.expected_cached_tokens(reqs, 16) == 2000
+    assert C.expected_cached_tokens(reqs, 32) == 1984

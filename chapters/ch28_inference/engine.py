@@ -120,12 +120,15 @@ class Engine:
         for seq in [s for s in self.running if s.planned == s.want]:  # done: release the blocks
             self.running.remove(seq)
             self.mgr.finish(seq.sid)
+        preempted = self.stats["preemptions"]
         for seq in list(self.running):  # every running sequence writes its next position
             while seq in self.running and self.mgr.needs_block(seq.sid) and not self.mgr.free:
                 self._preempt(self.running[-1])
             if seq in self.running:
                 self._decode_slot(plan, seq)
-        if self.mode != "static" or not self.running:
+        # no admission in a plan that preempted (as vLLM V1): the blocks just freed may hold a
+        # copy-on-write source, which a prefill of this plan would overwrite before the copy
+        if self.stats["preemptions"] == preempted and (self.mode != "static" or not self.running):
             while self.waiting and self._admissible(self.waiting[0]):
                 self._admit(plan, self.waiting.pop(0))
                 if self.mode == "static" and len(self.running) >= self.batch:
@@ -246,7 +249,8 @@ class Engine:
                     inflight = nxt
                 elif not empty:
                     self.postprocess(self.execute(plan))
-                if empty and inflight is None and not self.running and self.waiting:
+                if empty and inflight is None and not self.running and self.waiting \
+                        and not self._admissible(self.waiting[0]):
                     raise RuntimeError("the scheduler cannot admit the next request (pool too small)")
         seqs = {k: self.everyone[k] for k in sorted(self.everyone)}
         return {"tokens": {k: s.out for k, s in seqs.items()},

@@ -24,6 +24,7 @@ import json
 
 import torch
 
+from chapters.ch28_inference import checks as C
 from chapters.ch28_inference import model as M
 from chapters.ch28_inference import paged as P
 from chapters.ch28_inference import train as T
@@ -39,7 +40,7 @@ torch.set_default_dtype(torch.float64)
 cfg = T.Config()
 config, hf = T.build(cfg)
 llama = M.HandLlama(hf.state_dict(), config)
-prompt = T.prompt_of(cfg, config.vocab_size, 1)
+prompt = C.prompt_of(cfg, config.vocab_size, 1)
 ref_t, ref_l = M.generate(llama, prompt, 12, use_cache=False)
 tok, lg = M.generate(llama, prompt, 12, use_cache=True)
 hf_t, hf_l = M.hf_generate(hf, prompt, 12)
@@ -64,12 +65,12 @@ print(P.random_stream(P.LeakyManager(64, 4), 3000)["first_violation"])
 from chapters.ch28_inference import engine as E
 
 choose = E.Chooser(temperature=0.1, seed=0)
-chat = T.chat_workload(cfg, config.vocab_size, 7)
+chat = C.chat_workload(cfg, config.vocab_size, 7)
 refs = {(i, s): E.reference(llama, r.prompt, 1 + r.n_decode, choose, i, s)
         for i, r in enumerate(chat) for s in range(r.n)}
 for name, blocks, cache in (("prefix cache", 128, True), ("no prefix cache", 128, False), ("20 blocks", 20, True)):
     run = E.Engine(llama, blocks, 4, 8, "continuous", cache, choose).run(chat)
-    worst, wrong = T.compare_runs({name: run}, refs)
+    worst, wrong = C.compare_runs({name: run}, refs)
     print(f"{name:16s} prefill tokens {run['prefill_tokens']:4d}, reused {run['cached_tokens']:4d}, "
           f"peak blocks {run['peak_blocks']:3d}, preemptions {run['preemptions']}, "
           f"max |logit diff| {worst:.1e}, tokens differing {wrong}")
@@ -84,7 +85,7 @@ decode = [d for _, d in work]
 s, c = P.static_schedule(decode, cfg.batch), P.continuous_schedule(decode, cfg.batch)
 print(f"model: static {s['steps']}, continuous {c['steps']} steps, ratio {s['steps'] / c['steps']:.3f}, "
       f"E[max]/E[mean] {P.expected_ratio(cfg.max_decode, cfg.batch):.3f}")
-reqs = [E.Request(T.prompt_of(cfg, config.vocab_size, 1000 + i, p)[0].tolist(), d) for i, (p, d) in enumerate(work)]
+reqs = [E.Request(C.prompt_of(cfg, config.vocab_size, 1000 + i, p)[0].tolist(), d) for i, (p, d) in enumerate(work)]
 runs = {mode: E.Engine(llama, 128, 4, cfg.batch, mode).run(reqs) for mode in E.MODES}
 for mode, run in runs.items():
     print(f"{mode:10s} {run['decode_steps']:4d} decode steps, {run['seconds'] * 1e3:7.1f} ms")
@@ -104,7 +105,7 @@ for ax, mode in zip(axes, ("continuous", "overlap")):
     for kind, _, a, b in tl:
         if a - t0 < 0.012:
             ax.barh(kind, (b - a) * 1e3, left=(a - t0) * 1e3, color="tab:blue" if kind == "step" else "tab:orange")
-    after, during, secs = T.overlap_intervals(tl)
+    after, during, secs = C.overlap_intervals(tl)
     ax.set_title(f"{mode}: {during} of {after} plans made while the previous step ran", fontsize=9)
 axes[-1].set_xlabel("ms")
 fig.tight_layout()

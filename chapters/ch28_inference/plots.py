@@ -57,6 +57,7 @@ def overlap_figure(cfg):
     import matplotlib.pyplot as plt
     import torch
 
+    from chapters.ch28_inference import checks as C
     from chapters.ch28_inference import engine as E
     from chapters.ch28_inference import model as M
     from chapters.ch28_inference import train as T
@@ -67,7 +68,7 @@ def overlap_figure(cfg):
         config, hf = T.build(cfg)
         llama = M.HandLlama(hf.state_dict(), config)
         work = P.workload(64, cfg.max_decode, cfg.seed)
-        reqs = [E.Request(T.prompt_of(cfg, config.vocab_size, 1000 + i, p)[0].tolist(), d)
+        reqs = [E.Request(C.prompt_of(cfg, config.vocab_size, 1000 + i, p)[0].tolist(), d)
                 for i, (p, d) in enumerate(work)]
         runs = {mode: E.Engine(llama, cfg.n_blocks, cfg.block_size, cfg.batch, mode).run(reqs)
                 for mode in ("continuous", "overlap")}
@@ -81,7 +82,7 @@ def overlap_figure(cfg):
             if 0 <= a - t0 < 0.04 and b - t0 < 0.04:
                 ax.barh("CPU: plan" if kind == "schedule" else "executor: step", (b - a) * 1e3,
                         left=(a - t0) * 1e3, color="tab:orange" if kind == "schedule" else "tab:blue")
-        after, during, _ = T.overlap_intervals(tl)
+        after, during, _ = C.overlap_intervals(tl)
         ax.set_title(f"{mode}: {during} of {after} plans made while the previous step ran", fontsize=9)
     axes[-1].set_xlabel("ms since plan 20 began")
     fig.tight_layout()
