@@ -193,6 +193,21 @@ def test_kl_penalty_keeps_the_policy_near_its_reference(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(60)
+def test_adaptive_kl_moves_beta_towards_its_target(tmp_path):
+    """`--kl-target` in the loop: a KL above the target raises β, below it lowers β (10 PPO
+    updates each; the closed form of one update is in the hand-example test)."""
+    common = {"algo": "ppo", "rm_steps": 0, "steps": 10, "margin": -1.0, "beta": 0.05}
+    tight = _in_process(tmp_path, "tight", kl_target=1e-6, **common)["figures"]
+    loose = _in_process(tmp_path, "loose", kl_target=100.0, **common)["figures"]
+    name = "β at the end (adaptive KL)"
+    # the error is clipped to ±0.2: each batch of 128 completions (horizon 10,000) multiplies β
+    # by 1 ± 0.00256; the first batch's KL is exactly 0 (the policy is the reference): down
+    e = 0.2 * 128 / 10_000
+    assert tight[name] == pytest.approx(0.05 * (1 - e) * (1 + e) ** 9, abs=1e-5)  # figure: 5 d.p.
+    assert loose[name] == pytest.approx(0.05 * (1 - e) ** 10, abs=1e-5)
+
+
+@pytest.mark.timeout(60)
 def test_untrained_reward_model_drives_nothing(tmp_path):
     """The control of the 3-rank run where the reward model drives RL: the same loop driven by a
     reward model trained for one step only (ranking accuracy near chance) does not raise the
