@@ -269,7 +269,9 @@ def _train_checks(out: str, name: str, **options) -> dict:
 
 @pytest.fixture(scope="module")
 def synced(tmp_path_factory):
-    return run_on_ranks(_sync_worker, 3, 50, str(tmp_path_factory.mktemp("ch27")), timeout=90)
+    # ~15 s on a quiet machine: three spawned ranks import torch and, for the two RL runs, build
+    # Adam (whose first construction imports torch._dynamo, ~900 modules, seconds per rank)
+    return run_on_ranks(_sync_worker, 3, 50, str(tmp_path_factory.mktemp("ch27")), timeout=110)
 
 
 @pytest.mark.timeout(120)
