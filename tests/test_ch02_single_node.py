@@ -321,7 +321,9 @@ def assert_mechanism(cfg, tap, chunks: list[int], devices: list[str]) -> None:
     (float64), B rows of d_in = 16 features in, 1 out; R = len(chunks) devices got rows:
     the whole batch scattered, R replicas of which R - 1 are fresh copies of the P parameters
     (replica 0 shares the module's storage), the whole output gathered on device 0, R - 1 sets
-    of P gradients sent back to it; R forwards in this process, each on its own thread."""
+    of P gradients computed by the copies and found, at the receiving end, summed into device
+    0's gradients (each equal to the sum of the R replicas' gradients), none of them before the
+    last replica gradient of the step; R forwards in this process, each on its own thread."""
     P = sum(p.numel() for p in build_model(cfg, CPU).parameters())
     assert dataparallel.n_params(cfg) == P
     B, size, R = cfg.global_batch_size, 8, len(chunks)
@@ -333,7 +335,10 @@ def assert_mechanism(cfg, tap, chunks: list[int], devices: list[str]) -> None:
         assert rec.scattered_bytes == B * 16 * size
         assert rec.copied_param_bytes == (R - 1) * P * size
         assert rec.shared_param_bytes == P * size
-        assert rec.replica_grad_bytes == (R - 1) * P * size
+        assert rec.replica_grad_bytes == rec.summed_grad_bytes == (R - 1) * P * size
+        assert rec.grad_sum_error <= TOL and rec.replica_grads_seen == R * 2 * cfg.n_layers
+        assert len(rec.seen_at_receipt) == 2 * cfg.n_layers  # every parameter received once,
+        assert set(rec.seen_at_receipt) == {rec.replica_grads_seen}  # after every replica's
         assert rec.gathered_bytes == B * 1 * size and rec.gathered_device == devices[0]
         names = [name for _, name, _ in rec.forwards]
         assert {pid for pid, _, _ in rec.forwards} == {os.getpid()} and len(set(names)) == R
@@ -358,12 +363,16 @@ def test_dataparallel_mechanism_on_simulated_devices():
         reference = reference_history(cfg)
         assert max_param_diff(model.state_dict(), reference[-1]) <= TOL, (devices, batch)
         assert max_param_diff(model.state_dict(), reference[0]) > 1e-3  # it trained
-    # On a machine without GPUs torch's own DataParallel keeps no devices and calls the module;
-    # the simulated one computes the same output through scatter, replicas and gather.
+    # Without an accelerator torch's own DataParallel keeps no devices and calls the module
+    # (torch/nn/parallel/data_parallel.py: _get_available_device_type() is None; made so here,
+    # since on one GPU it would keep device_ids [0] and move the model to cuda:0); the
+    # simulated one computes the same output through scatter, replicas and gather.
     cfg = dp_config(2, 48)
     model = build_model(cfg, CPU)
     X, _ = build_data(cfg, CPU)
-    plain = nn.DataParallel(model)
+    with mock.patch("torch.nn.parallel.data_parallel._get_available_device_type",
+                    return_value=None):
+        plain = nn.DataParallel(model)
     assert plain.device_ids == [] and torch.equal(plain(X[:48]), model(X[:48]))
     simulated = dataparallel.SimulatedDataParallel(model, 2)
     tap = dataparallel.MechanismTap(simulated)
@@ -372,12 +381,15 @@ def test_dataparallel_mechanism_on_simulated_devices():
 
 
 class ReplicateOnce(dataparallel.SimulatedDataParallel):
-    """Broken: replicates at the first forward and reuses those replicas ever after."""
+    """Broken: the copies on devices 1.. are made at the first forward and reused ever after
+    (replica 0 is rebuilt: reused, its views of the parameters, which the optimizer changes
+    in place, make autograd refuse the next forward, as torch's Broadcast outputs would)."""
 
     def replicate(self, module, device_ids):
+        replicas = super().replicate(module, device_ids)
         if not hasattr(self, "kept"):
-            self.kept = super().replicate(module, device_ids)
-        return self.kept
+            self.kept = replicas
+        return [replicas[0], *self.kept[1:]]
 
 
 def broadcast_without_graph(tensors, devices, detach=False):
@@ -389,17 +401,45 @@ def broadcast_without_graph(tensors, devices, detach=False):
 class DetachedReplicas(dataparallel.SimulatedDataParallel):
     """Broken: the copies on devices 1.. carry no gradient back, so only device 0's rows train."""
 
+    broadcast = staticmethod(broadcast_without_graph)
+
     def replicate(self, module, device_ids):
         with mock.patch.object(dataparallel._REPLICATE, "_broadcast_coalesced_reshape",
-                               broadcast_without_graph):
+                               self.broadcast):
             return dataparallel._REPLICATE.replicate(module, list(device_ids))
+
+
+def broadcast_as_leaves(tensors, devices, detach=False):
+    """Broken: the copies are fresh leaves that require grad. They compute gradients (their
+    hooks see them), which reach nobody: device 0 gets replica 0's alone."""
+    return [[t.view_as(t) if j == 0 else t.detach().clone().requires_grad_() for t in tensors]
+            for j in range(len(devices))]
+
+
+class CopiesAsLeaves(DetachedReplicas):
+    broadcast = staticmethod(broadcast_as_leaves)
+
+
+def broadcast_per_parameter(tensors, devices, detach=False):
+    """Not torch's: a copy per parameter and replica, each its own autograd node, so a
+    parameter's gradients are summed into the module's as soon as the replicas have computed
+    them, during the backward (right values, DDP's timing, not DataParallel's)."""
+    return [[t.view_as(t) if j == 0 else t.clone() for t in tensors] for j in range(len(devices))]
+
+
+class PerParameterBroadcast(DetachedReplicas):
+    broadcast = staticmethod(broadcast_per_parameter)
 
 
 @pytest.mark.timeout(60)
 def test_dataparallel_negative_controls():
     """The same counts and parity reject a DataParallel that keeps its first replicas (stale
-    copies from step 1 on: no bytes copied, parameters off) and one whose copies carry no
-    gradient back to device 0 (nothing reduced: device 0's rows alone train the model)."""
+    copies from step 1 on: no bytes copied, parameters off), one whose copies carry no
+    gradient back to device 0 (nothing reduced: device 0's rows alone train the model), and
+    one whose copies are fresh leaves (they compute gradients, so the copies' count passes,
+    but the receiving end finds none of them in device 0's gradients). A broadcast with one
+    autograd node per parameter trains right but reduces during the backward: the early
+    reductions count rejects it (torch's Broadcast is one node for every parameter)."""
     cfg = dp_config(2, 48)
     P8 = 1633 * 8
     reference = reference_history(cfg)[-1]
@@ -408,8 +448,18 @@ def test_dataparallel_negative_controls():
     assert max_param_diff(model.state_dict(), reference) > 1e-3
     model, tap, *_ = dataparallel.train_data_parallel(cfg, "cpu", 2, dp_class=DetachedReplicas)
     assert [r.replica_grad_bytes for r in tap.records] == [0] * cfg.steps
+    assert [r.summed_grad_bytes for r in tap.records] == [0] * cfg.steps
     assert [r.copied_param_bytes for r in tap.records] == [P8] * cfg.steps  # copies were made
     assert max_param_diff(model.state_dict(), reference) > 1e-3
+    model, tap, *_ = dataparallel.train_data_parallel(cfg, "cpu", 2, dp_class=CopiesAsLeaves)
+    assert [r.replica_grad_bytes for r in tap.records] == [P8] * cfg.steps  # the hollow count
+    assert [r.summed_grad_bytes for r in tap.records] == [0] * cfg.steps
+    assert max_param_diff(model.state_dict(), reference) > 1e-3
+    model, tap, *_ = dataparallel.train_data_parallel(cfg, "cpu", 2,
+                                                      dp_class=PerParameterBroadcast)
+    measured = [dataparallel.measured_per_step(r) for r in tap.records]
+    assert all(m["summed_grad_bytes"] == P8 and m["early_reductions"] >= 1 for m in measured)
+    assert max_param_diff(model.state_dict(), reference) <= TOL
 
 
 @pytest.mark.timeout(60)
@@ -431,7 +481,9 @@ def test_dataparallel_script_counts_match_closed_forms(tmp_path, monkeypatch):
     want = {"replicas built": 2 * STEPS, "replica forwards, a thread each": 2 * STEPS,
             "rows through the replicas": B * STEPS, "batch bytes scattered": B * 16 * 8 * STEPS,
             "parameter bytes copied": P8 * STEPS, "device 0 replica: shared bytes": P8 * STEPS,
-            "output bytes gathered": B * 8 * STEPS, "gradient bytes to device 0": P8 * STEPS}
+            "output bytes gathered": B * 8 * STEPS, "gradient bytes the copies computed": P8 * STEPS,
+            "gradient bytes summed into device 0": P8 * STEPS,
+            "parameters reduced during the backward": 0}
     for name, value in want.items():
         check = checks[f"{name} ({STEPS} steps)"]
         assert check["measured"] == check["expected"] == value, name
@@ -453,18 +505,24 @@ def test_dataparallel_script_counts_match_closed_forms(tmp_path, monkeypatch):
     assert dataparallel.main(broken) == 1
     summary = json.loads((tmp_path / "broken" / "summary.json").read_text())
     assert sorted(c["name"] for c in summary["checks"] if not c["ok"]) == [
-        "DataParallel == one process on the batch", f"gradient bytes to device 0 ({STEPS} steps)"]
+        "DataParallel == one process on the batch",
+        f"gradient bytes summed into device 0 ({STEPS} steps)",
+        f"gradient bytes the copies computed ({STEPS} steps)",
+        f"parameters reduced during the backward ({STEPS} steps)"]  # replica 0's alone: at once
 
 
 def test_dataparallel_needs_two_gpus_for_real(monkeypatch, capsys, tmp_path):
     """--device cuda with fewer than two GPUs is refused in one line (gpu-check reports it
-    n/a); the simulated devices need none; --devices 1 would not be DataParallel."""
+    n/a); the simulated devices need none; --devices N beyond the GPUs is refused under
+    --device auto too (with 2+ GPUs auto means them); --devices 1 would not be DataParallel."""
     for gpus in (0, 1):
         monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
         with pytest.raises(ValueError, match=f"needs 2 GPUs and torch sees {gpus}"):
             dataparallel.validate(dataparallel.Config(device="cuda"), 1)
         dataparallel.validate(dataparallel.Config(device="cpu"), 1)
         assert dataparallel.data_parallel_devices(dataparallel.Config()) == ("cpu", 2)
+        dataparallel.validate(dataparallel.Config(devices=4), 1)  # auto: 4 simulated devices
+        assert dataparallel.data_parallel_devices(dataparallel.Config(devices=4)) == ("cpu", 4)
     assert dataparallel.main(dataparallel.Config(device="cuda", out=str(tmp_path))) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dataparallel.py: error: --device cuda")
@@ -472,6 +530,12 @@ def test_dataparallel_needs_two_gpus_for_real(monkeypatch, capsys, tmp_path):
     dataparallel.validate(dataparallel.Config(device="cuda"), 1)
     with pytest.raises(ValueError, match="needs 8 GPUs and torch sees 4"):
         dataparallel.validate(dataparallel.Config(device="cuda", devices=8), 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    dataparallel.validate(dataparallel.Config(devices=3), 1)
+    assert dataparallel.data_parallel_devices(dataparallel.Config()) == ("cuda", 3)
+    with pytest.raises(ValueError, match="--device auto: nn.DataParallel needs 4 GPUs and torch "
+                                         "sees 3"):
+        dataparallel.validate(dataparallel.Config(devices=4), 1)
     with pytest.raises(ValueError, match="--devices must be 0"):
         dataparallel.Config(devices=1)
 
@@ -491,13 +555,17 @@ def test_real_dataparallel_moves_what_the_simulation_moves():
 
 
 def test_exercise_4_bytes_per_step():
-    """Exercise 4's numbers: the ~100 M-parameter MLP, float64, DataParallel's copies through
-    GPU 0 against DDP's ring all-reduce per GPU, 2(W - 1)/W · P · 8 bytes."""
+    """Exercise 4's numbers: the ~100 M-parameter MLP in float64; DataParallel's parameter
+    copies created and replica gradients summed per step, (W - 1) · P · 8 bytes each (totals
+    over all links, the same with NCCL's ring or without), against DDP's ring all-reduce,
+    2(W - 1)/W · P · 8 bytes sent per GPU, 2(W - 1) · P · 8 over all W GPUs."""
     cfg = dataparallel.Config(d_hidden=4096, n_layers=8)
     P = 16 * 4096 + 4096 + 6 * (4096 * 4096 + 4096) + 4096 + 1
     assert dataparallel.n_params(cfg) == P == 100_761_601
     two, eight = (dataparallel.expected_per_step(cfg, w, 8) for w in (2, 8))
-    assert two["copied_param_bytes"] == two["replica_grad_bytes"] == P * 8 == 806_092_808
-    assert 2 * (2 - 1) * P * 8 // 2 == 806_092_808  # DDP on 2 GPUs: the same bytes per GPU
-    assert eight["copied_param_bytes"] == eight["replica_grad_bytes"] == 5_642_649_656
-    assert 2 * (8 - 1) * P * 8 // 8 == 1_410_662_414  # DDP per GPU on 8
+    assert two["copied_param_bytes"] == two["summed_grad_bytes"] == P * 8 == 806_092_808
+    assert eight["copied_param_bytes"] == eight["summed_grad_bytes"] == 5_642_649_656
+    # The lesson's arithmetic for DDP, checked here (no code of the chapter computes it): per
+    # GPU on 8, and the total over 8 GPUs, equal to DataParallel's copies plus its reduction.
+    assert 2 * (8 - 1) * P * 8 // 8 == 1_410_662_414
+    assert 8 * 1_410_662_414 == 2 * 5_642_649_656 == 11_285_299_312

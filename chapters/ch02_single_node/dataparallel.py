@@ -5,14 +5,15 @@ on device 0; the backward sums every replica's gradients back onto device 0's pa
     python chapters/ch02_single_node/dataparallel.py                  # every GPU if 2+, else CPU
     python chapters/ch02_single_node/dataparallel.py --devices 4      # 4 GPUs, or 4 simulated
 
-With two GPUs or more (`--device auto`, or `--device cuda`, which refuses fewer) the model is
-wrapped in torch's own nn.DataParallel, and the same global batch is then trained by DDP
-(spawn.py, one process per GPU) for the timing comparison. Without two GPUs
-torch's DataParallel just calls the module, so on the CPU the script runs torch's own
-DataParallel.forward (not a copy of it) over simulated devices: SimulatedDataParallel only
-supplies the four device operations forward calls (scatter, replicate, parallel_apply,
-gather), done on the CPU. Either way MechanismTap counts, at those four calls, what was
-copied, and the run checks the counts against their closed forms and the parameters against
+With two GPUs or more (`--device auto`, or `--device cuda`, which refuses fewer; either refuses
+`--devices` beyond the GPUs) the model is wrapped in torch's own nn.DataParallel, and the same
+global batch is then trained by DDP (spawn.py, one process per GPU) for the timing comparison.
+Without two GPUs torch's DataParallel does not replicate, so on the CPU the script runs torch's
+own DataParallel.forward, scatter, replicate and gather (not copies of them) over simulated
+devices: SimulatedDataParallel replaces only the autograd Functions that move tensors between
+devices (Scatter, Gather, Broadcast) and parallel_apply (torch's needs an accelerator). Either
+way MechanismTap counts, at those four calls and at both ends of the backward, what was copied
+and summed, and the run checks the counts against their closed forms and the parameters against
 one process on the whole batch. Start it with plain `python`: it is one process by design
 (under torchrun every rank would run its own DataParallel job).
 """
@@ -52,10 +53,10 @@ from common.config import parse_config
 from common.distributed import DistInfo
 from common.log import log, setup_logging
 from common.results import RunRecorder
-from common.timing import Timer
 
 # torch's replicate() module (torch.nn.parallel.replicate the name is the function).
 _REPLICATE = importlib.import_module("torch.nn.parallel.replicate")
+_SCATTER_GATHER = importlib.import_module("torch.nn.parallel.scatter_gather")
 PHASES = ("scatter", "replicate", "parallel_apply", "gather")  # DataParallel.forward's order
 
 
@@ -64,7 +65,8 @@ class Config(TaskConfig):
     """dataparallel.py's options: the shared task's plus DataParallel's devices."""
 
     devices: int = 0
-    """DataParallel's devices: 0 = every GPU with --device cuda, else 2 simulated CPU devices."""
+    """DataParallel's devices: 0 = every GPU (2 or more, --device auto or cuda), else 2 simulated
+    CPU devices."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,13 +78,14 @@ class Config(TaskConfig):
 def validate(cfg: Config, world_size: int) -> None:
     """One process by design; its world is its devices (what torchrun says is ignored, as for
     spawn.py). Real DataParallel needs two GPUs: `--device cuda` with fewer is refused here,
-    before anything starts (so `./course gpu-check` reports it n/a on a one-GPU machine)."""
-    if cfg.device == "cuda":
-        gpus = torch.cuda.device_count()
+    before anything starts (so `./course gpu-check` reports it n/a on a one-GPU machine), and
+    so is `--devices N` beyond the GPUs that `--device auto` would use (2 or more GPUs)."""
+    gpus = torch.cuda.device_count()
+    if cfg.device == "cuda" or (cfg.device == "auto" and gpus >= 2):
         wanted = cfg.devices or gpus
         if gpus < 2 or wanted > gpus:
-            raise ValueError(f"--device cuda: nn.DataParallel needs {max(wanted, 2)} GPUs and torch "
-                             f"sees {gpus}; --device cpu simulates the devices")
+            raise ValueError(f"--device {cfg.device}: nn.DataParallel needs {max(wanted, 2)} GPUs "
+                             f"and torch sees {gpus}; --device cpu simulates the devices")
 
 
 def data_parallel_devices(cfg: Config) -> tuple[str, int]:
@@ -95,67 +98,109 @@ def data_parallel_devices(cfg: Config) -> tuple[str, int]:
 
 
 # --- the four device operations, on simulated CPU devices -----------------------------------------
-
-def simulated_scatter(obj, n: int, dim: int = 0):
-    """torch.nn.parallel.scatter over n simulated devices. A tensor is cut as comm.scatter
-    (torch/csrc/cuda/comm.cpp) cuts it without chunk sizes, `tensor.chunk(n, dim)` (so 5 rows
-    over 4 devices make chunks of 2, 2, 1: only 3 devices get work), and each chunk moved to
-    its device with `.to`, a copy unless it is there already (here a fresh CPU tensor: from
-    the host, every chunk is a copy); tuples, lists and dicts are scattered element by
-    element; anything else is handed to every device as it is."""
-    if isinstance(obj, torch.Tensor):
-        return tuple(c.clone(memory_format=torch.contiguous_format) for c in obj.chunk(n, dim))
-    if isinstance(obj, tuple) and obj:
-        return list(zip(*(simulated_scatter(o, n, dim) for o in obj)))
-    if isinstance(obj, list) and obj:
-        return [list(i) for i in zip(*(simulated_scatter(o, n, dim) for o in obj))]
-    if isinstance(obj, dict) and obj:
-        return [type(obj)(i) for i in zip(*(simulated_scatter(kv, n, dim) for kv in obj.items()))]
-    return [obj for _ in range(n)]
+#
+# scatter and gather are torch's own (DataParallel.scatter -> scatter_kwargs -> scatter, and
+# DataParallel.gather -> gather, torch/nn/parallel/scatter_gather.py), with the two autograd
+# Functions they apply, Scatter and Gather (torch/nn/parallel/_functions.py, which refuse CPU
+# tensors), replaced by the simulated ones below while the call runs. replicate is torch's own
+# with its broadcast replaced the same way. parallel_apply is a copy (torch's needs an accelerator).
 
 
-def simulated_scatter_kwargs(inputs: tuple, kwargs: dict | None, n: int, dim: int = 0):
-    """torch.nn.parallel.scatter_kwargs: the positional inputs and the keyword inputs scattered
-    alike, padded so that every device that got work has both."""
-    scattered_inputs = simulated_scatter(inputs, n, dim) if inputs else []
-    scattered_kwargs = simulated_scatter(kwargs, n, dim) if kwargs else []
-    if len(scattered_inputs) < len(scattered_kwargs):
-        scattered_inputs.extend(() for _ in range(len(scattered_kwargs) - len(scattered_inputs)))
-    elif len(scattered_kwargs) < len(scattered_inputs):
-        scattered_kwargs.extend({} for _ in range(len(scattered_inputs) - len(scattered_kwargs)))
-    return tuple(scattered_inputs), tuple(scattered_kwargs)
+class SimulatedScatter(torch.autograd.Function):
+    """torch's Scatter on simulated devices. Forward: comm.scatter (torch/csrc/cuda/comm.cpp)
+    cuts the tensor with `tensor.chunk(n, dim)` (5 rows over 4 devices make chunks of 2, 2, 1:
+    only 3 devices get work), or by `chunk_sizes`, and moves each chunk to its device with
+    `.to`, a copy unless it is there already; here every chunk is a copy (the batch is on the
+    host). Backward: Gather of the chunks' gradients back into one tensor. Differences from
+    torch's: no device index or background copy stream, no complex-number view."""
+
+    @staticmethod
+    def forward(ctx, target_gpus, chunk_sizes, dim, input):
+        ctx.dim = dim
+        chunks = input.split(list(chunk_sizes), dim) if chunk_sizes else \
+            input.chunk(len(target_gpus), dim)
+        return tuple(c.clone() for c in chunks)
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        return None, None, None, torch.cat(grad_output, ctx.dim)
+
+
+class SimulatedGather(torch.autograd.Function):
+    """torch's Gather on simulated devices. Forward: comm.gather makes one new tensor on the
+    output device and copies every piece into it (device 0's too); scalars become a vector,
+    one per device, as torch's does (its warning left out). Backward: Scatter of the gradient
+    back to the pieces' devices, in the pieces' sizes (a copy each)."""
+
+    @staticmethod
+    def forward(ctx, target_device, dim, *inputs):
+        ctx.dim = dim
+        ctx.unsqueezed_scalar = dim == 0 and all(t.dim() == 0 for t in inputs)
+        if ctx.unsqueezed_scalar:
+            inputs = tuple(t.view(1) for t in inputs)
+        ctx.input_sizes = [t.size(dim) for t in inputs]
+        return torch.cat(inputs, dim)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grads = tuple(g.clone() for g in grad_output.split(ctx.input_sizes, ctx.dim))
+        if ctx.unsqueezed_scalar:
+            grads = tuple(g[0] for g in grads)
+        return (None, None, *grads)
+
+
+class SimulatedBroadcast(torch.autograd.Function):
+    """torch's Broadcast (what replicate applies to the parameters) on simulated devices.
+    Forward: comm.broadcast_coalesced returns the tensors themselves for device 0 (replica 0
+    shares the module's storage) and a copy for every other device. Backward: ONE node for
+    every parameter of every replica, as torch's, whose ReduceAddCoalesced sums each
+    parameter's gradients from all replicas into the module's (device 0); autograd runs it
+    only when every replica's gradients exist, i.e. after the whole backward."""
+
+    @staticmethod
+    def forward(ctx, n_devices, *inputs):
+        ctx.num_inputs = len(inputs)
+        copies = [t.clone() for _ in range(1, n_devices) for t in inputs]
+        ctx.mark_non_differentiable(*[c for i, c in enumerate(copies)
+                                      if not ctx.needs_input_grad[1 + i % len(inputs)]])
+        return (*inputs, *copies)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        n = ctx.num_inputs
+        per_device = [grad_outputs[j:j + n] for j in range(0, len(grad_outputs), n)]
+        return (None, *(sum(grads[1:], grads[0].clone()) for grads in zip(*per_device)))
 
 
 def simulated_broadcast(tensors, devices, detach: bool = False) -> list[list[torch.Tensor]]:
-    """comm.broadcast_coalesced on simulated devices, in place of the one CUDA-only call inside
-    torch's replicate(): device 0 keeps the tensors themselves (torch's replica on device 0
-    shares storage with the module), every other device gets a copy. Without `detach` the
-    copies stay in the autograd graph, so the backward adds every replica's gradient into
-    the module's parameter: the reduction onto device 0 (torch's ReduceAddCoalesced)."""
+    """torch's _broadcast_coalesced_reshape (torch/nn/parallel/replicate.py), the one call
+    inside replicate() that needs GPUs, on simulated devices: SimulatedBroadcast, or without
+    autograd (`detach`, under no_grad) the tensors themselves for device 0 and detached copies
+    for the others, as comm.broadcast_coalesced."""
     if not tensors:
         return []
-    source = [t.detach() for t in tensors] if detach else list(tensors)
-    return [[t.view_as(t) if j == 0 else t.clone() for t in source] for j in range(len(devices))]
-
-
-def simulated_replicate(module: nn.Module, n: int, detach: bool = False) -> list[nn.Module]:
-    """torch.nn.parallel.replicate itself (its module copies, `_replicate_for_data_parallel`),
-    with its broadcast of the parameters and buffers done on simulated devices."""
-    with mock.patch.object(_REPLICATE, "_broadcast_coalesced_reshape", simulated_broadcast):
-        return _REPLICATE.replicate(module, list(range(n)), detach)
+    n = len(tensors)
+    if detach:
+        return [list(tensors)] + [[t.detach().clone() for t in tensors] for _ in devices[1:]]
+    copies = SimulatedBroadcast.apply(len(devices), *tensors)
+    return [list(copies[j:j + n]) for j in range(0, len(copies), n)]
 
 
 def simulated_parallel_apply(modules, inputs, kwargs_tup) -> list:
-    """torch.nn.parallel.parallel_apply without devices and streams: replica i runs on inputs
-    i in a thread of its own (one for a single replica), with the caller's grad mode; an
-    exception in a replica is raised again here, naming the replica."""
+    """A copy of torch.nn.parallel.parallel_apply (which needs an accelerator): replica i runs
+    on inputs i in a thread of its own (in the caller's thread for a single replica), with the
+    caller's grad mode and CPU autocast state (both are per thread); an exception in a replica
+    is raised again here, naming the replica. Differences from torch's: no device index and no
+    stream entered in each thread, and the autocast state is the CPU's, not the accelerator's."""
     grad_enabled = torch.is_grad_enabled()
+    autocast_enabled = torch.is_autocast_enabled("cpu")
     lock, results = threading.Lock(), {}
 
     def worker(i: int, module, args, kwargs) -> None:
         torch.set_grad_enabled(grad_enabled)
         try:
-            output = module(*(args if isinstance(args, (list, tuple)) else (args,)), **kwargs)
+            with torch.amp.autocast("cpu", enabled=autocast_enabled):
+                output = module(*(args if isinstance(args, (list, tuple)) else (args,)), **kwargs)
             with lock:
                 results[i] = output
         except Exception:
@@ -179,27 +224,13 @@ def simulated_parallel_apply(modules, inputs, kwargs_tup) -> list:
     return outputs
 
 
-def simulated_gather(outputs: list, dim: int = 0):
-    """torch.nn.parallel.gather onto device 0: tensors concatenated along `dim` into one new
-    tensor (comm.gather copies every piece, device 0's too), dicts, tuples and lists
-    gathered element by element, None kept."""
-    out = outputs[0]
-    if isinstance(out, torch.Tensor):
-        if dim == 0 and all(t.dim() == 0 for t in outputs):
-            outputs = [t.view(1) for t in outputs]  # scalars become a vector, one per device
-        return torch.cat(outputs, dim)
-    if out is None:
-        return None
-    if isinstance(out, dict):
-        return type(out)((k, simulated_gather([d[k] for d in outputs], dim)) for k in out)
-    return type(out)(simulated_gather(list(parts), dim) for parts in zip(*outputs, strict=True))
-
-
 class SimulatedDataParallel(nn.DataParallel):
-    """torch's nn.DataParallel over n simulated devices on the CPU. `forward` is torch's own
-    (not overridden): it checks the module's device, calls scatter, replicate, parallel_apply
-    and gather, and returns the gathered output. Only those four device operations are
-    replaced, by the simulated ones above (torch's raise on CPU tensors)."""
+    """torch's nn.DataParallel over n simulated devices on the CPU. `forward`, `scatter` and
+    `gather` are torch's own: forward checks the module's device, calls scatter, replicate,
+    parallel_apply and gather, and returns the gathered output. Only the autograd Functions
+    that move tensors between devices are replaced while each call runs (Scatter, Gather,
+    Broadcast: torch's raise on CPU tensors), and parallel_apply by a copy. (The replacement
+    patches torch's module globals for the duration of the call: one DataParallel at a time.)"""
 
     def __init__(self, module: nn.Module, n_devices: int):
         nn.Module.__init__(self)  # not DataParallel.__init__: without GPUs it keeps no devices
@@ -210,16 +241,19 @@ class SimulatedDataParallel(nn.DataParallel):
         self.src_device_obj = torch.device("cpu")
 
     def scatter(self, inputs, kwargs, device_ids):
-        return simulated_scatter_kwargs(inputs, kwargs, len(device_ids), self.dim)
+        with mock.patch.object(_SCATTER_GATHER, "Scatter", SimulatedScatter):
+            return super().scatter(inputs, kwargs, device_ids)
 
     def replicate(self, module, device_ids):
-        return simulated_replicate(module, len(device_ids), not torch.is_grad_enabled())
+        with mock.patch.object(_REPLICATE, "_broadcast_coalesced_reshape", simulated_broadcast):
+            return super().replicate(module, device_ids)
 
     def parallel_apply(self, replicas, inputs, kwargs):
         return simulated_parallel_apply(replicas, inputs, kwargs)
 
     def gather(self, outputs, output_device):
-        return simulated_gather(outputs, self.dim)
+        with mock.patch.object(_SCATTER_GATHER, "Gather", SimulatedGather):
+            return super().gather(outputs, output_device)
 
 
 def wrap_data_parallel(model: nn.Module, kind: str, n: int) -> nn.DataParallel:
@@ -262,9 +296,18 @@ class ForwardRecord:
     shared_param_bytes: int = 0  # parameter bytes sharing the module's storage (replica 0)
     gathered_bytes: int = 0
     gathered_device: str = ""
-    replica_grad_bytes: int = 0  # gradient bytes the copied replicas' parameters received
+    replica_grad_bytes: int = 0  # gradient bytes the copied replicas' parameters computed
+    replica_grads_seen: int = 0  # gradients of replica parameters (every replica), so far
+    summed_grad_bytes: int = 0  # copies' gradient bytes found summed in device 0's gradients
+    grad_sum_error: float = 0.0  # max |device 0's gradient - sum of the replicas' gradients|
+    seen_at_receipt: list[int] = field(default_factory=list)  # replica grads seen per receipt
     forwards: list[tuple[int, str, int]] = field(default_factory=list)  # (pid, thread, rows)
     seconds: dict[str, float] = field(default_factory=dict)
+    tap_seconds: float = 0.0  # the tap's own bookkeeping (not the calls it wraps)
+    grad_sums: dict = field(default_factory=dict, repr=False)  # name -> [sum, replicas]
+
+
+SUM_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}  # summation order only
 
 
 class MechanismTap:
@@ -272,9 +315,11 @@ class MechanismTap:
     instance's scatter, replicate, parallel_apply and gather (torch's own on GPUs, the
     simulated ones on the CPU) and measures what each returned: bytes of the tensors in new
     storage (numel × element size; for parameters, holding their current values), replicas
-    and their devices, rows per device. A forward
-    pre-hook on the module, which the replicas share, notes which process and thread ran each
-    replica; a hook on every copied parameter measures the gradient it sends back to device 0."""
+    and their devices, rows per device. A forward pre-hook on the module, which the replicas
+    share, notes which process and thread ran each replica. The backward is measured at both
+    ends: a hook on every replica's parameters sees the gradient each replica computed, and a
+    post-accumulate hook on the module's own parameters (device 0) sees what arrived there,
+    which must be the sum of every replica's gradient, and when it arrived."""
 
     def __init__(self, dp: nn.DataParallel):
         self.dp, self.records = dp, []
@@ -283,7 +328,10 @@ class MechanismTap:
         self.devices = sorted({p.device for p in self.params.values()}, key=str)
         for name in PHASES:
             setattr(dp, name, self._wrap(name, getattr(dp, name)))  # an instance attribute wins
-        self.hook = dp.module.register_forward_pre_hook(self._forward_seen)
+        self.hooks = [dp.module.register_forward_pre_hook(self._forward_seen)]
+        self.hooks += [p.register_post_accumulate_grad_hook(
+            lambda p, name=name: self._gradient_received(name, p))
+            for name, p in self.params.items()]
 
     def _sync(self) -> None:
         if self.dp.device_ids and torch.cuda.is_available() and self.devices[0].type == "cuda":
@@ -300,8 +348,10 @@ class MechanismTap:
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
             self._sync()
-            rec.seconds[name] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            rec.seconds[name] = t1 - t0
             getattr(self, f"_after_{name}")(rec, args, out)
+            rec.tap_seconds += time.perf_counter() - t1
             return out
 
         return counted
@@ -329,20 +379,53 @@ class MechanismTap:
                 owner, _, leaf = name.rpartition(".")
                 t = getattr(replica.get_submodule(owner), leaf)
                 devices.add(str(t.device))
-                if _storage(t) in mine:
+                copied = _storage(t) not in mine
+                if copied:
+                    # A copy made now holds the parameters' current values (a replica kept
+                    # from an earlier step would hold old ones, and is not counted).
+                    if torch.equal(t.detach(), p.detach().to(t.device)):
+                        rec.copied_param_bytes += _nbytes(t)
+                else:
                     rec.shared_param_bytes += _nbytes(t)
-                    continue
-                # A copy made now holds the parameters' current values (a replica kept from
-                # an earlier step would hold old ones, and is not counted).
-                if torch.equal(t.detach(), p.detach().to(t.device)):
-                    rec.copied_param_bytes += _nbytes(t)
                 if t.requires_grad:
-                    t.register_hook(lambda g, rec=rec: self._gradient_seen(rec, g))
+                    t.register_hook(lambda g, rec=rec, name=name, copied=copied:
+                                    self._gradient_seen(rec, name, copied, g))
             rec.replica_devices.append(",".join(sorted(devices)))
 
-    def _gradient_seen(self, rec: ForwardRecord, grad: torch.Tensor) -> None:
+    def _gradient_seen(self, rec: ForwardRecord, name: str, copied: bool, grad) -> None:
+        """A replica's parameter got its gradient: count it, and add it to this parameter's
+        running sum on device 0 (what the module's gradient must equal)."""
+        if grad is None:  # no gradient flowed to this tensor
+            return
+        t0 = time.perf_counter()
         with self.lock:
-            rec.replica_grad_bytes += _nbytes(grad)
+            rec.replica_grads_seen += 1
+            if copied:
+                rec.replica_grad_bytes += _nbytes(grad)
+            g = grad.detach().to(self.params[name].device)
+            if name in rec.grad_sums:
+                rec.grad_sums[name][0].add_(g)
+                rec.grad_sums[name][1] += 1
+            else:
+                rec.grad_sums[name] = [g.clone(), 1]
+            rec.tap_seconds += time.perf_counter() - t0
+
+    def _gradient_received(self, name: str, p: torch.Tensor) -> None:
+        """The module's parameter (on device 0) has its gradient: it must be the sum of every
+        replica's gradient; the copies' bytes count as summed into device 0 only if it is."""
+        t0 = time.perf_counter()
+        with self.lock:
+            rec = self.records[-1] if self.records else None
+            entry = rec.grad_sums.pop(name, None) if rec else None
+            if entry is None:  # a backward outside DataParallel
+                return
+            total, replicas = entry
+            error = (p.grad - total).abs().max().item()
+            rec.grad_sum_error = max(rec.grad_sum_error, error)
+            if error <= SUM_TOLERANCE.get(p.dtype, 1e-5):
+                rec.summed_grad_bytes += (replicas - 1) * _nbytes(p.grad)
+            rec.seen_at_receipt.append(rec.replica_grads_seen)
+            rec.tap_seconds += time.perf_counter() - t0
 
     def _after_parallel_apply(self, rec: ForwardRecord, args, out) -> None:
         pass  # the forwards are noted by the pre-hook, from inside the replicas' threads
@@ -353,7 +436,8 @@ class MechanismTap:
         rec.gathered_device = str(gathered[0].device) if gathered else ""
 
     def remove(self) -> None:
-        self.hook.remove()
+        for hook in self.hooks:
+            hook.remove()
         for name in PHASES:
             delattr(self.dp, name)
 
@@ -373,20 +457,25 @@ def used_devices(batch: int, devices: int) -> int:
 def expected_per_step(cfg: TaskConfig, devices: int, itemsize: int) -> dict[str, int]:
     """Closed forms for one step of DataParallel over `devices` devices, batch on the host:
     R = used_devices replicas, R − 1 of them copies of the P parameters, the whole batch
-    scattered (B · d_in elements), the whole output gathered (B · d_out), and R − 1 sets of
-    P gradients summed back onto device 0."""
+    scattered (B · d_in elements), the whole output gathered (B · d_out), R − 1 sets of P
+    gradients computed by the copies and summed into device 0's, none of them before the
+    backward has ended (one autograd node reduces them all). These count elements created
+    and summed, not bytes on a particular link (which depend on NCCL; see the lesson)."""
     B, P = cfg.global_batch_size, n_params(cfg)
     R = used_devices(B, devices)
     return {"replicas": R, "forwards": R, "rows": B,
             "copied_param_bytes": (R - 1) * P * itemsize, "shared_param_bytes": P * itemsize,
             "scattered_bytes": B * cfg.d_in * itemsize, "gathered_bytes": B * 1 * itemsize,
-            "replica_grad_bytes": (R - 1) * P * itemsize}
+            "replica_grad_bytes": (R - 1) * P * itemsize,
+            "summed_grad_bytes": (R - 1) * P * itemsize, "early_reductions": 0}
 
 
 def measured_per_step(rec: ForwardRecord) -> dict[str, int]:
     """The same quantities as `expected_per_step`, from a tap's record. The replica forwards
     count only if every one ran in this process, each on a thread of its own (with several
-    replicas, none on the caller's: parallel_apply starts one thread per replica)."""
+    replicas, none on the caller's: parallel_apply starts one thread per replica). A
+    parameter reduced early is one whose gradient reached device 0 before the last replica
+    gradient of the step had been computed (DDP's buckets do that on purpose)."""
     caller = threading.main_thread().name  # names are unique per thread (ids are reused)
     threads = {t for pid, t, _ in rec.forwards if pid == os.getpid()}
     own = len(threads) == len(rec.forwards) and (len(threads) == 1 or caller not in threads)
@@ -394,7 +483,9 @@ def measured_per_step(rec: ForwardRecord) -> dict[str, int]:
             "rows": sum(r for _, _, r in rec.forwards),
             "copied_param_bytes": rec.copied_param_bytes,
             "shared_param_bytes": rec.shared_param_bytes, "scattered_bytes": rec.scattered_bytes,
-            "gathered_bytes": rec.gathered_bytes, "replica_grad_bytes": rec.replica_grad_bytes}
+            "gathered_bytes": rec.gathered_bytes, "replica_grad_bytes": rec.replica_grad_bytes,
+            "summed_grad_bytes": rec.summed_grad_bytes,
+            "early_reductions": sum(s < rec.replica_grads_seen for s in rec.seen_at_receipt)}
 
 
 CHECKED = {  # measured_per_step's key -> the check's name (summed over the steps)
@@ -405,18 +496,33 @@ CHECKED = {  # measured_per_step's key -> the check's name (summed over the step
     "copied_param_bytes": "parameter bytes copied",
     "shared_param_bytes": "device 0 replica: shared bytes",
     "gathered_bytes": "output bytes gathered",
-    "replica_grad_bytes": "gradient bytes to device 0",
+    "replica_grad_bytes": "gradient bytes the copies computed",
+    "summed_grad_bytes": "gradient bytes summed into device 0",
+    "early_reductions": "parameters reduced during the backward",
 }
 
 
-def train_data_parallel(cfg: Config, kind: str, n: int, dp_class=None, count: bool = True):
+def synchronize(kind: str, n: int) -> None:
+    """Wait for every device's queued work (a no-op on the CPU). Waiting for cuda:0 alone
+    would do here (its NCCL reduce cannot finish before every replica's backward has, and the
+    optimizer step runs on it), but every device is cheaper to argue about."""
+    if kind == "cuda":
+        for d in range(n):
+            torch.cuda.synchronize(d)
+
+
+def train_data_parallel(cfg: Config, kind: str, n: int, dp_class=None, count: bool = True,
+                        batch_on_host: bool = True):
     """cfg.steps SGD steps of the shared task with the model wrapped in DataParallel over n
     devices (`dp_class(model, n)` instead, for the tests' broken variants; n = 1 and
-    `dp_class=None`: the bare model on device 0). The batch stays on the host (DataParallel
-    scatters it), the targets go to device 0 where the output is gathered. With `count` a
-    MechanismTap counts every forward. Returns (model, tap or None, losses, step seconds)."""
+    `dp_class=None`: the bare model on device 0). The batch stays on the host, where
+    DataParallel scatters it from (what the closed forms count), or with `batch_on_host=False`
+    lives on device 0, as DDP's lives on its device (the timed runs); the targets are on device
+    0, where the output is gathered. Each step is timed between synchronisations of every
+    device. With `count` a MechanismTap counts every forward. Returns (model, tap or None,
+    losses, step seconds)."""
     src = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
-    X, Y = build_data(cfg, torch.device("cpu"))
+    X, Y = build_data(cfg, torch.device("cpu") if batch_on_host else src)
     model = build_model(cfg, src)
     if dp_class is not None:
         dp = dp_class(model, n)
@@ -433,9 +539,11 @@ def train_data_parallel(cfg: Config, kind: str, n: int, dp_class=None, count: bo
     try:
         for step in range(cfg.steps):
             idx = global_batch_indices(step, cfg.global_batch_size, cfg.n_samples)
-            with Timer(src) as timer:
-                loss = train_step(dp, opt, X[idx], Y[idx].to(src))
-            seconds.append(timer.elapsed)
+            synchronize(kind, n)
+            t0 = time.perf_counter()
+            loss = train_step(dp, opt, X[idx], Y[idx].to(src))
+            synchronize(kind, n)
+            seconds.append(time.perf_counter() - t0)
             losses.append(loss.item())
     finally:
         torch.set_num_threads(threads)
@@ -471,10 +579,11 @@ def train(cfg: Config, script_file: str = __file__) -> int:
     log.info("%s, one process (pid %d)", what, os.getpid())
     model, tap, losses, counted_seconds = train_data_parallel(cfg, kind, n)
     save_checkpoint(rec.out / "final_params.pt", model.state_dict())
-    # Timed without the tap (it synchronises every device around each call and compares the
-    # copies with the parameters), and one device alone on the same global batch.
-    seconds = train_data_parallel(cfg, kind, n, count=False)[3]
-    alone = train_data_parallel(cfg, kind, 1, count=False)[3]
+    # Timed without the tap (it synchronises every device around each call, compares the
+    # copies with the parameters and sums the replicas' gradients again), with the batch on
+    # device 0 as DDP's is on its device; and one device alone on the same global batch.
+    seconds = train_data_parallel(cfg, kind, n, count=False, batch_on_host=False)[3]
+    alone = train_data_parallel(cfg, kind, 1, count=False, batch_on_host=False)[3]
     for step, loss in enumerate(losses):
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             log.info("step %3d  loss %.6f", step, loss)
@@ -491,11 +600,15 @@ def train(cfg: Config, script_file: str = __file__) -> int:
     rec.figure("replica devices, step 0", measured=tap.records[0].replica_devices, unit="",
                table=False)
     rec.figure("per step, measured", measured=measured, table=False)
+    rec.figure("device 0 grad - sum of replicas' (max)",
+               measured=max(r.grad_sum_error for r in tap.records), unit="")
     median, spread = _ms(seconds)
     rec.figure("step time, DataParallel (median)", measured=median, unit="ms", spread=spread)
     rec.figure("step time, one device (median)", measured=_ms(alone)[0], unit="ms",
                spread=_ms(alone)[1])
-    overhead = [sum(r.seconds[p] for p in ("scatter", "replicate", "gather")) / s
+    # The share of a counted step spent in scatter, replicate and gather (each timed between
+    # device synchronisations), the tap's own bookkeeping taken out of the step's time.
+    overhead = [sum(r.seconds[p] for p in ("scatter", "replicate", "gather")) / (s - r.tap_seconds)
                 for r, s in zip(tap.records, counted_seconds)]
     rec.figure("scatter+replicate+gather / step", measured=statistics.median(overhead) * 100,
                unit="%", spread=(min(overhead) * 100, max(overhead) * 100))

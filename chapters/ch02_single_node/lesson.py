@@ -78,23 +78,31 @@ else:
 # `nn.DataParallel(model)` runs in ONE Python process. Every forward it scatters the input batch
 # over the devices, *replicates the module* onto each of them, runs the replicas in Python
 # threads (which share the GIL), then gathers the outputs onto device 0, where the loss is
-# computed; the backward sums every replica's gradients back onto device 0's parameters. DDP
-# instead runs one process per device, copies the parameters once (at construction), and
-# all-reduces gradients while the backward runs.
+# computed; after the whole backward one autograd node sums every replica's gradients into
+# device 0's parameters. DDP instead runs one process per device, copies the parameters once
+# (at construction), and all-reduces gradients while the backward runs.
 #
-# Without two GPUs torch's `DataParallel` keeps no devices and just calls the module, so
-# `dataparallel.py` runs torch's own `DataParallel.forward` over *simulated* CPU devices
-# (`SimulatedDataParallel` supplies only the four device operations forward calls) and a
-# `MechanismTap` counts, at those four calls, what each step moved. Below: 3 steps each, the
+# Without two GPUs torch's `DataParallel` does not replicate (no accelerator: no devices, it
+# calls the module; one GPU: it calls the module on cuda:0), so `dataparallel.py` runs torch's
+# own `DataParallel.forward`, `scatter` and `gather` over *simulated* CPU devices
+# (`SimulatedDataParallel` replaces only the autograd Functions that move tensors between
+# devices, and `parallel_apply`, which needs an accelerator) and a
+# `MechanismTap` counts, at those four calls and at both ends of the backward, what each step
+# copied and summed (bytes created, not bytes through one link). Below: 3 steps each, the
 # last step's counts beside their closed forms (P = 1,633 parameters of 8 bytes, B rows of 16
 # features in and 1 out, R devices that got rows; `torch.chunk` gives 5 rows over 4 devices as
 # 2, 2, 1, so the fourth device gets nothing).
 
 # %%
 cfg = dataparallel.Config(steps=3, device="cpu")
-model = build_model(cfg, torch.device("cpu"))
-print("torch's own nn.DataParallel here: device_ids =", nn.DataParallel(model).device_ids,
-      "(no GPUs: it calls the module)")
+ids = nn.DataParallel(build_model(cfg, torch.device("cpu"))).device_ids
+if not ids:  # torch/nn/parallel/data_parallel.py: no accelerator, no devices
+    print("torch's own nn.DataParallel here: device_ids = [] (no accelerator: it calls the module)")
+elif len(ids) == 1:
+    print(f"torch's own nn.DataParallel here: device_ids = {ids} (one GPU: it moves the module to "
+          "cuda:0 and calls it, no replicas)")
+else:
+    print(f"torch's own nn.DataParallel here: device_ids = {ids} (it runs below, counted)")
 for devices, batch in ((2, 48), (4, 48), (4, 5)):
     run_cfg = replace(cfg, devices=devices, global_batch_size=batch)
     trained, tap, losses, _ = dataparallel.train_data_parallel(run_cfg, "cpu", devices)
