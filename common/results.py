@@ -151,9 +151,9 @@ def _table_lines(rows: list[tuple], width: int = TABLE_WIDTH) -> list[str]:
     return lines
 
 
-def _is_main_script(script_file: str) -> bool:
+def is_main_script(script_file: str) -> bool:
     """Is `script_file` the program this process runs (under torchrun, python, or a rank that
-    `mp.spawn` started from it)?"""
+    `mp.spawn` started from it)? False when a test or notebook calls it in its own process."""
     try:
         return Path(sys.argv[0]).resolve() == Path(script_file).resolve()
     except (IndexError, OSError):
@@ -182,10 +182,10 @@ class RunRecorder:
             # group (COURSE_LOCKED_FOLDERS). A test or notebook calling a script's main in its own
             # process takes no lock: the process outlives the run.
             held = os.environ.get(LOCKED_ENV, "").split(os.pathsep)
-            self._locked = _is_main_script(script_file) and str(self.out.resolve()) not in held
+            self._locked = is_main_script(script_file) and str(self.out.resolve()) not in held
             if self._locked:
                 lock_folder(self.out, "--out")
-        if _is_main_script(script_file):  # not a test or notebook calling in process
+        if is_main_script(script_file):  # not a test or notebook calling in process
             library_log(self.out, info.rank if info is not None else 0)
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,7 @@ from common.config import RunConfig, parse_config
 from common.data import regression_data
 from common.distributed import setup_distributed, teardown_distributed
 from common.log import log, setup_logging
-from common.results import RunRecorder
+from common.results import RunRecorder, is_main_script
 from common.seed import capture_rng_state, restore_rng_state, seed_everything
 
 KILL_AFTER_BYTES = 4096  # the test hook kills the writer after this many bytes of a save
@@ -249,22 +249,14 @@ def set_aside(rejected: list[Path]) -> None:
                     p.name, target.name)
 
 
-def called_in_process() -> bool:
-    """True when a test or notebook calls this module in its own process. Run as a script,
-    `parse_config` has locked --ckpt-dir on global rank 0 before anything else (common/config.py
-    `_lock_folders`), held until the process ends; an in-process caller has no such lock."""
-    import __main__
-
-    return Path(getattr(__main__, "__file__", "") or ".").resolve() != Path(__file__).resolve()
-
-
 def run_with_checkpoints(cfg: Config, X, Y, rec: RunRecorder) -> dict:
     """The real-job loop: take the checkpoint folder (one run at a time), resume from the newest
     checkpoint that verifies if any, save every k steps."""
     ckpt_dir, run = Path(cfg.ckpt_dir), new_run(cfg, X.device)
     rid, shapes = run_id(rec.out), training_shapes(run["model"], run["opt"])
-    own_lock = called_in_process()
-    if own_lock:  # run as a script, parse_config has locked --ckpt-dir already, until exit
+    own_lock = not is_main_script(__file__)
+    if own_lock:  # called in process (a test, a notebook): run as a script, parse_config has
+        # locked --ckpt-dir on global rank 0 before anything else, until the process ends
         lock_folder(ckpt_dir, "--ckpt-dir")  # a second run on this folder is refused here
     if os.environ.get("CH12_STOP_AFTER_LOCK") == "1":  # test hook: hold the lock until SIGCONT
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -66,7 +66,7 @@ from common.distributed import (
     teardown_distributed,
 )
 from common.log import log, setup_logging
-from common.results import RunRecorder
+from common.results import RunRecorder, is_main_script
 from common.seed import capture_rng_state, restore_rng_state, seed_everything
 
 D_IN = 16
@@ -391,15 +391,6 @@ def check_world(path: Path, world_size: int) -> None:
                               f"chapter 13 resumes on any world)", collective=True)
 
 
-def called_in_process() -> bool:
-    """True when a test or notebook calls this module in its own processes. Run as a script,
-    `parse_config` has locked --ckpt-dir on global rank 0 before any process group (common/
-    config.py `_lock_folders`), held until the process ends; in-process callers have no lock."""
-    import __main__
-
-    return Path(getattr(__main__, "__file__", "") or ".").resolve() != Path(__file__).resolve()
-
-
 def lock_ckpt_dir(ckpt_dir: Path, wait_s: float = 3.0) -> None:
     """Global rank 0 takes the folder's lock (one run at a time; several nodes of one job never
     refuse each other) and every rank learns the verdict, so that no rank touches a folder that
@@ -424,8 +415,9 @@ def run_with_checkpoints(cfg: Config, device: torch.device, out: Path,
     run that is still ending), resume from the newest checkpoint that verifies and is this run's
     (run id in `out`), save every --save-every steps into a new folder (never over the last good
     one), each with its manifest written last."""
-    ckpt_dir, own_lock = Path(cfg.ckpt_dir), called_in_process()
-    if own_lock:  # run as a script, parse_config has locked it on global rank 0, until exit
+    ckpt_dir, own_lock = Path(cfg.ckpt_dir), not is_main_script(__file__)
+    if own_lock:  # called in process (a test, a notebook): run as a script, parse_config has
+        # locked --ckpt-dir on global rank 0 before any process group, until the process ends
         lock_ckpt_dir(ckpt_dir, lock_wait_s)
     try:
         run = new_run(cfg, device, cfg.seed)
