@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -249,6 +250,21 @@ def _sync_worker(n_changed: int, out: str) -> dict:
     # the RL loop itself on these 3 ranks (one start serves them all): lock-step, the control of
     # the asynchronous pipeline, then generators that label their rollouts one version too old
     result["lockstep"] = _train_checks(out, "lockstep", staleness=0, steps=5)
+    # generation and training made long (a 0.1 s sleep in each): every generation of batch t + 1
+    # must overlap training t on the clock, G (T − k) = 2 × 3 of them
+    plain_rollouts, plain_update = train.rollouts, train.update
+
+    def slow(fn):
+        def wrapped(*args, **kwargs):
+            time.sleep(0.1)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    train.rollouts, train.update = slow(plain_rollouts), slow(plain_update)
+    try:
+        result["slow"] = _train_checks(out, "slow", staleness=1, steps=4)
+    finally:
+        train.rollouts, train.update = plain_rollouts, plain_update
     labelled = train.rollouts
     train.rollouts = lambda m, cfg, gen, version, dev: labelled(m, cfg, gen, max(version - 1, 0), dev)
     try:
@@ -309,7 +325,9 @@ def test_delta_bytes_counted_far_below_full(synced):
     assert stats.changed == [50, 3]
 
 
-LOCKSTEP_BETWEEN = "generations of batch t+0 between gather t and push t+1 (beside train t)"
+LOCKSTEP_BETWEEN = "schedule: generations of batch t+0 between gather t and push t+1"
+LOCKSTEP_CLOCK = "lock-step: generations overlapping a training step on the clock"
+CLOCK = "generations of batch t+{k} overlapping train t on the clock: at least one"
 RECOMPUTED = "rollout log-probs recomputed under their version: max |Δ|"
 
 
@@ -319,10 +337,20 @@ def test_lockstep_control_has_no_generation_beside_training(synced):
     training step (the same count is 2 × (T − 1) when asynchronous), and it is on-policy."""
     checks = synced[0]["lockstep"]
     assert checks[LOCKSTEP_BETWEEN]["measured"] == 0 and checks[LOCKSTEP_BETWEEN]["ok"]
+    assert checks[LOCKSTEP_CLOCK]["measured"] == 0 and checks[LOCKSTEP_CLOCK]["ok"]
     assert checks["max staleness (updates) == the bound"]["measured"] == 0
     assert checks[RECOMPUTED]["ok"] and checks[RECOMPUTED]["measured"] <= train.RECOMPUTE_TOLERANCE
     assert checks["mislabelled-version controls run (every step but the first)"]["measured"] == 4
     assert all(c["ok"] for c in checks.values() if c["kind"] != "timing"), checks
+
+
+@pytest.mark.timeout(120)
+def test_clock_counts_every_overlap_when_generation_and_training_are_long(synced):
+    """3 ranks, staleness 1, 4 steps, 0.1 s slept in every generation and every training step:
+    the clock count of generations overlapping a training step equals the schedule, 2 × 3."""
+    checks = synced[0]["slow"]
+    assert checks[CLOCK.format(k=1)]["measured"] == 2 * 3 and checks[CLOCK.format(k=1)]["ok"]
+    assert checks["schedule: generations of batch t+1 between gather t and push t+1"]["measured"] == 6
 
 
 @pytest.mark.timeout(120)
@@ -345,8 +373,9 @@ def test_script_two_ranks_asynchronous_delta():
     assert res.check("delta missing one element: rejected (control)")["measured"] == 1
     assert res.check("weights equal the trainer's (bitwise) after every sync")["measured"] == "59/59"
     assert res.check("pushes accepted at the first attempt (no repair needed)")["measured"] == "59/59"
-    assert res.check("generations of batch t+1 between gather t and push t+1 (beside train t)")[
+    assert res.check("schedule: generations of batch t+1 between gather t and push t+1")[
         "measured"] == 59
+    assert res.check(CLOCK.format(k=1))["ok"]  # concurrency: at least one on the clock
     assert res.check(RECOMPUTED)["measured"] <= train.RECOMPUTE_TOLERANCE
     assert res.check("control: under a mislabelled version, min over steps of max |Δ| >= 0.001")[
         "measured"] >= train.MISLABEL_FLOOR
@@ -374,8 +403,9 @@ def test_script_three_ranks_ppo_reward_model_staleness_two():
     assert res.check(RISE)["measured"] >= 0.1
     assert res.check("max staleness (updates) == the bound")["measured"] == 2
     assert res.check("weights equal the trainer's (bitwise) after every sync")["measured"] == "59/59"
-    assert res.check("generations of batch t+2 between gather t and push t+1 (beside train t)")[
+    assert res.check("schedule: generations of batch t+2 between gather t and push t+1")[
         "measured"] == 2 * 58
+    assert res.check(CLOCK.format(k=2))["ok"]
     assert res.check(RECOMPUTED)["measured"] <= train.RECOMPUTE_TOLERANCE
     n = int(res.summary["figures"]["bytes per full push in training"]["expected"])
     assert res.summary["figures"]["bytes per full push in training"]["measured"] == n

@@ -61,8 +61,9 @@ EXAMPLE_TOLERANCE = 1e-12
 # A generator's log-probs (`rl.sample`: softmax then log, one forward per prefix) and the
 # trainer's recomputation under the same weights (`rl.token_logprobs`: log_softmax, one forward
 # over the whole completion) are one float32 function evaluated with other shapes and kernels:
-# ~1e-6 apart on this CPU; 1e-4 leaves room for other kernels (a GPU's). Weights one Adam update
-# (lr 3e-3) away move them by 1e-2 or more, so the mislabelled control must exceed 1e-3.
+# ~1e-6 apart on this CPU; 1e-4 leaves room for other kernels (a GPU's). Neighbouring versions
+# are one update apart, `inner_steps` Adam steps (2 by default, lr 3e-3): they move the log-probs
+# by 1e-2 or more, so the mislabelled control must exceed 1e-3.
 RECOMPUTE_TOLERANCE = 1e-4
 MISLABEL_FLOOR = 1e-3
 
@@ -400,7 +401,8 @@ def run_colocated(cfg, info, rec, model, ref, opt, gen, rm) -> dict:
     run = new_run(cfg)
     for step in progress(range(cfg.steps), total=cfg.steps, desc="rl", enabled=info.is_main, every=20):
         batch = unpack(rollouts(model, cfg, gen, step, info.device), cfg, rm)
-        kl = rl.kl_exact(model, ref, batch["targets"], batch["digits"])
+        # every rank's KL, averaged (as the gradients are): one β for all ranks under --kl-target
+        kl = sum(gather_numbers(rl.kl_exact(model, ref, batch["targets"], batch["digits"]))) / world
         out = update(model, ref, opt, batch, cfg, average=world > 1, beta=run["beta"])
         run["verified"] += verify(sync.flatten(model).to(info.device), run["verify_cost"])
         run["pushes"] += 1
@@ -504,9 +506,12 @@ def overlap(a: tuple, b: tuple) -> float:
 def timeline_report(rec: RunRecorder, cfg: Config, timeline: Timeline) -> None:
     """Gather every rank's events and count, per generator, the generations of batch t + k that
     ran (a) between the collectives that open and close the trainer's step t (gather t, push
-    t + 1), in the order the generator's own log shows — no synchronisation separates them from
-    training t, whatever the clocks say — and (b) overlapping training t on the wall clock.
-    Expected from the schedule: T − k per generator for k >= 1, none in lock-step."""
+    t + 1), in the order the generator's own log shows — a schedule check: T − k per generator
+    for k >= 1, none in lock-step; it cannot show concurrency (a trainer that waited for the
+    generation after the gather keeps it) — and (b) overlapping training t on the wall clock, the
+    concurrency check: at least one for k >= 1 (fatal; all G (T − k) on a quiet machine, fewer
+    when the OS runs the two processes in turn), none in lock-step (guaranteed: the generation
+    ends before the gather that starts the training step)."""
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, timeline.events)
     k, T = cfg.staleness, cfg.steps
@@ -526,10 +531,16 @@ def timeline_report(rec: RunRecorder, cfg: Config, timeline: Timeline) -> None:
             by_clock += overlap((s, e), train[t]) > 0
     gens = len(ranks) - 1
     expected = gens * (T - k) if k >= 1 else 0
-    rec.check(f"generations of batch t+{k} between gather t and push t+1 (beside train t)",
-              "count", between, expected)
-    rec.check(f"generations of batch t+{k} overlapping train t on the clock", "timing",
-              by_clock, expected)
+    rec.check(f"schedule: generations of batch t+{k} between gather t and push t+1", "count",
+              between, expected)
+    if k >= 1:
+        rec.check(f"generations of batch t+{k} overlapping train t on the clock: at least one",
+                  "count", by_clock, 1, compare=">=")
+    else:
+        rec.check("lock-step: generations overlapping a training step on the clock", "count",
+                  by_clock, 0)
+    rec.figure(f"generations of batch t+{k} overlapping train t on the clock", by_clock,
+               expected=expected)
     span = max(e for evs in ranks for *_, e in evs) - min(s for evs in ranks for _, _, s, _ in evs)
     busy = sum(e - s for s, e in train.values())
     rec.figure("time generation overlapped training / training time", round(shared / max(busy, 1e-9)
