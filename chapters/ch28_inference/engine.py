@@ -4,13 +4,15 @@ preemption by recompute when the pool runs out, and an overlap scheduler.
 
 Each iteration is a *plan* made by the scheduler (CPU work: which sequences run, which blocks
 they write, which requests are admitted and which are preempted) and then *executed* (the model:
-block copies, the admitted requests' prefills, one decode step over every running sequence).
+the admitted requests' prefills, block copies, one decode step over every running sequence).
 `mode="overlap"` executes plans on a second thread, the stand-in for a GPU stream, and makes
 plan t+1 while plan t executes (SGLang's overlap scheduler, vLLM's async scheduling): the
-scheduler knows which sequences finish from their lengths, so it needs no token of step t, and
-the decode inputs of step t+1 (step t's tokens) are filled in by the executor, which runs plans
-in order. Every plan is made from blocks actually free, so the lookahead never admits more
-than the pool holds.
+scheduler here knows which sequences finish from their lengths (the outputs have fixed lengths;
+a real engine cannot know an end-of-sequence token in advance, so SGLang schedules such a request
+one more step and discards the extra token), so it needs no token of step t, and the decode
+inputs of step t+1 (step t's tokens) are filled in by the executor, which runs plans in order.
+Every plan is made from blocks actually free, so the lookahead never admits more than the pool
+holds.
 """
 
 from __future__ import annotations
@@ -126,8 +128,9 @@ class Engine:
                 self._preempt(self.running[-1])
             if seq in self.running:
                 self._decode_slot(plan, seq)
-        # no admission in a plan that preempted (as vLLM V1): the blocks just freed may hold a
-        # copy-on-write source, which a prefill of this plan would overwrite before the copy
+        # no admission in a plan that preempted, as vLLM V1's scheduler does: the pool was just
+        # short of blocks, and a preempted sequence must not come straight back (in overlap mode
+        # its token of the step in flight is not known yet; `_admissible` checks that too)
         if self.stats["preemptions"] == preempted and (self.mode != "static" or not self.running):
             while self.waiting and self._admissible(self.waiting[0]):
                 self._admit(plan, self.waiting.pop(0))
@@ -195,13 +198,17 @@ class Engine:
             logits = self.model.forward_paged(col([self.last[s.sid] for s, *_ in rows]),
                                               col([p for _, p, _, _ in rows]), col([sl for _, _, sl, _ in rows]),
                                               torch.tensor(tables, device=dev), self.pool)[:, 0]
-            for (seq, _, _, k), row in zip(rows, logits):
-                out.append((seq, k, self._pick(seq, row, k)))
+            greedy = logits.argmax(-1).tolist() if self.choose.t == 0 else None  # one sync
+            for j, ((seq, _, _, k), row) in enumerate(zip(rows, logits)):
+                out.append((seq, k, self._pick(seq, row, k, None if greedy is None else greedy[j])))
         self.timeline.append(("step", plan["no"], t0, time.perf_counter()))
         return out
 
-    def _pick(self, seq: Seq, logits: torch.Tensor, k: int):
-        token = self.choose(logits, seq.req, seq.sample, k)
+    def _pick(self, seq: Seq, logits: torch.Tensor, k: int, token: int | None = None):
+        """The sequence's k-th output token. Reading it as a Python int waits for the device, so
+        the clocks read after a step are synchronised (and the next step's input is known)."""
+        if token is None:
+            token = self.choose(logits, seq.req, seq.sample, k)
         self.last[seq.sid] = token
         return token, logits
 

@@ -8,14 +8,16 @@ its positions 0, 1, ...: position p lives in block table[p // block_size] at off
 p % block_size, so its flat slot is table[p // bs] * bs + p % bs.
 
 `BlockManager` keeps the books. Full blocks are shared by content (prefix caching): a full
-block's key is (the key's hash of the block before it, the block's tokens), so two sequences
+block's key is (the hash of the previous block's key, the block's tokens), so two sequences
 share a block only when every token up to its end is the same; a partly filled last block is
 never shared through the cache. Reference counts say how many block tables name a block; a
-block returns to the free list when its last user lets it go, and keeps its contents (and its
-cache entry) until the free list hands it out again, so a later request with the same prefix
-revives it (vLLM's evictable blocks). A forked sequence (parallel sampling, n > 1) shares every
-block; the first write into a shared block copies it (copy-on-write), and the copy is returned
-as (source, destination) for the engine to apply to the pool before the step that writes.
+block returns to the free list when its last user lets it go (a sequence's tail first, as vLLM
+frees them), and keeps its contents (and its cache entry) until the free list hands it out
+again, oldest freed first, so a later request with the same prefix revives it (vLLM's evictable
+blocks). A forked sequence (parallel sampling, n > 1: the PagedAttention paper's and vLLM V0's
+design) shares every block; the first write into a shared block copies it (copy-on-write), and
+the copy is returned as (source, destination) for the engine to apply to the pool before the
+step that writes.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ class BlockManager:
             self.refs[b] += 1
 
     def finish(self, seq: int) -> None:
-        for b in self.tables.pop(seq):
+        for b in reversed(self.tables.pop(seq)):  # the tail first: evicted before the prefix
             self._release(b)
         del self.slots[seq], self.tokens[seq], self.hashed[seq]
 
