@@ -420,6 +420,26 @@ class CopiesAsLeaves(DetachedReplicas):
     broadcast = staticmethod(broadcast_as_leaves)
 
 
+class BroadcastDroppingCopies(dataparallel.SimulatedBroadcast):
+    """Broken: one node, as torch's, but its reduction returns replica 0's gradients alone."""
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        return (None, *(g.clone() for g in grad_outputs[:ctx.num_inputs]))
+
+
+def broadcast_dropping_copies(tensors, devices, detach=False):
+    if not tensors:  # the module's buffers (none)
+        return []
+    n = len(tensors)
+    copies = BroadcastDroppingCopies.apply(len(devices), *tensors)
+    return [list(copies[j:j + n]) for j in range(0, len(copies), n)]
+
+
+class ReductionDropsCopies(DetachedReplicas):
+    broadcast = staticmethod(broadcast_dropping_copies)
+
+
 def broadcast_per_parameter(tensors, devices, detach=False):
     """Not torch's: a copy per parameter and replica, each its own autograd node, so a
     parameter's gradients are summed into the module's as soon as the replicas have computed
@@ -437,7 +457,9 @@ def test_dataparallel_negative_controls():
     copies from step 1 on: no bytes copied, parameters off), one whose copies carry no
     gradient back to device 0 (nothing reduced: device 0's rows alone train the model), and
     one whose copies are fresh leaves (they compute gradients, so the copies' count passes,
-    but the receiving end finds none of them in device 0's gradients). A broadcast with one
+    but the receiving end finds none of them in device 0's gradients), and one whose reduction
+    drops the copies' gradients (all computed before it runs, as they should be, but device 0's
+    gradient is not their sum: only the value comparison finds it). A broadcast with one
     autograd node per parameter trains right but reduces during the backward: the early
     reductions count rejects it (torch's Broadcast is one node for every parameter)."""
     cfg = dp_config(2, 48)
@@ -456,9 +478,17 @@ def test_dataparallel_negative_controls():
     assert [r.summed_grad_bytes for r in tap.records] == [0] * cfg.steps
     assert max_param_diff(model.state_dict(), reference) > 1e-3
     model, tap, *_ = dataparallel.train_data_parallel(cfg, "cpu", 2,
+                                                      dp_class=ReductionDropsCopies)
+    measured = [dataparallel.measured_per_step(r) for r in tap.records]
+    assert all(m["replica_grad_bytes"] == P8 and m["early_reductions"] == 0 for m in measured)
+    assert [m["summed_grad_bytes"] for m in measured] == [0] * cfg.steps
+    assert all(r.grad_sum_error > 1e-3 for r in tap.records)
+    assert max_param_diff(model.state_dict(), reference) > 1e-3
+    model, tap, *_ = dataparallel.train_data_parallel(cfg, "cpu", 2,
                                                       dp_class=PerParameterBroadcast)
     measured = [dataparallel.measured_per_step(r) for r in tap.records]
-    assert all(m["summed_grad_bytes"] == P8 and m["early_reductions"] >= 1 for m in measured)
+    # Every parameter but the one whose gradient is computed last: 5 of the 6 tensors.
+    assert all(m["summed_grad_bytes"] == P8 and m["early_reductions"] == 5 for m in measured)
     assert max_param_diff(model.state_dict(), reference) <= TOL
 
 
