@@ -194,11 +194,22 @@ def test_kl_penalty_keeps_the_policy_near_its_reference(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_adaptive_kl_moves_beta_towards_its_target(tmp_path):
+def test_adaptive_kl_moves_beta_towards_its_target(tmp_path, monkeypatch):
     """`--kl-target` in the loop: a KL above the target raises β, below it lowers β (10 PPO
-    updates each; the closed form of one update is in the hand-example test)."""
+    updates each; the closed form of one update is in the hand-example test), and the β the
+    controller sets is the one PPO's rewards are computed with at the next update (a spy on
+    `rl.ppo_batch`)."""
     common = {"algo": "ppo", "rm_steps": 0, "steps": 10, "margin": -1.0, "beta": 0.05}
+    seen = []
+    original = rl.ppo_batch
+
+    def spy(model, ref, batch, beta, *args, **kwargs):
+        seen.append(beta)
+        return original(model, ref, batch, beta, *args, **kwargs)
+
+    monkeypatch.setattr(rl, "ppo_batch", spy)
     tight = _in_process(tmp_path, "tight", kl_target=1e-6, **common)["figures"]
+    tight_betas, seen[:] = list(seen), []
     loose = _in_process(tmp_path, "loose", kl_target=100.0, **common)["figures"]
     name = "β at the end (adaptive KL)"
     # the error is clipped to ±0.2: each batch of 128 completions (horizon 10,000) multiplies β
@@ -206,6 +217,10 @@ def test_adaptive_kl_moves_beta_towards_its_target(tmp_path):
     e = 0.2 * 128 / 10_000
     assert tight[name] == pytest.approx(0.05 * (1 - e) * (1 + e) ** 9, abs=1e-5)  # figure: 5 d.p.
     assert loose[name] == pytest.approx(0.05 * (1 - e) ** 10, abs=1e-5)
+    # what PPO used at update t: β after t controller steps (update 0: the configured 0.05)
+    want_tight = [0.05 * (1 - e) * (1 + e) ** (t - 1) if t else 0.05 for t in range(10)]
+    assert tight_betas == pytest.approx(want_tight, rel=1e-12)
+    assert seen == pytest.approx([0.05 * (1 - e) ** t for t in range(10)], rel=1e-12)
 
 
 @pytest.mark.timeout(60)

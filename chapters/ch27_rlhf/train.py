@@ -45,6 +45,7 @@ import torch.distributed as dist
 from chapters.ch27_rlhf import rl, sync
 from common.config import RunConfig, parse_config, require_at_least_one
 from common.distributed import (
+    all_gather_single,
     broadcast_from_rank0,
     gather_numbers,
     setup_distributed,
@@ -233,17 +234,20 @@ def verify(flat: torch.Tensor, cost: VerifyCost | None = None) -> bool:
     """Every rank's vector equals the trainer's bit for bit: the trainer broadcasts its vector and
     each rank compares the integer views, element by element (not the checksum `delta_sync`
     accepts with, so a checksum that missed a difference cannot also pass this check). All ranks
-    agree on the answer. It costs a full push (4N bytes) plus one int64 per rank, counted in
-    `cost`. One process has nothing to compare: True."""
+    agree on the answer. It costs a full push (4N bytes) plus one int64 per rank, the tensors
+    handed to the two collectives counted in `cost`. One process has nothing to compare: True."""
     if not (dist.is_available() and dist.is_initialized()):
         return True
     trainers = flat.clone()
     dist.broadcast(trainers, src=sync.TRAINER)
     same = torch.equal(sync.bits(trainers), sync.bits(flat))
+    answers = torch.empty(dist.get_world_size(), dtype=torch.int64, device=flat.device)
+    all_gather_single(answers, torch.tensor([int(same)], dtype=torch.int64, device=flat.device))
     if cost is not None:
-        cost.bytes += trainers.numel() * trainers.element_size() + 8 * dist.get_world_size()
+        cost.bytes += trainers.numel() * trainers.element_size()
+        cost.bytes += answers.numel() * answers.element_size()
         cost.calls += 1
-    return all(gather_numbers(int(same)))
+    return bool(answers.all())
 
 
 class Timeline:
