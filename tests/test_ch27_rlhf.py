@@ -280,6 +280,21 @@ def _sync_worker(n_changed: int, out: str) -> dict:
         result["slow"] = _train_checks(out, "slow", staleness=1, steps=4)
     finally:
         train.rollouts, train.update = plain_rollouts, plain_update
+    # colocated with --kl-target: each rank samples its own batch, so its own KL differs; the
+    # controller must see their mean (a spy records the KL each rank's controller is given)
+    given, plain_ctl = [], rl.AdaptiveKL.update
+
+    def ctl_spy(self, kl, n):
+        given.append(kl)
+        return plain_ctl(self, kl, n)
+
+    rl.AdaptiveKL.update = ctl_spy
+    try:
+        _train_checks(out, "colocated_kl", placement="colocated", steps=3, algo="ppo",
+                      kl_target=1e-6)
+    finally:
+        rl.AdaptiveKL.update = plain_ctl
+    result["kl_given"] = given
     labelled = train.rollouts
     train.rollouts = lambda m, cfg, gen, version, dev: labelled(m, cfg, gen, max(version - 1, 0), dev)
     try:
@@ -366,6 +381,15 @@ def test_clock_counts_every_overlap_when_generation_and_training_are_long(synced
     checks = synced[0]["slow"]
     assert checks[CLOCK.format(k=1)]["measured"] == 2 * 3 and checks[CLOCK.format(k=1)]["ok"]
     assert checks["schedule: generations of batch t+1 between gather t and push t+1"]["measured"] == 6
+
+
+@pytest.mark.timeout(120)
+def test_colocated_adaptive_kl_keeps_one_beta_on_every_rank(synced):
+    """Colocated on 3 ranks with --kl-target: the KL the controller sees is averaged across the
+    ranks, so β stays equal everywhere (per-rank KL would let it drift per rank)."""
+    given = [r["kl_given"] for r in synced]
+    assert len(given[0]) == 3 and given[0][1] > 0  # one KL per update; 0 only at the first
+    assert all(g == given[0] for g in given), given  # bit for bit the same on every rank
 
 
 @pytest.mark.timeout(120)
