@@ -265,13 +265,13 @@ def _sync_worker(n_changed: int, out: str) -> dict:
     # the RL loop itself on these 3 ranks (one start serves them all): lock-step, the control of
     # the asynchronous pipeline, then generators that label their rollouts one version too old
     result["lockstep"] = _train_checks(out, "lockstep", staleness=0, steps=5)
-    # generation and training made long (a 0.1 s sleep in each): every generation of batch t + 1
+    # generation and training made long (a 0.2 s sleep in each): every generation of batch t + 1
     # must overlap training t on the clock, G (T − k) = 2 × 3 of them
     plain_rollouts, plain_update = train.rollouts, train.update
 
     def slow(fn):
         def wrapped(*args, **kwargs):
-            time.sleep(0.1)
+            time.sleep(0.2)
             return fn(*args, **kwargs)
         return wrapped
 
@@ -376,7 +376,7 @@ def test_lockstep_control_has_no_generation_beside_training(synced):
 
 @pytest.mark.timeout(120)
 def test_clock_counts_every_overlap_when_generation_and_training_are_long(synced):
-    """3 ranks, staleness 1, 4 steps, 0.1 s slept in every generation and every training step:
+    """3 ranks, staleness 1, 4 steps, 0.2 s slept in every generation and every training step:
     the clock count of generations overlapping a training step equals the schedule, 2 × 3."""
     checks = synced[0]["slow"]
     assert checks[CLOCK.format(k=1)]["measured"] == 2 * 3 and checks[CLOCK.format(k=1)]["ok"]
