@@ -9,6 +9,7 @@ per-example gradients sampled here, and a fit on numbers built from the law.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -200,18 +201,106 @@ def test_asha_by_hand_stops_by_the_quantile_rule_and_fifo_stops_none():
     assert tune.loss_after(0.3, 5, cfg) == pytest.approx(tune.reference_loss(cfg, 0.3, 5), rel=1e-12)
 
 
+@pytest.mark.timeout(30)
+def test_asha_replay_follows_the_arrival_order_and_ignores_a_stopped_trials_results():
+    """Trials that run at the same time: ASHA decides on results in the order they arrive.
+    Worked by hand (reduction factor 2: below the median of the rung's earlier rewards, stop)."""
+    from chapters.ch21_hyperparameters import tune
+
+    # b reaches rung 1 first; a, worse, is stopped there; its rung-2 result (already on its
+    # way) is ignored; c (rung 1 median of b and a: -1.5) continues; at max_t all end
+    events = [("b", 1, 1.0), ("a", 1, 2.0), ("a", 2, 1.5), ("b", 2, 0.5), ("c", 1, 0.1),
+              ("b", 3, 0.2), ("c", 2, 0.05), ("c", 3, 0.01)]
+    assert tune.asha_replay(events, 1, 2, 3) == {"a": 1, "b": 3, "c": 3}
+    # the same results with a's first report first: a has no rival at rung 1, nor at rung 2
+    swapped = [("a", 1, 2.0), ("b", 1, 1.0), ("a", 2, 1.5), ("b", 2, 0.5), ("a", 3, 1.2),
+               ("b", 3, 0.2)]
+    assert tune.asha_replay(swapped, 1, 2, 3) == {"a": 3, "b": 3}
+    # without stopping, a is not stopped either (its results end at 2: it has not ended)
+    assert tune.asha_replay(events, 1, 2, 3, early_stopping=False) == {"b": 3, "c": 3}
+    # a diverging loss (inf) is the worst reward, never a NaN in the quantile
+    assert tune.asha_replay([("b", 1, 1.0), ("d", 1, math.inf)], 1, 2, 3) == {"d": 1}
+    # a late result of a stopped trial does not count: a's good rung-2 loss must not stop b
+    late = [("b", 1, 1.0), ("a", 1, 2.0), ("a", 2, 0.01), ("b", 2, 0.5), ("b", 3, 0.2)]
+    assert tune.asha_replay(late, 1, 2, 3) == {"a": 1, "b": 3}
+    # reduction factor 3: the cutoff is the 2/3 quantile of the rung's earlier rewards: b (-2)
+    # stops behind a (-1); c (-1.5) stops too, below -1.33 of (-1, -2), where the 1/3
+    # quantile (-1.67) would let it pass
+    three = [("a", 1, 1.0), ("b", 1, 2.0), ("c", 1, 1.5)]
+    assert tune.asha_replay(three, 1, 3, 9) == {"b": 1, "c": 1}
+
+
+@pytest.mark.timeout(30)
+def test_tune_config_refuses_trials_that_cannot_start():
+    from chapters.ch21_hyperparameters import tune
+
+    with pytest.raises(ValueError, match="above 0"):
+        tune.Config(driver_cpus=0)
+    with pytest.raises(ValueError, match="never start"):
+        tune.Config(worker_cpus=1.0)  # 0.2 + 2 x 1.0 > 2 CPUs
+    with pytest.raises(ValueError, match="integers k"):
+        tune.Config(trials="0,x")
+    lrs = tune.trial_lrs(tune.Config())
+    assert lrs[0] == tune.best_lr(tune.Config()) and tune.rho(lrs[1], tune.Config()) > 1
+
+
 @pytest.mark.timeout(150)
-def test_ray_tune_asha_and_torch_trainer_pass_their_checks():
-    run = run_python(TUNE, timeout=140)  # one launch: Ray, the ASHA search, the TorchTrainer
+def test_ray_tune_asha_and_fifo_scheduler_on_the_grid():
+    """One launch: Ray, the 12-trial search under ASHA and under Tune's FIFOScheduler on the same
+    grid and order (`--trials none`: the training-run trials are the next test's)."""
+    run = run_python(TUNE, ["--trials", "none"], timeout=140)  # 100 s measured at a load of 5
     assert run.check("ASHA: trials stopped early (> half)")["measured"] > 6
-    assert run.check("FIFO (no early stopping): stopped early (control)")["measured"] == 0
+    # Tune's own FIFOScheduler on the same grid stops none: the "> half" bound fails on it
+    fifo = run.check("FIFOScheduler, same grid: stopped early (control)")
+    assert fifo["measured"] == 0 and not check_ok(fifo["measured"], 6, compare=">")
+    assert run.summary["figures"]["ASHA reports / reports without stopping"]["expected"] == 1.0
     assert run.check("Ray's ASHA == ASHA by hand (trials that differ)")["measured"] == 0
     assert run.check("ASHA by hand, ascending order, differs (control)")["measured"] > 0
-    assert run.check("TorchTrainer workers reporting")["measured"] == 2
-    assert run.check("TorchTrainer DDP weights == one process (max abs)")["ok"]
-    # the halves differ: training on one alone, or summing their gradients, ends far away
-    assert run.check("one half without the all-reduce differs (control)")["measured"] > 0.1
-    assert run.check("summed, not averaged, gradients differ (control)")["measured"] > 1e3
     best = run.check("best trial: rho(lr) <= rho* + slack")
     assert best["ok"] and best["measured"] == pytest.approx(0.6, abs=1e-12)  # lr* itself
     assert not run.check("worst trial: rho(lr) > rho* + slack (control)")["measured"] <= 0.7
+    assert not [c for c in run.summary["checks"] if "TorchTrainer" in c["name"]]
+
+
+RAY_TRIALS = "COURSE_RAY_TRIALS"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(os.environ.get(RAY_TRIALS) != "1",
+                    reason=f"heavy: set {RAY_TRIALS}=1 (Tune trials that are TorchTrainer runs: "
+                    "measured 170 s and more at a load of 5 on 2 cores)")
+def test_torch_trainer_trials_under_asha_are_stopped_and_released():
+    """The chapter's heavy test (up to 180 s; on the shared 2-core machine it took 468 s at a
+    load of 10-15 and ran past 170 s at a load of 5, where each of Ray's processes takes 5-20 s
+    to start, so it runs only with COURSE_RAY_TRIALS=1). Tune trials that are each a 2-worker
+    TorchTrainer, one at a time, under ASHA (grace 1, reduction factor 2, max_t 3). The
+    script's default is four such trials; the test runs the first three (lr*, the diverging
+    2^(4/3) lr*, lr*/2), which already show both of ASHA's stops and a release (a Ray Train V2
+    trial starts eight processes: Tune's function, a queue, the controller, the placement-group
+    cleaner, the synchronisation actor, the dataset manager and its two workers)."""
+    run = run_python(TUNE, ["--trials", "0,4,-3"], timeout=170)
+    # the trials that are training runs: 3 ran, every report from 2 DDP workers
+    assert run.check("TorchTrainer trials that ran (of --trials)")["measured"] == 3
+    reports = run.check("reports with 2 DDP workers (of all reports)")
+    assert reports["ok"] and reports["measured"] >= 4
+    assert run.check("DDP weights == one process, every report (max rel.)")["ok"]
+    # the halves differ: training on one alone, or summing their gradients, ends far away
+    assert run.check("one half without the all-reduce differs (control)")["measured"] > 0.1
+    assert run.check("summed, not averaged, gradients differ (control)")["measured"] > 1
+    # ASHA stopped the diverging trial at rung 1 and lr*/2 at rung 2 (behind lr*), as the hand
+    # rule on Tune's order says
+    assert run.check("ASHA stopped TorchTrainer trials (>= 1)")["measured"] == 2
+    assert run.check("diverging trials stopped at the first rung (of diverging)")["measured"] == 1
+    assert run.check("Ray's ASHA == ASHA by hand on Tune's result order (trials that differ)")["ok"]
+    assert run.check("same replay without stopping differs (control)")["measured"] > 0
+    # ... and the diverging trial's resources were released: its group REMOVED and its workers
+    # DEAD in Ray's GCS before the next trial, which needs the whole machine, started its own
+    released = run.check("stopped trials' placement groups REMOVED when the next trial reports (GCS)")
+    assert released["ok"] and released["measured"] == 1
+    control = run.check("the reporting trial's own group in the same snapshots: REMOVED (control)")
+    assert control["ok"] and control["measured"] == 0
+    assert run.check("stopped trials' workers DEAD before the next trial's started (GCS)")["ok"]
+    assert run.check("placement groups not REMOVED after the search (GCS)")["ok"]
+    rows = run.summary["figures"]["TorchTrainer trials (table)"]["measured"]
+    assert [r["last_iteration"] for r in rows] == [3, 1, 2]
+    assert all(r["workers_dead"] == 2 for r in rows)

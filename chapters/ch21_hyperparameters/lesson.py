@@ -79,7 +79,8 @@ print(result.output[result.output.index("figure"):])
 
 # %% [markdown]
 # ## ASHA's rule, written out
-# `tune.py` runs this search in Ray Tune (about a minute: `python chapters/ch21_hyperparameters/tune.py`);
+# `tune.py` runs this search in Ray Tune, then four Tune trials that are each a 2-worker
+# `TorchTrainer` (3 to 10 minutes on 2 loaded cores: `python chapters/ch21_hyperparameters/tune.py`);
 # here the same rule runs by hand on the formula's losses. Ray's ASHA matches it trial for trial.
 # The best region is known: rho(lr) <= rho* + 0.1 around lr* = 2/(h_min + h_max).
 
@@ -93,6 +94,16 @@ for lr in sorted(made):
     print(f"lr {lr:.4f}  rho {tune.rho(lr, tcfg):.3f}  reports {made[lr]}  "
           f"loss {tune.loss_after(lr, made[lr] * tcfg.steps_per_report, tcfg):.3g}")
 print("stopped early:", sum(t < tcfg.max_t for t in made.values()), "of", tcfg.grid)
+
+# %% [markdown]
+# The training-run trials, one at a time in the order of `--trials` (lr*, the diverging
+# 2^(4/3) lr*, lr*/2, 2^(-2/3) lr*), under ASHA with grace 1, reduction factor 2 and max_t 3:
+# `asha_replay` takes the results in the order Tune receives them.
+
+# %%
+events = [(round(lr, 3), it, tune.loss_after(lr, it * tcfg.steps_per_report, tcfg))
+          for lr in tune.trial_lrs(tcfg) for it in range(1, tcfg.trial_max_t + 1)]
+print("reports made:", tune.asha_replay(events, 1, 2, 3))
 
 # %% [markdown]
 # ## Exercises

@@ -1,4 +1,5 @@
-"""A learning-rate search with Ray Tune and ASHA, on a problem whose best region is known.
+"""A learning-rate search with Ray Tune and ASHA, on a problem whose best region is known, and
+Tune trials that are themselves multi-process training runs.
 
 Gradient descent on the quadratic f(w) = 1/2 sum_i h_i (w_i - w*_i)^2, curvatures h_i from
 h_min to h_max, contracts the slowest direction by rho(lr) = max(|1 - lr h_min|, |1 - lr h_max|)
@@ -7,12 +8,17 @@ per step: rho is smallest, (h_max - h_min)/(h_max + h_min), at lr* = 2/(h_min + 
 region where rho(lr) <= rho* + slack is an interval computed from the formula). ASHA
 (asynchronous successive halving, Li et al., 2020) stops a trial at a rung (after 1, 3, 9 ...
 reports) when it is not in the best 1/reduction of the trials seen at that rung: most trials stop
-early. The same rule written out by hand predicts Ray's decisions trial for trial; with
-stopping switched off (FIFO) it stops none, the control of that count.
-One more trial is itself a multi-process run: Ray Train's TorchTrainer starts 2 gloo workers
-that train the same problem with DDP at lr*, each on a different half of the rows, and must end
-where one process ends; the same steps on one half alone, or with the gradients summed instead
-of averaged, end elsewhere (the controls, computed in the same workers).
+early. The same rule written out by hand predicts Ray's decisions trial for trial; Tune's
+FIFOScheduler on the same grid stops none, the control of that count.
+
+Then a second search whose trials are training runs (Ray Train V2's pattern): each Tune trial is a
+function that builds a TorchTrainer with 2 gloo workers, which train the problem with DDP, each
+on a different half of the rows, and report through the trainer's TuneReportCallback. ASHA
+(grace period 1, reduction factor 2, max_t 3) stops the trials that fall behind; Ray's own
+records show which, when, and that the stopped trial's worker processes were ended (the GCS
+actor table) while the search went on. Every report's weights must equal one process's
+full-batch gradient descent; the same steps on one half alone, or with the gradients summed
+instead of averaged, end elsewhere (the controls, computed in the same workers).
 
 Ray stays on this machine: no dashboard, no usage statistics, node IP 127.0.0.1. The script is
 one process by design: Ray starts its own workers.
@@ -28,7 +34,6 @@ Needs `ray[tune]` (requirements.txt pins 2.60.0).
 import math
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -62,21 +67,52 @@ class Config(RunConfig):
     order_seed: int = 1
     """Seed of the order in which the grid's trials start (ASHA's early stops depend on it)."""
     cpus: int = 2
-    """CPUs Ray may use (also the TorchTrainer's workers)."""
-    steps: int = 20
-    """Steps of the TorchTrainer run (2 DDP workers at lr*)."""
+    """CPUs Ray may use. Both searches run one trial at a time."""
+    trials: str = "0,4,-3,-2"
+    """Trials that are TorchTrainer runs: learning rates lr* x 2^(k/3) for these k, started in
+    this order ("none": skip that search). The second, 2^(4/3) lr*, diverges."""
+    trial_max_t: int = 3
+    """ASHA over the training runs: reports of a trial that is never stopped."""
+    trial_grace_period: int = 1
+    """ASHA over the training runs: reports before a trial can first be stopped."""
+    trial_reduction_factor: int = 2
+    """ASHA over the training runs: keep the best 1/reduction_factor at each rung (rungs 1, 2)."""
+    driver_cpus: float = 0.2
+    """CPU reserved for each trial's driver, the Tune function that builds the TorchTrainer
+    (Tune refuses a trial that asks for no resources at all)."""
+    worker_cpus: float = 0.9
+    """CPU of each of a trial's 2 TorchTrainer workers: 0.2 + 2 x 0.9 = 2, the whole machine, so
+    a trial's workers can start only once the previous trial's are released."""
+    report_seconds: float = 1.5
+    """Seconds a TorchTrainer worker spends per report: the 3 steps take microseconds, the rest
+    is a wait that stands for a longer epoch, so that ASHA's decision arrives before the next."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_at_least_one(self, "d", "grid", "max_t", "steps_per_report", "grace_period")
+        require_at_least_one(self, "d", "grid", "max_t", "steps_per_report", "grace_period",
+                             "trial_max_t", "trial_grace_period")
         if not 0 < self.h_min < self.h_max:
             raise ValueError(f"--h-min and --h-max must satisfy 0 < h_min < h_max, not {self.h_min}, {self.h_max}")
-        if self.reduction_factor < 2:
-            raise ValueError(f"--reduction-factor must be at least 2, not {self.reduction_factor}")
+        if min(self.reduction_factor, self.trial_reduction_factor) < 2:
+            raise ValueError("--reduction-factor and --trial-reduction-factor must be at least 2, "
+                             f"not {self.reduction_factor}, {self.trial_reduction_factor}")
         if self.grid < 7:
             raise ValueError(f"--grid must be at least 7 so that it reaches lr*, not {self.grid}")
-        if self.cpus < 2:
-            raise ValueError(f"--cpus must be at least 2 (the TorchTrainer runs 2 workers), not {self.cpus}")
+        if self.cpus < 1:
+            raise ValueError(f"--cpus must be at least 1, not {self.cpus}")
+        if self.trials != "none":
+            try:
+                [int(k) for k in self.trials.split(",")]
+            except ValueError:
+                raise ValueError(f"--trials takes integers k separated by commas (lr* x 2^(k/3)) "
+                                 f"or 'none', not {self.trials!r}") from None
+        if self.driver_cpus <= 0 or self.worker_cpus <= 0:
+            raise ValueError("--driver-cpus and --worker-cpus must be above 0 (Tune refuses a "
+                             f"trial without resources), not {self.driver_cpus}, {self.worker_cpus}")
+        if self.driver_cpus + 2 * self.worker_cpus > self.cpus:
+            raise ValueError(f"a trial needs --driver-cpus + 2 x --worker-cpus = "
+                             f"{self.driver_cpus + 2 * self.worker_cpus:g} CPUs, more than --cpus "
+                             f"{self.cpus}: it would never start")
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -135,32 +171,43 @@ def loss_after(lr: float, t: int, cfg: Config) -> float:
 
 # --- the trials -----------------------------------------------------------------------------------
 
-def asha_by_hand(cfg: Config, order: list[float], early_stopping: bool = True) -> dict[float, int]:
-    """Ray's asynchronous successive halving written out, trials one after another in `order`:
-    at each rung (grace, grace*rf, ...) a trial stops when its reward (-loss) is below the
-    (1 - 1/rf) quantile of the rewards recorded there before it. Returns lr -> reports made."""
+def asha_replay(events, grace_period: int, reduction_factor: int, max_t: int,
+                early_stopping: bool = True) -> dict:
+    """Ray's asynchronous successive halving written out, on results in the order they arrive:
+    `events` are (trial, iteration, loss). At each rung (grace, grace*rf, ... below max_t) a
+    trial stops when its reward (-loss) is below the (1 - 1/rf) quantile of the rewards recorded
+    there before it; at max_t it ends. Returns trial -> reports made (a stopped trial's later
+    results, if any arrive, are ignored, as Tune ignores them)."""
     import numpy as np
 
-    rungs = []
-    m = cfg.grace_period
-    while m <= cfg.max_t:
-        rungs.append((m, {}))
-        m *= cfg.reduction_factor
+    rungs = {}
+    m = grace_period
+    while m < max_t:
+        rungs[m] = {}
+        m *= reduction_factor
     made = {}
-    for lr in order:
-        for it in range(1, cfg.max_t + 1):
-            loss = loss_after(lr, it * cfg.steps_per_report, cfg)
-            reward = -(loss if math.isfinite(loss) else 1e300)
-            rung = next((r for m, r in rungs if m == it), None)
-            stop = False
-            if early_stopping and rung is not None:
-                if rung and reward < np.nanpercentile(list(rung.values()), (1 - 1 / cfg.reduction_factor) * 100):
-                    stop = True
-                rung[lr] = reward
-            if stop or it == cfg.max_t:
-                made[lr] = it
-                break
+    for key, it, loss in events:
+        if key in made:
+            continue
+        reward = -(loss if math.isfinite(loss) else 1e300)
+        stop = it >= max_t
+        rung = rungs.get(it)
+        if not stop and rung is not None:
+            if early_stopping and rung:
+                stop = reward < np.nanpercentile(list(rung.values()), (1 - 1 / reduction_factor) * 100)
+            rung[key] = reward
+        if stop:
+            made[key] = it
     return made
+
+
+def asha_by_hand(cfg: Config, order: list[float], early_stopping: bool = True) -> dict[float, int]:
+    """The in-process search's decisions: trials one after another in `order` (one at a time, so
+    each trial's reports all arrive before the next trial's), losses from the formula.
+    Returns lr -> reports made."""
+    events = [(lr, it, loss_after(lr, it * cfg.steps_per_report, cfg))
+              for lr in order for it in range(1, cfg.max_t + 1)]
+    return asha_replay(events, cfg.grace_period, cfg.reduction_factor, cfg.max_t, early_stopping)
 
 
 def trial(config: dict) -> None:
@@ -177,22 +224,27 @@ def trial(config: dict) -> None:
         tune.report({"loss": loss if math.isfinite(loss) else 1e300, "iteration": it})
 
 
-def run_search(cfg: Config, storage: str) -> list[dict]:
-    """Every learning rate of the grid as a trial, one at a time, ASHA deciding who continues."""
+def run_search(cfg: Config, storage: str, early_stopping: bool = True) -> list[dict]:
+    """Every learning rate of the grid as a trial, one at a time, in the same order: under
+    ASHAScheduler, or under FIFOScheduler (Tune's default: no trial is stopped early)."""
     from dataclasses import asdict
 
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-    scheduler = ASHAScheduler(time_attr="iteration", max_t=cfg.max_t, grace_period=cfg.grace_period,
-                              reduction_factor=cfg.reduction_factor)
+    if early_stopping:
+        scheduler = ASHAScheduler(time_attr="iteration", max_t=cfg.max_t,
+                                  grace_period=cfg.grace_period,
+                                  reduction_factor=cfg.reduction_factor)
+    else:
+        scheduler = FIFOScheduler()
     tuner = tune.Tuner(
         trial,
         param_space={"lr": tune.grid_search(grid_order(cfg)), "cfg": asdict(cfg)},
         tune_config=tune.TuneConfig(metric="loss", mode="min", scheduler=scheduler,
                                     max_concurrent_trials=1, reuse_actors=True),
-        run_config=tune.RunConfig(name="asha", storage_path=storage,
-                                  verbose=0),
+        run_config=tune.RunConfig(name="asha" if early_stopping else "fifo",
+                                  storage_path=storage, verbose=0),
     )
     results = tuner.fit()
     return [{"lr": r.config["lr"], "loss": r.metrics["loss"], "iterations": r.metrics["iteration"]}
@@ -216,57 +268,165 @@ def ddp_halves(cfg: Config, world: int = 2):
     return halves
 
 
-def ddp_loop(config: dict) -> None:
-    """Each TorchTrainer worker: DDP over its half of the rows, a checkpoint with the report.
-    Beside it, plain tensors: the same steps on its half alone (what DDP without its all-reduce
-    would reach) and with the halves' gradients summed instead of averaged (the two controls)."""
+def trial_lrs(cfg: Config) -> list[float]:
+    if cfg.trials == "none":
+        return []
+    return [best_lr(cfg) * 2 ** (int(k) / 3) for k in cfg.trials.split(",")]
+
+
+def trial_workers(config: dict) -> None:
+    """Each TorchTrainer worker of a trial: DDP over its half of the rows, one report per
+    steps_per_report steps. Beside it, plain tensors: the same steps on its half alone (what
+    DDP without its all-reduce would reach) and with the halves' gradients summed instead of
+    averaged (the two controls). The first report names both workers' Ray actors."""
+    import ray
     import ray.train
     import torch.distributed as dist
-    from ray.train import Checkpoint
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    cfg = Config(**config["cfg"])
+    cfg, lr = Config(**config["cfg"]), config["lr"]
     rank, world = dist.get_rank(), dist.get_world_size()
+    actors: list = [None] * world
+    dist.all_gather_object(actors, ray.get_runtime_context().get_actor_id())
+    group = ray.util.get_current_placement_group()
     xr, yr = ddp_halves(cfg, world)[rank]
     model = torch.nn.Linear(cfg.d, 1, bias=False, dtype=torch.float64)
     torch.nn.init.zeros_(model.weight)
     model = DDP(model)
-    opt = torch.optim.SGD(model.parameters(), lr=config["lr"])
-    lr = config["lr"]
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     alone = torch.zeros(cfg.d, dtype=torch.float64)
     summed = torch.zeros(cfg.d, dtype=torch.float64)
-    for _ in range(cfg.steps):
-        opt.zero_grad()
-        # 1/2 mean of squares on this half; DDP averages the halves' gradients: the full gradient
-        loss = 0.5 * ((model(xr).squeeze(1) - yr) ** 2).mean()
-        loss.backward()
-        opt.step()
-        alone = alone - lr * xr.T @ (xr @ alone - yr) / len(yr)
-        g = xr.T @ (xr @ summed - yr) / len(yr)
-        dist.all_reduce(g)  # SUM: a DDP that forgot to divide by the world size
-        summed = summed - lr * g
-    w = model.module.weight.detach().squeeze(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.save(w, os.path.join(tmp, "w.pt"))
-        # Ray Train V2 keeps metrics only with a checkpoint (metrics=None otherwise)
-        ray.train.report({"w": w.tolist(), "alone": alone.tolist(), "summed": summed.tolist(),
-                          "world_size": world},
-                         checkpoint=Checkpoint.from_directory(tmp) if rank == 0 else None)
+    for it in range(1, cfg.trial_max_t + 1):
+        begun = time.monotonic()
+        for _ in range(cfg.steps_per_report):
+            opt.zero_grad()
+            # 1/2 mean of squares on this half; DDP averages the halves' gradients: the full one
+            loss = 0.5 * ((model(xr).squeeze(1) - yr) ** 2).mean()
+            loss.backward()
+            opt.step()
+            alone = alone - lr * xr.T @ (xr @ alone - yr) / len(yr)
+            g = xr.T @ (xr @ summed - yr) / len(yr)
+            dist.all_reduce(g)  # SUM: a DDP that forgot to divide by the world size
+            summed = summed - lr * g
+        w = model.module.weight.detach().squeeze(0)
+        full = full_loss(w, cfg)
+        time.sleep(max(0.0, cfg.report_seconds - (time.monotonic() - begun)))
+        # rank 0's metrics reach Tune (TuneReportCallback passes the first worker's)
+        ray.train.report({"loss": full if math.isfinite(full) else 1e300, "iteration": it,
+                          "w": w.tolist(), "alone": alone.tolist(), "summed": summed.tolist(),
+                          "world_size": world, "worker_actors": actors,
+                          "placement_group": group.id.hex() if group else None})
 
 
-def run_torch_trainer(cfg: Config, storage: str) -> dict:
+def trial_driver(config: dict) -> None:
+    """One Tune trial that is a training run (Ray Train V2): build a TorchTrainer with 2 CPU
+    workers and run it; its TuneReportCallback passes each report on to Tune, whose scheduler
+    may stop the trial (and with it the trainer and its workers)."""
+    from ray import tune
+    from ray.train import FailureConfig, ScalingConfig
+    from ray.train import RunConfig as TrainRunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    cfg = Config(**config["cfg"])
+    trainer = TorchTrainer(
+        trial_workers, train_loop_config={"lr": config["lr"], "cfg": config["cfg"]},
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False,
+                                     resources_per_worker={"CPU": cfg.worker_cpus}),
+        torch_config=TorchConfig(backend="gloo"),
+        run_config=TrainRunConfig(name=f"train_{tune.get_context().get_trial_id()}",
+                                  storage_path=config["storage"], callbacks=[TuneReportCallback()],
+                                  # a trial that fails is over: no new worker group in its place
+                                  failure_config=FailureConfig(max_failures=0)))
+    trainer.fit()
+
+
+def result_log():
+    """A Tune callback that records every result in the order Tune processes it (the order the
+    scheduler sees), with the time and the state of every placement group in Ray's GCS at that
+    moment; and, when Tune ends a trial, the state of its workers' placement group then.
+
+    Ray Train removes the group of a controller that was killed (as Tune kills a trial it stops)
+    through a PlacementGroupCleaner actor that asks Ray's State API whether the controller is
+    alive. The State API is served by the dashboard, which needs `ray[default]` (aiohttp); this
+    course pins `ray[tune]`, so the cleaner never sees the controller die and the group would hold
+    its CPUs for good (measured: the next trial's worker group timed out). This callback does the
+    cleaner's job, in the same order: the trial has ended, then its group is removed."""
+    import ray
+    from ray import tune
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    class ResultLog(tune.Callback):
+        def __init__(self):
+            self.results, self.ended, self.group_at_end, self.groups = [], {}, {}, {}
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            groups = {k: v["state"] for k, v in ray.util.placement_group_table().items()}
+            self.results.append({"trial": trial.trial_id, "time": time.time(),
+                                 "placement_groups": groups, **result})
+            if result.get("placement_group"):
+                self.groups[trial.trial_id] = result["placement_group"]
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            self.ended[trial.trial_id] = time.time()
+            if trial.trial_id in self.groups:
+                group = PlacementGroup(PlacementGroupID(bytes.fromhex(self.groups[trial.trial_id])))
+                state = ray.util.placement_group_table(group).get("state", "REMOVED")
+                self.group_at_end[trial.trial_id] = state
+                if state != "REMOVED":
+                    remove_placement_group(group)
+
+    return ResultLog()
+
+
+def run_trial_search(cfg: Config, storage: str) -> dict:
+    """The trials that are training runs, under ASHA; as many at a time as their resources fit.
+    Returns Tune's results in arrival order, each trial's end, and the GCS actor table's record
+    of every worker (state, start, end, death cause)."""
     from dataclasses import asdict
 
-    from ray.train import RunConfig as TrainRunConfig
-    from ray.train import ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    import ray
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
 
-    trainer = TorchTrainer(ddp_loop, train_loop_config={"lr": best_lr(cfg), "cfg": asdict(cfg)},
-                           scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                           torch_config=TorchConfig(backend="gloo"),
-                           run_config=TrainRunConfig(name="ddp", storage_path=storage))
-    result = trainer.fit()
-    return dict(result.metrics or {})
+    scheduler = ASHAScheduler(time_attr="iteration", max_t=cfg.trial_max_t,
+                              grace_period=cfg.trial_grace_period,
+                              reduction_factor=cfg.trial_reduction_factor)
+    callback = result_log()
+    started = time.time()
+    tuner = tune.Tuner(
+        tune.with_resources(trial_driver, {"cpu": cfg.driver_cpus}),
+        param_space={"lr": tune.grid_search(trial_lrs(cfg)), "cfg": asdict(cfg), "storage": storage},
+        # one trial at a time: Tune reserves only the driver's share, the workers' placement
+        # group is the trainer's, and each trial's workers need what the last one's held
+        tune_config=tune.TuneConfig(metric="loss", mode="min", scheduler=scheduler,
+                                    max_concurrent_trials=1),
+        run_config=tune.RunConfig(name="trials", storage_path=storage, verbose=0,
+                                  callbacks=[callback]),
+    )
+    grid = tuner.fit()
+    finished = time.time()
+    held = sum(v["state"] != "REMOVED" for v in ray.util.placement_group_table().values())
+    trials = {}
+    for r in grid:
+        tid = r.metrics.get("trial_id") if r.metrics else None
+        trials[tid] = {"lr": r.config["lr"], "error": None if r.error is None else repr(r.error)}
+    workers = {}
+    for res in callback.results:
+        for aid in res.get("worker_actors", []):
+            if aid not in workers:
+                info = ray._private.state.actors(actor_id=aid)
+                cause = info.get("DeathCause")
+                died = cause.actor_died_error_context if cause is not None else None
+                workers[aid] = {"trial": res["trial"], "state": info.get("State"),
+                                "start": info.get("StartTime", 0) / 1e3,
+                                "end": info.get("EndTime", 0) / 1e3,
+                                "cause": None if died is None else
+                                f"{died.Reason.Name(died.reason)}: {died.error_message[:100]}"}
+    return {"started": started, "finished": finished, "trials": trials, "held_after": held,
+            "group_at_end": callback.group_at_end,
+            "results": callback.results, "ended": callback.ended, "workers": workers}
 
 
 def reference_weights(cfg: Config, lr: float, steps: int) -> torch.Tensor:
@@ -287,13 +447,135 @@ def reference_loss(cfg: Config, lr: float, steps: int) -> float:
     return full_loss(reference_weights(cfg, lr, steps), cfg)
 
 
-def start_ray(cfg: Config) -> None:
+RAYLET_TIMEOUT = "The current node timed out during startup"
+
+
+def start_ray(cfg: Config, attempts: int = 3) -> None:
+    """ray.init on this machine. Under load Ray's raylet can exit at start when its dashboard
+    agent takes more than a fixed 15 s to write its port file (ray-project/ray#65983); ray.init
+    then raises after 30 s. That one error is retried (twice at most), and said."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    # Tune's default loggers (CSV, JSON, TensorBoard) are not read here
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    # a worker group that has not started in 60 s fails its trial (Ray Train's default); a
+    # loaded 2-core machine starting two trials' processes at once can take longer
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "150")
+    # one process less per trial: the watcher of spot-instance preemption notices
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     import ray
 
-    ray.init(num_cpus=cfg.cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False, configure_logging=False)
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(num_cpus=cfg.cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                     log_to_driver=False, configure_logging=False)
+            return
+        except Exception as e:
+            if RAYLET_TIMEOUT not in str(e) or attempt == attempts:
+                raise
+            log.warning("ray.init: the raylet did not start (its dashboard agent was slower than "
+                        "Ray's 15 s, ray#65983); starting Ray again")
+            ray.shutdown()
+
+
+def trial_table(cfg: Config, run: dict) -> list[dict]:
+    """One row per trial that is a training run, from Ray's records: Tune's results (reports,
+    losses), when Tune ended the trial, and its workers in the GCS actor table; seconds from
+    the search's start."""
+    t0 = run["started"]
+    rows = []
+    for tid, t in run["trials"].items():
+        mine = [r for r in run["results"] if r["trial"] == tid]
+        ws = [w for w in run["workers"].values() if w["trial"] == tid]
+        rows.append({
+            "trial": tid, "lr": t["lr"], "rho": rho(t["lr"], cfg), "reports": len(mine),
+            "last_iteration": mine[-1]["iteration"] if mine else 0,
+            "loss": mine[-1]["loss"] if mine else math.nan,
+            "first_report_s": mine[0]["time"] - t0 if mine else math.nan,
+            "last_report_s": mine[-1]["time"] - t0 if mine else math.nan,
+            "ended_s": run["ended"].get(tid, math.nan) - t0,
+            "workers_start_s": min((w["start"] - t0 for w in ws), default=math.nan),
+            "workers_end_s": max((w["end"] - t0 for w in ws), default=math.nan),
+            "workers_dead": sum(w["state"] == "DEAD" for w in ws),
+            "death_cause": sorted({str(w["cause"]) for w in ws}),
+            "placement_group": mine[0].get("placement_group") if mine else None,
+            "group_at_trial_end": run["group_at_end"].get(tid),
+            "error": t["error"],
+        })
+    return sorted(rows, key=lambda r: r["first_report_s"])
+
+
+def check_trial_search(rec: RunRecorder, cfg: Config, run: dict) -> None:
+    lrs = trial_lrs(cfg)
+    rows = trial_table(cfg, run)
+    made = {r["trial"]: r["last_iteration"] for r in rows}
+    log.info("TorchTrainer trials (seconds from the search's start; workers from Ray's actor table):")
+    log.info("%-6s %-7s %-6s %-8s %-10s %-8s %-9s %-9s %s", "lr", "rho", "reports", "loss",
+             "reports at", "ended", "workers", "up to", "")
+    for r in rows:
+        stopped = r["last_iteration"] < cfg.trial_max_t
+        log.info("%-6.3f %-7.3f %-7d %-8.3g %-10s %-8.1f %-9.1f %-9.1f %s", r["lr"], r["rho"],
+                 r["reports"], r["loss"], f"{r['first_report_s']:.1f}-{r['last_report_s']:.1f}",
+                 r["ended_s"], r["workers_start_s"], r["workers_end_s"],
+                 "stopped by ASHA" if stopped else "ran to max_t")
+    rec.figure("TorchTrainer trials (table)", rows, table=False)
+    rec.check("TorchTrainer trials that ran (of --trials)", "count",
+              sum(r["reports"] > 0 and r["error"] is None for r in rows), len(lrs))
+    rec.check("reports with 2 DDP workers (of all reports)", "count",
+              sum(r.get("world_size") == 2 for r in run["results"]), len(run["results"]))
+    # every report's weights against one process's gradient descent on all rows
+    def off(key: str) -> float:
+        worst = 0.0
+        for r in run["results"]:
+            if key not in r:
+                return math.nan
+            ref = reference_weights(cfg, run["trials"][r["trial"]]["lr"], r["iteration"] * cfg.steps_per_report)
+            w = torch.tensor(r[key], dtype=torch.float64)
+            worst = max(worst, ((w - ref).abs().max() / ref.abs().max().clamp(min=1)).item())
+        return worst
+
+    # 9 steps of sums of 8 products, float64: a few ulps (relative to the weights, which grow
+    # in the diverging trial)
+    rec.check("DDP weights == one process, every report (max rel.)", "parity", off("w"), 0.0, 1e-12)
+    rec.check("one half without the all-reduce differs (control)", "parity", off("alone"), 1e-12,
+              compare=">")
+    rec.check("summed, not averaged, gradients differ (control)", "parity", off("summed"), 1e-12,
+              compare=">")
+    stopped = [r for r in rows if r["last_iteration"] < cfg.trial_max_t]
+    rec.check("ASHA stopped TorchTrainer trials (>= 1)", "count", len(stopped), 1, compare=">=")
+    diverging = [r for r in rows if rho(r["lr"], cfg) > 1]
+    rec.check("diverging trials stopped at the first rung (of diverging)", "count",
+              sum(r["last_iteration"] == cfg.trial_grace_period for r in diverging), len(diverging))
+    events = [(r["trial"], r["iteration"], r["loss"]) for r in run["results"]]
+    hand = asha_replay(events, cfg.trial_grace_period, cfg.trial_reduction_factor, cfg.trial_max_t)
+    rec.check("Ray's ASHA == ASHA by hand on Tune's result order (trials that differ)", "count",
+              sum(hand.get(k) != v for k, v in made.items()), 0)
+    fifo = asha_replay(events, cfg.trial_grace_period, cfg.trial_reduction_factor, cfg.trial_max_t,
+                       early_stopping=False)
+    rec.check("same replay without stopping differs (control)", "count",
+              sum(fifo.get(k) != v for k, v in made.items()), 0, compare=">")
+    # released: each trial needs the whole machine, so the next one's workers start only once a
+    # stopped trial's placement group is removed. Ray's GCS, sampled when the next trial
+    # reports: the stopped trial's group REMOVED, and its workers DEAD before the next started
+    order = [r["trial"] for r in rows]  # by first report: one trial at a time, in start order
+    pg = {r["trial"]: r["placement_group"] for r in rows}
+    after = [(s, order[order.index(s["trial"]) + 1]) for s in stopped if s["trial"] != order[-1]]
+    removed = own = dead_before = 0
+    for s, nxt in after:
+        first = next(r for r in run["results"] if r["trial"] == nxt)
+        removed += first["placement_groups"].get(pg[s["trial"]]) == "REMOVED"
+        own += first["placement_groups"].get(pg[nxt]) == "REMOVED"
+        nxt_row = rows[order.index(nxt)]
+        dead_before += s["workers_dead"] == 2 and s["workers_end_s"] <= nxt_row["workers_start_s"]
+    rec.check("stopped trials' placement groups REMOVED when the next trial reports (GCS)",
+              "count", removed, len(after))
+    rec.check("the reporting trial's own group in the same snapshots: REMOVED (control)", "count",
+              own, len(after), compare="<")
+    rec.check("stopped trials' workers DEAD before the next trial's started (GCS)", "count",
+              dead_before, len(after))
+    rec.check("placement groups not REMOVED after the search (GCS)", "count", run["held_after"], 0)
+    gaps = [rows[order.index(n)]["workers_start_s"] - s["workers_end_s"] for s, n in after]
+    rec.figure("seconds from a stopped trial's workers' end to the next trial's workers", gaps)
 
 
 def main(cfg: Config) -> int:
@@ -303,15 +585,18 @@ def main(cfg: Config) -> int:
     log.info("lr* = %.4f, known region [%.4f, %.4f], %d trials", best_lr(cfg), lo, hi, cfg.grid)
     storage = str((rec.out / "ray").resolve())
     try:
+        t = [time.perf_counter()]
         with library_output():
-            t0 = time.perf_counter()
             start_ray(cfg)
-            t1 = time.perf_counter()
+            t.append(time.perf_counter())
             asha = run_search(cfg, storage)
-            t2 = time.perf_counter()
-            ddp = run_torch_trainer(cfg, storage)
-            t3 = time.perf_counter()
-        log.info("seconds: ray.init %.1f, ASHA search %.1f, TorchTrainer %.1f", t1 - t0, t2 - t1, t3 - t2)
+            t.append(time.perf_counter())
+            fifo = run_search(cfg, storage, early_stopping=False)
+            t.append(time.perf_counter())
+            trials = run_trial_search(cfg, storage) if trial_lrs(cfg) else None
+            t.append(time.perf_counter())
+        log.info("seconds: ray.init %.1f, ASHA search %.1f, FIFO search %.1f, TorchTrainer trials %.1f",
+                 *(b - a for a, b in zip(t, t[1:])))
         for r in sorted(asha, key=lambda r: r["lr"]):
             log.info("lr %.4f  iterations %d  loss %.3g", r["lr"], r["iterations"], r["loss"])
         best = min(asha, key=lambda r: r["loss"])
@@ -323,9 +608,8 @@ def main(cfg: Config) -> int:
                   rho(worst["lr"], cfg), bound, compare=">")
         stopped = sum(r["iterations"] < cfg.max_t for r in asha)
         rec.check("ASHA: trials stopped early (> half)", "count", stopped, cfg.grid / 2, compare=">")
-        fifo = asha_by_hand(cfg, grid_order(cfg), early_stopping=False)
-        rec.check("FIFO (no early stopping): stopped early (control)", "count",
-                  sum(t < cfg.max_t for t in fifo.values()), cfg.grid / 2, compare="<=")
+        rec.check("FIFOScheduler, same grid: stopped early (control)", "count",
+                  sum(r["iterations"] < cfg.max_t for r in fifo), cfg.grid / 2, compare="<=")
         hand = asha_by_hand(cfg, grid_order(cfg))
         rec.check("Ray's ASHA == ASHA by hand (trials that differ)", "count",
                   sum(hand[r["lr"]] != r["iterations"] for r in asha), 0)
@@ -333,25 +617,11 @@ def main(cfg: Config) -> int:
         rec.check("ASHA by hand, ascending order, differs (control)", "count",
                   sum(ascending[r["lr"]] != r["iterations"] for r in asha), 0, compare=">")
         iters = sum(r["iterations"] for r in asha)
-        rec.figure("ASHA reports / reports without stopping", iters / (cfg.grid * cfg.max_t))
+        rec.figure("ASHA reports / reports without stopping", iters / (cfg.grid * cfg.max_t),
+                   expected=sum(r["iterations"] for r in fifo) / (cfg.grid * cfg.max_t))
         rec.figure("best lr / lr*", best["lr"] / best_lr(cfg), expected=1.0)
-        ref = reference_weights(cfg, best_lr(cfg), cfg.steps)
-        nan = torch.full((cfg.d,), math.nan, dtype=torch.float64)
-
-        def off(key: str) -> float:  # max |w - w_ref| over the coordinates (nan if not reported)
-            w = torch.tensor(ddp[key], dtype=torch.float64) if key in ddp else nan
-            return (w - ref).abs().max().item()
-
-        rec.check("TorchTrainer workers reporting", "count", ddp.get("world_size", 0), 2)
-        # 20 steps of sums of 8 products of order one, float64: ~1e-14 from different orders
-        rec.check("TorchTrainer DDP weights == one process (max abs)", "parity", off("w"), 0.0, 1e-12)
-        rec.check("one half without the all-reduce differs (control)", "parity", off("alone"),
-                  1e-12, compare=">")
-        rec.check("summed, not averaged, gradients differ (control)", "parity",
-                  off("summed"), 1e-12, compare=">")
-        loss = full_loss(torch.tensor(ddp["w"], dtype=torch.float64), cfg) if "w" in ddp else math.nan
-        rec.figure("TorchTrainer loss after steps", loss,
-                   expected=loss_after(best_lr(cfg), cfg.steps, cfg))
+        if trials is not None:
+            check_trial_search(rec, cfg, trials)
         return rec.finish()
     finally:
         if "ray" in sys.modules:
