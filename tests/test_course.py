@@ -57,7 +57,7 @@ def test_typo_help_and_unknown_names_are_answered_before_any_rank_starts():
     script, took["script"] = course("run", "03", "nosuchscript")
     assert script.returncode == 1 and len(script.stderr.splitlines()) == 1
     assert "has no script 'nosuchscript' (its scripts: train)" in script.stderr
-    assert "(its scripts: single spawn train)" in course("run", "02", "plots")[0].stderr
+    assert "(its scripts: dataparallel single spawn train)" in course("run", "02", "plots")[0].stderr
 
     unknown, took["unknown"] = course("run", "99")
     assert unknown.returncode == 1 and "the chapters are 01 to 30" in unknown.stderr
