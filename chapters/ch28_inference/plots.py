@@ -1,7 +1,10 @@
-"""Figures for the chapter 28 lesson (redraw with `./course figures ch28`). batching.png and
-slots.png are counted schedules computed at draw time from rank 0's share of train.py's 2-rank
-workload (nothing timed); overlap.png is the recorded timeline of two engines serving 64
-requests on this machine."""
+"""Figures for the chapter 28 lesson. batching.png and slots.png are counted schedules computed
+at draw time from rank 0's share of train.py's 2-rank workload (nothing timed); overlap.png draws
+the timelines of two engines serving 64 requests, recorded by `measure()` in figures/data.json.
+
+    ./course figures ch28            # redraw from figures/data.json
+    ./course figures --rerun ch28    # re-record the timelines (about 20 s), then redraw
+"""
 
 from __future__ import annotations
 
@@ -11,8 +14,10 @@ from chapters.ch28_inference import paged as P
 from chapters.ch28_inference.train import Config
 from common.results import save_figure
 
+MEASURE_S = 20
 
-def make_figures(fig_dir: Path) -> list[Path]:
+
+def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     import matplotlib.pyplot as plt
 
     cfg = Config()
@@ -48,15 +53,14 @@ def make_figures(fig_dir: Path) -> list[Path]:
     paths.append(fig_dir / "slots.png")
     save_figure(fig, paths[-1])
     paths.append(fig_dir / "overlap.png")
-    save_figure(overlap_figure(cfg), paths[-1])
+    save_figure(overlap_figure(data["timelines"]), paths[-1])
     return paths
 
 
-def overlap_figure(cfg):
-    """40 ms of the synchronous and the overlap engine's timelines, from their 20th plan (the
-    first steps include one-off warm-up): plans (CPU) and steps (the executor), 64 requests of
-    the default workload on one process."""
-    import matplotlib.pyplot as plt
+def measure() -> dict:
+    """The synchronous and the overlap engine's timelines on 64 requests of the default workload
+    (one process), from their 20th plan (the first steps include one-off warm-up), 40 ms long,
+    in ms from that plan's start; with each engine's overlap counts over the whole run."""
     import torch
 
     from chapters.ch28_inference import checks as C
@@ -64,6 +68,7 @@ def overlap_figure(cfg):
     from chapters.ch28_inference import model as M
     from chapters.ch28_inference import train as T
 
+    cfg = Config()
     dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
@@ -76,16 +81,28 @@ def overlap_figure(cfg):
                 for mode in ("continuous", "overlap")}
     finally:
         torch.set_default_dtype(dtype)
-    fig, axes = plt.subplots(2, 1, figsize=(7.5, 2.8), sharex=True)
-    for ax, (mode, run) in zip(axes, runs.items()):
+    out = {}
+    for mode, run in runs.items():
         tl = run["timeline"]
-        t0 = next(a for kind, no, a, _ in tl if kind == "schedule" and no == 20)  # warmed up
-        for kind, _, a, b in tl:
-            if 0 <= a - t0 < 0.04 and b - t0 < 0.04:
-                ax.barh("CPU: plan" if kind == "schedule" else "executor: step", (b - a) * 1e3,
-                        left=(a - t0) * 1e3, color="tab:orange" if kind == "schedule" else "tab:blue")
+        t0 = next(a for kind, no, a, _ in tl if kind == "schedule" and no == 20)
         after, during, _ = C.overlap_intervals(tl)
-        ax.set_title(f"{mode}: {during} of {after} plans made while the previous step ran", fontsize=9)
+        out[mode] = {"after": after, "during": during,
+                     "intervals": [[kind, round((a - t0) * 1e3, 4), round((b - t0) * 1e3, 4)]
+                                   for kind, _, a, b in tl if 0 <= a - t0 < 0.04 and b - t0 < 0.04]}
+    return {"timelines": out}
+
+
+def overlap_figure(timelines: dict):
+    """Plans (CPU) and steps (the executor) of both engines, 40 ms from their 20th plan."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(7.5, 2.8), sharex=True)
+    for ax, (mode, tl) in zip(axes, timelines.items()):
+        for kind, a, b in tl["intervals"]:
+            ax.barh("CPU: plan" if kind == "schedule" else "executor: step", b - a, left=a,
+                    color="tab:orange" if kind == "schedule" else "tab:blue")
+        ax.set_title(f"{mode}: {tl['during']} of {tl['after']} plans made while the previous step ran",
+                     fontsize=9)
     axes[-1].set_xlabel("ms since plan 20 began")
     fig.tight_layout()
     return fig
