@@ -133,9 +133,7 @@ class Engine:
         # its token of the step in flight is not known yet; `_admissible` checks that too)
         if self.stats["preemptions"] == preempted and (self.mode != "static" or not self.running):
             while self.waiting and self._admissible(self.waiting[0]):
-                self._admit(plan, self.waiting.pop(0))
-                if self.mode == "static" and len(self.running) >= self.batch:
-                    break
+                self._admit(plan, self.waiting.pop(0))  # `_admissible` keeps it to `batch`
         # the block tables as this plan sees them: the next plan may change them while it runs
         plan["tables"] = [list(self.mgr.tables[s.sid]) for s, *_ in plan["decode"]]
         self.stats["peak_blocks"] = max(self.stats["peak_blocks"], self.mgr.held())
@@ -234,10 +232,8 @@ class Engine:
                 raise ValueError(f"request {i} needs more KV blocks than the pool's {pool} or more "
                                  f"samples than the batch's {self.batch}")
         self.next_sid = 0
-        seqs = []
-        for i, r in enumerate(requests):
-            seqs.append(Seq(self._new_sid(), i, 0, list(r.prompt), 1 + r.n_decode, fork=r.n))
-        self.waiting = list(seqs)
+        self.waiting = [Seq(self._new_sid(), i, 0, list(r.prompt), 1 + r.n_decode, fork=r.n)
+                        for i, r in enumerate(requests)]
         self.ttft, self.done_at, self.t0 = {}, {}, time.perf_counter()
         self.everyone: dict[tuple[int, int], Seq] = {}
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor") as device:
