@@ -9,7 +9,6 @@ per-example gradients sampled here, and a fit on numbers built from the law.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -244,11 +243,18 @@ def test_tune_config_refuses_trials_that_cannot_start():
     assert lrs[0] == tune.best_lr(tune.Config()) and tune.rho(lrs[1], tune.Config()) > 1
 
 
-@pytest.mark.timeout(150)
-def test_ray_tune_asha_and_fifo_scheduler_on_the_grid():
-    """One launch: Ray, the 12-trial search under ASHA and under Tune's FIFOScheduler on the same
-    grid and order (`--trials none`: the training-run trials are the next test's)."""
-    run = run_python(TUNE, ["--trials", "none"], timeout=140)  # 100 s measured at a load of 5
+@pytest.mark.timeout(300)
+def test_ray_tune_searches_and_torch_trainer_trials_under_asha():
+    """The chapter's heavy test, one launch of Ray (measured 119 s on a quiet 2-core machine; the
+    issue's budget is 180 s, the timeout only a guard against a hang). First the 12-trial search
+    under ASHA and under Tune's FIFOScheduler on the same grid and order; then Tune trials that
+    are each a 2-worker TorchTrainer, one at a time, under ASHA (grace 1, reduction factor 2,
+    max_t 3). The script's default is four such trials; the test runs the first three (lr*, the
+    diverging 2^(4/3) lr*, lr*/2), which already show both of ASHA's stops and a release (a Ray
+    Train V2 trial starts eight processes: Tune's function, a queue, the controller, the
+    placement-group cleaner, the synchronisation actor, the dataset manager and its two
+    workers)."""
+    run = run_python(TUNE, ["--trials", "0,4,-3"], timeout=290)
     assert run.check("ASHA: trials stopped early (> half)")["measured"] > 6
     # Tune's own FIFOScheduler on the same grid stops none: the "> half" bound fails on it
     fifo = run.check("FIFOScheduler, same grid: stopped early (control)")
@@ -259,26 +265,6 @@ def test_ray_tune_asha_and_fifo_scheduler_on_the_grid():
     best = run.check("best trial: rho(lr) <= rho* + slack")
     assert best["ok"] and best["measured"] == pytest.approx(0.6, abs=1e-12)  # lr* itself
     assert not run.check("worst trial: rho(lr) > rho* + slack (control)")["measured"] <= 0.7
-    assert not [c for c in run.summary["checks"] if "TorchTrainer" in c["name"]]
-
-
-RAY_TRIALS = "COURSE_RAY_TRIALS"
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.skipif(os.environ.get(RAY_TRIALS) != "1",
-                    reason=f"heavy: set {RAY_TRIALS}=1 (Tune trials that are TorchTrainer runs: "
-                    "measured 170 s and more at a load of 5 on 2 cores)")
-def test_torch_trainer_trials_under_asha_are_stopped_and_released():
-    """The chapter's heavy test (up to 180 s; on the shared 2-core machine it took 468 s at a
-    load of 10-15 and ran past 170 s at a load of 5, where each of Ray's processes takes 5-20 s
-    to start, so it runs only with COURSE_RAY_TRIALS=1). Tune trials that are each a 2-worker
-    TorchTrainer, one at a time, under ASHA (grace 1, reduction factor 2, max_t 3). The
-    script's default is four such trials; the test runs the first three (lr*, the diverging
-    2^(4/3) lr*, lr*/2), which already show both of ASHA's stops and a release (a Ray Train V2
-    trial starts eight processes: Tune's function, a queue, the controller, the placement-group
-    cleaner, the synchronisation actor, the dataset manager and its two workers)."""
-    run = run_python(TUNE, ["--trials", "0,4,-3"], timeout=170)
     # the trials that are training runs: 3 ran, every report from 2 DDP workers
     assert run.check("TorchTrainer trials that ran (of --trials)")["measured"] == 3
     reports = run.check("reports with 2 DDP workers (of all reports)")

@@ -80,7 +80,7 @@ print(result.output[result.output.index("figure"):])
 # %% [markdown]
 # ## ASHA's rule, written out
 # `tune.py` runs this search in Ray Tune, then four Tune trials that are each a 2-worker
-# `TorchTrainer` (3 to 10 minutes on 2 loaded cores: `python chapters/ch21_hyperparameters/tune.py`);
+# `TorchTrainer` (about 3 minutes on 2 quiet cores: `python chapters/ch21_hyperparameters/tune.py`);
 # here the same rule runs by hand on the formula's losses. Ray's ASHA matches it trial for trial.
 # The best region is known: rho(lr) <= rho* + 0.1 around lr* = 2/(h_min + h_max).
 
