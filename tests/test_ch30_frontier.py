@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from chapters.ch30_frontier import fedavg, planner, real_layouts, secure_agg, train
+from chapters.ch30_frontier import fedavg, mesh_bytes, planner, real_layouts, secure_agg, train
 from common.launch import run_on_ranks, run_torchrun
 from common.models import MLP
 from common.testing import rank_info
@@ -298,3 +298,215 @@ def test_plan_script(tmp_path):
     figures = run.summary["figures"]
     for k in train.KINDS:
         assert figures[f"{k}=2 step time"]["expected"] > 0 and figures[f"{k}=2 step time"]["measured"] > 0
+
+
+# --- the planner's bytes per mesh dimension (chapter 25's composed dp x tp x pp x cp run) -------
+
+CPU_LLAMA = mesh_bytes.Llama(vocab=1024, hidden=64, layers=2, heads=4, kv_heads=2, ffn=176, seq_len=64)
+MESH16 = mesh_bytes.Mesh(dp=2, tp=2, pp=2, cp=2, micro_batch_size=1, micro_batches=2)
+FP32 = mesh_bytes.Dtypes.of(torch.float32)
+
+
+def test_llama_shape_is_chapter_25s():
+    from types import SimpleNamespace
+
+    from chapters.ch25_llm.model import PRESETS, n_params
+
+    assert mesh_bytes.Llama.from_preset(PRESETS["cpu"]) == CPU_LLAMA
+    # by hand: per layer q, o 64·64; k, v 32·64; gate, up, down 176·64; two norms 64
+    per_layer = 2 * 4096 + 2 * 2048 + 3 * 11264 + 128
+    assert CPU_LLAMA.params() == 2 * per_layer + 2 * 1024 * 64 + 64 == 223552
+    for p in PRESETS.values():  # chapter 25's own closed form, both presets
+        cfg = SimpleNamespace(hidden_size=p["hidden_size"], intermediate_size=p["ffn_size"],
+                              num_hidden_layers=p["n_layers"], vocab_size=p["vocab_size"],
+                              num_attention_heads=p["n_heads"], num_key_value_heads=p["n_kv_heads"])
+        assert mesh_bytes.Llama.from_preset(p).params() == n_params(cfg)
+    assert mesh_bytes.layout_error(CPU_LLAMA, MESH16) is None
+    assert "tp=4" in mesh_bytes.layout_error(CPU_LLAMA, dataclasses.replace(MESH16, tp=4))  # 2 KV heads
+    assert "stage would be empty" in mesh_bytes.layout_error(CPU_LLAMA, dataclasses.replace(MESH16, pp=4))
+
+
+def test_model_state_bytes_by_hand_with_controls():
+    """Stage 0 (embedding + layer 0), tp rank 0, shard rank 0 of dp x cp = 4, fp32 AdamW."""
+    # TP-local rows, then ⌈rows/4⌉ of them: embed 512 -> 128 (x64), q 32 -> 8 (x64), k, v 16 -> 4,
+    # o 64 -> 16 (x32), gate, up 88 -> 22 (x64), down 64 -> 16 (x88), norms 64 -> 16
+    numel = 128 * 64 + 8 * 64 + 2 * 4 * 64 + 16 * 32 + 2 * 22 * 64 + 16 * 88 + 2 * 16
+    assert numel == 13984
+    want = {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel + 10 * 4}  # 10 step scalars
+    got = mesh_bytes.model_state_bytes(CPU_LLAMA, MESH16, FP32)
+    assert {k: got[k] for k in want} == want and got["total"] == sum(want.values())
+    # every element of each stage on exactly one (tp, shard) rank, the norms (replicated over
+    # tp: 2 on stage 0, 2 and the final one on stage 1) on one per tp rank
+    for stage, norms in ((0, 2 * 64), (1, 3 * 64)):
+        held = sum(mesh_bytes.model_state_bytes(CPU_LLAMA, MESH16, FP32, stage, t, s)["params"]
+                   for t in range(2) for s in range(4))
+        assert held == 4 * (sum(math.prod(sh) for _, sh, _ in CPU_LLAMA.stage_params(stage, 2)) + norms)
+    # controls, rejected by the same comparison: optimizer state not divided over dp x cp, and
+    # the shard group taken as dp alone (cp ranks holding the same shard)
+    unsharded = mesh_bytes.model_state_bytes(CPU_LLAMA, dataclasses.replace(MESH16, dp=1, cp=1), FP32)
+    assert unsharded["optimizer"] != want["optimizer"]
+    dp_only = mesh_bytes.model_state_bytes(CPU_LLAMA, dataclasses.replace(MESH16, cp=1), FP32)
+    assert dp_only["params"] != want["params"]
+    # float64 (chapter 25's parity runs): every byte doubles, AdamW's step too
+    f64 = mesh_bytes.model_state_bytes(CPU_LLAMA, MESH16, mesh_bytes.Dtypes.of(torch.float64))
+    assert f64["total"] == 2 * got["total"]
+
+
+def sharded_state_bytes(llama, dp: int, cp: int, tp: int, rank: int) -> tuple[tuple, int, int]:
+    """Torch's own sharding, measured: the Llama's parameters (pp = 1) under DTensor TP
+    (torchtitan's plan) and FSDP2 over the flattened dp x cp mesh, on a fake process group (one
+    process plays `rank`; no data moves, shapes are real), then one AdamW step on zero
+    gradients. Returns (mesh coordinate, parameter bytes, optimizer-state bytes)."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    h, kv = llama.hidden, llama.kv_heads * (llama.hidden // llama.heads)
+
+    def linear(i, o):
+        return nn.Linear(i, o, bias=False)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dp * cp * tp)
+    try:
+        mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+        class Parts(nn.Module):  # fully_shard wants modules with a forward; none runs here
+            def __init__(self, **parts):
+                super().__init__()
+                for name, part in parts.items():
+                    setattr(self, name, part)
+
+            def forward(self, x):
+                raise NotImplementedError
+
+        layers = nn.ModuleList(Parts(
+            q=linear(h, h), k=linear(h, kv), v=linear(h, kv), o=linear(h, h),
+            gate=linear(h, llama.ffn), up=linear(h, llama.ffn), down=linear(llama.ffn, h),
+            n1=nn.RMSNorm(h), n2=nn.RMSNorm(h)) for _ in range(llama.layers))
+        model = Parts(embed=nn.Embedding(llama.vocab, h), layers=layers, norm=nn.RMSNorm(h),
+                      head=linear(h, llama.vocab))
+        col, row, seq = ColwiseParallel, RowwiseParallel, SequenceParallel
+        parallelize_module(model, mesh["tp"], {"embed": row(), "head": col(), "norm": seq()})
+        for layer in layers:
+            parallelize_module(layer, mesh["tp"], {"q": col(), "k": col(), "v": col(), "o": row(),
+                                                   "gate": col(), "up": col(), "down": row(),
+                                                   "n1": seq(), "n2": seq()})
+        shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+        for layer in layers:
+            fully_shard(layer, mesh=shard_mesh)
+        fully_shard(model, mesh=shard_mesh)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt = torch.optim.AdamW(model.parameters())
+        opt.step()
+
+        def local(t):
+            t = t.to_local() if isinstance(t, DTensor) else t
+            return t.numel() * t.element_size()
+
+        params = sum(local(p) for p in model.parameters())
+        state = sum(local(v) for st in opt.state.values() for v in st.values())
+        return tuple(mesh.get_coordinate()), params, state
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dp,cp,tp,rank", [(2, 2, 2, 5), (3, 4, 2, 21), (3, 4, 2, 6)])
+def test_model_state_equals_torchs_sharding(dp, cp, tp, rank):
+    """At dp x cp = 12 the k and v projections' 16 TP-local rows give ranks 8-11 of the shard
+    group nothing (torch.chunk makes 8 pieces of 2): rank 21 is one of them, rank 6 is not."""
+    (d, c, t), params, state = sharded_state_bytes(CPU_LLAMA, dp, cp, tp, rank)
+    mesh = mesh_bytes.Mesh(dp, tp, 1, cp)
+    got = mesh_bytes.model_state_bytes(CPU_LLAMA, mesh, FP32, stage=0, t=t, s=d * cp + c)
+    assert (got["params"], got["optimizer"]) == (params, state)
+    if (dp, cp) == (3, 4):  # control: shards taken as an even Ψ/n per rank, the same comparison
+        even = 4 * CPU_LLAMA.params() / (tp * dp * cp)
+        assert even != params
+        assert mesh_bytes.chunk_rows(16, 12, d * cp + c) == (0 if rank == 21 else 2)
+
+
+def test_comm_bytes_by_hand_with_controls():
+    """Stage 0, tp rank 0 of MESH16 (b = 1, m = 2 micro-batches, fp32, checkpointing on)."""
+    comm = mesh_bytes.comm_bytes(CPU_LLAMA, MESH16, FP32)
+    tot = mesh_bytes.totals(comm, MESH16)
+    # dp x cp = 4: the units' padded wholes: layer 0 (q 32x64, k, v 16x64, o 64x32, gate, up
+    # 88x64 -> 4·22 rows, down 64x88, norms 64) and the root (embedding's 512x64); one
+    # all-gather (reshard_after_forward=False under pp) and one reduce-scatter each
+    layer = 32 * 64 + 2 * 16 * 64 + 64 * 32 + 2 * 88 * 64 + 64 * 88 + 2 * 64
+    assert tot["dp_cp"]["boundary"] == 2 * 4 * (layer + 512 * 64) == 447488
+    assert tot["dp_cp"]["wire"] == 447488 * 3 / 4
+    # tp = 2: (b, s/cp, h) = 1·32·64 fp32 = 8192 bytes per call; per layer and micro-batch 4 a-g
+    # + 4 r-s, recomputation 2 a-g + 1 r-s; the embedding's r-s and its gradient's a-g
+    act = 32 * 64 * 4
+    assert comm["tp"] == [("all_gather", 2 * 6 + 2, act), ("reduce_scatter", 2 * 5 + 2, act)]
+    assert tot["tp"]["wire"] == 26 * act / 2
+    # pp = 2: the first stage sends each micro-batch's activation (b, s/(cp·tp), h) = 16·64·4
+    assert tot["pp"]["boundary"] == 2 * 16 * 64 * 4
+    # cp = 2: K and V of 2 heads x 32 tokens x 16 dims per hop: forward, recomputed forward and
+    # backward 1 hop each, dK/dV 2 hops, per micro-batch
+    assert tot["cp"]["boundary"] == 2 * (1 + 1 + 1 + 2) * 2 * (2 * 32 * 16 * 4)
+    # chapter 18's own formula for its ring (matched there to its counter), plus the recomputation
+    from chapters.ch18_long_context.ring import ring_bytes_per_rank
+
+    ring = ring_bytes_per_rank(1, 2, 32, 16, 4, 2)
+    assert tot["cp"]["boundary"] == 2 * (2 * ring["forward"] + ring["backward"])
+    # sequence parallelism moves what Megatron's 4 all-reduces per layer move (Korthikanti et
+    # al. 2022): without checkpointing, the layers' a-g + r-s on the wire == 4 ring all-reduces
+    # of (b, s, h) per layer, at tp = 4 (at tp = 2, 2(n-1)/n = 1 and the control below is blind)
+    wide, one = dataclasses.replace(CPU_LLAMA, kv_heads=4), mesh_bytes.Mesh(1, 4, 1, 1)
+    plain = mesh_bytes.comm_bytes(wide, one, FP32, recompute=False)["tp"]
+    full = 64 * 64 * 4
+    ends = 4 * full * 3 / 4  # the one stage is first and last: the embedding's and head's a-g, r-s
+    layers_wire = sum(c * x * mesh_bytes.WIRE[k](4) for k, c, x in plain) - ends
+    assert layers_wire == 2 * 4 * mesh_bytes.WIRE["all_reduce"](4) * full == 12 * full  # 2 layers
+    # controls, rejected by that comparison: the all-reduce counted 1x, a-g/r-s counted whole
+    assert 2 * 4 * 1.0 * full != layers_wire
+    assert sum(c * x for k, c, x in plain) - 4 * full != layers_wire
+    raf = mesh_bytes.totals(mesh_bytes.comm_bytes(CPU_LLAMA, MESH16, FP32, reshard_after_forward=True), MESH16)
+    assert raf["dp_cp"]["boundary"] != 447488  # all-gathers per micro-batch, forward and backward
+    no_rc = mesh_bytes.totals(mesh_bytes.comm_bytes(CPU_LLAMA, MESH16, FP32, recompute=False), MESH16)
+    assert no_rc["tp"]["boundary"] != tot["tp"]["boundary"] and no_rc["cp"]["boundary"] != tot["cp"]["boundary"]
+    # a middle stage sends both ways, the last only gradients back; a dimension of 1 moves nothing
+    four = dataclasses.replace(MESH16, pp=2, dp=1, cp=1, tp=1)
+    last = mesh_bytes.totals(mesh_bytes.comm_bytes(CPU_LLAMA, four, FP32, stage=1), four)
+    assert last["pp"]["boundary"] == 2 * 64 * 64 * 4
+    assert last["dp_cp"]["boundary"] == last["tp"]["boundary"] == last["cp"]["boundary"] == 0
+
+
+def test_activation_band_by_hand():
+    """Checkpointing per layer: stage 0 keeps its one layer's input for min(m, pp) = 2 micro-batches,
+    (b, s/(cp·tp), h) = 16 x 64 each; the top adds one layer whole (low 2h + 4h/t + 3f/t, high
+    + 7h/t + f/t per token, 32 tokens)."""
+    low, high = mesh_bytes.activation_band(CPU_LLAMA, MESH16, FP32)
+    assert low == 2 * 16 * 64 * 4
+    assert high == low + 32 * (2 * 64 + 4 * 32 + 3 * 88 + 7 * 32 + 88) * 4
+    # controls: a count that forgets cp's cut of the sequence, or 1F1B's in-flight micro-batches
+    no_cp = mesh_bytes.activation_band(CPU_LLAMA, dataclasses.replace(MESH16, cp=1), FP32)
+    assert no_cp[0] == 2 * low
+    one = mesh_bytes.activation_band(CPU_LLAMA, dataclasses.replace(MESH16, micro_batches=1), FP32)
+    assert one[0] == low / 2
+    off = mesh_bytes.activation_band(CPU_LLAMA, MESH16, FP32, recompute=False)
+    assert off == (2 * 32 * (2 * 64 + 4 * 32 + 3 * 88) * 4, 2 * 32 * (2 * 64 + 11 * 32 + 4 * 88) * 4)
+
+
+def test_compare_takes_equal_counts_and_rejects_the_controls():
+    state = mesh_bytes.model_state_bytes(CPU_LLAMA, MESH16, FP32)
+    comm = mesh_bytes.totals(mesh_bytes.comm_bytes(CPU_LLAMA, MESH16, FP32), MESH16)
+    low, high = mesh_bytes.activation_band(CPU_LLAMA, MESH16, FP32)
+    measured = {"model_state": {k: state[k] for k in ("params", "grads", "optimizer")},
+                "comm": {d: v["boundary"] for d, v in comm.items()}, "activations": (low + high) / 2}
+    assert all(r["ok"] for r in mesh_bytes.compare(CPU_LLAMA, MESH16, FP32, measured))
+    bad = {**measured, "comm": {**measured["comm"], "tp": comm["tp"]["boundary"] + 4}}
+    assert [r["name"] for r in mesh_bytes.compare(CPU_LLAMA, MESH16, FP32, bad) if not r["ok"]] == [
+        "bytes per step at the boundary: tp"]
+    bad = {**measured, "activations": 2 * high}
+    assert not mesh_bytes.compare(CPU_LLAMA, MESH16, FP32, bad)[-1]["ok"]

@@ -1,0 +1,278 @@
+"""The planner's bytes per mesh dimension: for a Llama on a dp × tp × pp × cp mesh (chapter 25's
+composed run), what one rank holds and what each dimension's collectives move in one step, in
+the run's dtypes. planner.py prices a layout in seconds; this module counts the bytes those
+seconds are made of, so that they can be set beside a run that counts them too.
+
+The parallel plan counted is torchtitan's (Llama `parallelize`, `pipeline`), the one issue 21
+asks chapter 25 to build:
+
+- pp: the layers split into `pp` stages (the first `L mod pp` stages one layer more), the input
+  embedding on the first stage, the final norm and the output head on the last; 1F1B schedules
+  send each micro-batch's activation forward and its gradient back (torch.distributed.pipelining).
+- tp (Megatron with sequence parallelism, chapter 05): q, k, v, gate, up and the head split by
+  output features (Shard(0)), o and down by input features (Shard(1)), the embedding by rows
+  (vocabulary, Shard(0)), norms replicated. Per layer and micro-batch the forward all-gathers the
+  sequence-sharded input of attention and of the MLP and reduce-scatters their outputs; the
+  backward does the reverse; activation checkpointing repeats the forward's but for the MLP's
+  reduce-scatter (the recomputation stops early, once every saved tensor is back). The embedding's
+  output is reduce-scattered, the head's input all-gathered (loss parallel: logits stay sharded).
+- cp: chapter 18's ring attention (`ring.RingAttention`): forward cp − 1 hops of K and V;
+  backward cp − 1 hops of K and V and cp hops of dK, dV; its K and V have as many heads as q
+  (chapter 18's ring needs q, k, v of one shape: grouped-query K/V are repeated before it).
+- dp × cp: FSDP2 per decoder layer plus the root, on the flattened dp × cp mesh. Each parameter
+  (its TP-local part) is cut on dim 0 with torch.chunk over the n = dp·cp ranks, so a rank may get
+  fewer rows, or none; the all-gather's output and the reduce-scatter's input are the padded
+  whole, n·⌈d0/n⌉ rows.
+
+Counted "at the collective boundary": the bytes of the tensor handed to the collective, whole
+(an all-gather's output, a reduce-scatter's input, a send's tensor), in the dtype it is sent in.
+`wire` is what a ring algorithm then sends per rank: (n − 1)/n of it for an all-gather or a
+reduce-scatter, 2(n − 1)/n for an all-reduce (chapter 07), all of it for a send. Scalars (the
+loss, the gradient norm's partial sums) are left out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send")
+WIRE = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+        "all_reduce": lambda n: 2 * (n - 1) / n, "send": lambda n: 1.0}
+
+
+@dataclass(frozen=True)
+class Llama:
+    """The shape of a Llama (HF `LlamaForCausalLM`: untied embeddings, GQA, SwiGLU, RMSNorm)."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    seq_len: int
+
+    @classmethod
+    def from_preset(cls, p: dict) -> Llama:
+        """From one of chapter 25's `model.PRESETS`."""
+        return cls(p["vocab_size"], p["hidden_size"], p["n_layers"], p["n_heads"], p["n_kv_heads"],
+                   p["ffn_size"], p["seq_len"])
+
+    def layer_params(self) -> list[tuple[str, tuple[int, int], int | None]]:
+        """(name, shape, tensor-parallel dim) of one decoder layer's parameters."""
+        h, kv = self.hidden, self.kv_heads * (self.hidden // self.heads)
+        return [("q", (h, h), 0), ("k", (kv, h), 0), ("v", (kv, h), 0), ("o", (h, h), 1),
+                ("gate", (self.ffn, h), 0), ("up", (self.ffn, h), 0), ("down", (h, self.ffn), 1),
+                ("input_norm", (h,), None), ("post_attention_norm", (h,), None)]
+
+    def stage_params(self, stage: int, pp: int) -> list[tuple[str, tuple[int, ...], int | None]]:
+        """The parameters stage `stage` of `pp` holds."""
+        out = [("embed", (self.vocab, self.hidden), 0)] if stage == 0 else []
+        out += [(f"layer{i}.{n}", s, d) for i in stage_layers(self.layers, pp, stage)
+                for n, s, d in self.layer_params()]
+        if stage == pp - 1:
+            out += [("norm", (self.hidden,), None), ("head", (self.vocab, self.hidden), 0)]
+        return out
+
+    def params(self) -> int:
+        return sum(math.prod(s) for _, s, _ in self.stage_params(0, 1))
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A layout: dp × tp × pp × cp ranks; each dp rank's batch is micro_batches × micro_batch_size
+    sequences of seq_len tokens, each cut into cp pieces of the sequence."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    micro_batch_size: int = 1
+    micro_batches: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element. FSDP2: `param` is what the sharded (master) parameters, their gradients
+    and AdamW's two moments are kept in; `compute` what it all-gathers and the layers compute in
+    (MixedPrecisionPolicy.param_dtype); `reduce` what gradients are reduce-scattered in; `step`
+    AdamW's step counter, one scalar per parameter tensor (float32, float64 under a float64
+    default dtype: torch.optim.optimizer._get_scalar_dtype)."""
+
+    param: int = 4
+    compute: int = 4
+    reduce: int = 4
+    step: int = 4
+
+    @classmethod
+    def of(cls, param, compute=None, reduce=None) -> Dtypes:
+        """From torch dtypes: `Dtypes.of(torch.float64)`, `Dtypes.of(torch.float32, torch.bfloat16)`."""
+        compute, reduce = compute or param, reduce or param
+        return cls(param.itemsize, compute.itemsize, reduce.itemsize, 8 if param.itemsize == 8 else 4)
+
+
+def layout_error(llama: Llama, mesh: Mesh) -> str | None:
+    """Why this Llama cannot be laid out on this mesh, in one line, or None."""
+    if min(mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.micro_batch_size, mesh.micro_batches) < 1:
+        return f"every size must be at least 1: {mesh}"
+    if llama.heads % mesh.tp or llama.kv_heads % mesh.tp:
+        return f"tp={mesh.tp} must divide the heads ({llama.heads}) and KV heads ({llama.kv_heads})"
+    if llama.layers < mesh.pp:
+        return f"pp={mesh.pp} stages for {llama.layers} layers: a stage would be empty"
+    if llama.seq_len % (2 * mesh.cp * mesh.tp):
+        return (f"seq_len {llama.seq_len} must split into 2·cp = {2 * mesh.cp} ring chunks and each "
+                f"rank's piece over tp={mesh.tp} (sequence parallelism)")
+    return None
+
+
+def stage_layers(layers: int, pp: int, stage: int) -> range:
+    """The layers of one stage: L // pp each, the first L mod pp stages one more."""
+    base, extra = divmod(layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def chunk_rows(rows: int, n: int, i: int) -> int:
+    """Rows piece i of torch.chunk(·, n) gets, 0 for the pieces torch.chunk does not make
+    (FSDP2's `_chunk_with_empty`; DTensor's Shard splits the same way)."""
+    c = -(-rows // n)
+    return max(0, min(c, rows - i * c))
+
+
+def local_shape(shape: tuple[int, ...], tp_dim: int | None, tp: int, t: int) -> tuple[int, ...]:
+    if tp_dim is None:
+        return shape
+    return tuple(chunk_rows(d, tp, t) if k == tp_dim else d for k, d in enumerate(shape))
+
+
+def model_state_bytes(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0, t: int = 0,
+                      s: int = 0) -> dict[str, int]:
+    """Parameters, gradients and AdamW state one rank keeps between steps: pipeline stage
+    `stage`, tensor-parallel rank t, rank s of the dp × cp shard group."""
+    n, numel, tensors = mesh.dp * mesh.cp, 0, 0
+    for _, shape, tp_dim in llama.stage_params(stage, mesh.pp):
+        local = local_shape(shape, tp_dim, mesh.tp, t)
+        numel += chunk_rows(local[0], n, s) * math.prod(local[1:])
+        tensors += 1
+    return {"params": numel * dt.param, "grads": numel * dt.param,
+            "optimizer": 2 * numel * dt.param + tensors * dt.step,
+            "total": 4 * numel * dt.param + tensors * dt.step}
+
+
+def fsdp_units(llama: Llama, mesh: Mesh, stage: int, t: int) -> list[int]:
+    """Padded elements of each FSDP2 unit's whole (n·⌈d0/n⌉ rows of each TP-local parameter):
+    one unit per decoder layer, then the root with what is left (embedding, norm, head)."""
+    n = mesh.dp * mesh.cp
+    units: dict[str, int] = {}
+    for name, shape, tp_dim in llama.stage_params(stage, mesh.pp):
+        local = local_shape(shape, tp_dim, mesh.tp, t)
+        unit = name.split(".")[0] if name.startswith("layer") else "root"
+        units[unit] = units.get(unit, 0) + n * -(-local[0] // n) * math.prod(local[1:])
+    return list(units.values())
+
+
+def in_flight(mesh: Mesh, stage: int) -> int:
+    """Micro-batches a 1F1B stage holds activations for at once: min(m, pp − stage)."""
+    return min(mesh.micro_batches, mesh.pp - stage)
+
+
+def comm_bytes(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0, t: int = 0,
+               recompute: bool = True, reshard_after_forward: bool | None = None) -> dict[str, list]:
+    """Collectives one rank of `stage` (tensor-parallel rank t) joins in one optimizer step, by
+    mesh dimension: {dim: [(kind, calls, boundary bytes of each call)]}. `recompute`: activation
+    checkpointing per layer (its forward's tp collectives and cp ring again in backward).
+    `reshard_after_forward`: FSDP2's; default torchtitan's (False under pp, True without)."""
+    m, b, h = mesh.micro_batches, mesh.micro_batch_size, llama.hidden
+    s_local = llama.seq_len // mesh.cp
+    layers = len(stage_layers(llama.layers, mesh.pp, stage))
+    first, last = stage == 0, stage == mesh.pp - 1
+    out: dict[str, list] = {"dp_cp": [], "tp": [], "pp": [], "cp": []}
+    if mesh.dp * mesh.cp > 1:
+        raf = mesh.pp == 1 if reshard_after_forward is None else reshard_after_forward
+        # under pp, torch's PipelineStage defers gradient sync to the last micro-batch
+        gathers = 2 * m if raf else (1 if mesh.pp > 1 else m)
+        scatters = 1 if mesh.pp > 1 else m
+        for unit in fsdp_units(llama, mesh, stage, t):
+            out["dp_cp"] += [("all_gather", gathers, unit * dt.compute),
+                             ("reduce_scatter", scatters, unit * dt.reduce)]
+    act = b * s_local * h * dt.compute  # one micro-batch's (b, s/cp, h) on a tp rank, gathered
+    if mesh.tp > 1:
+        # per layer and micro-batch: attention and MLP each all-gather their input and
+        # reduce-scatter their output in forward, the reverse in backward; the recomputed forward
+        # stops early (torch.utils.checkpoint's default) before the MLP's reduce-scatter, whose
+        # output no backward needs (chapter 25's `train_step_flops` counts the same early stop)
+        calls = {"all_gather": m * layers * (4 + 2 * recompute),
+                 "reduce_scatter": m * layers * (4 + recompute)}
+        for kind in ("all_gather", "reduce_scatter"):
+            calls[kind] += m * (first + last)  # embedding out (r-s / a-g), head in (a-g / r-s)
+        out["tp"] += [(k, c, act) for k, c in calls.items()]
+    if mesh.pp > 1:
+        piece = b * (s_local // mesh.tp) * h * dt.compute  # sequence parallel: (b, s/(cp·tp), h)
+        sends = m * ((not last) + (not first))  # activations forward, their gradients back
+        out["pp"].append(("send", sends, piece))
+    if mesh.cp > 1:
+        block = b * (llama.heads // mesh.tp) * s_local * (h // llama.heads) * dt.compute
+        hops = m * layers * ((mesh.cp - 1) * (2 + recompute) + mesh.cp)  # K/V; dK/dV in backward
+        out["cp"].append(("send", hops, 2 * block))  # K and V (dK and dV) in one message
+    return out
+
+
+def totals(comm: dict[str, list], mesh: Mesh) -> dict[str, dict[str, float]]:
+    """Per dimension: bytes at the collective boundary and bytes a ring sends per rank."""
+    size = {"dp_cp": mesh.dp * mesh.cp, "tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp}
+    return {d: {"boundary": sum(c * x for _, c, x in entries),
+                "wire": sum(c * x * WIRE[k](size[d]) for k, c, x in entries)}
+            for d, entries in comm.items()}
+
+
+def activation_band(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0,
+                    recompute: bool = True) -> tuple[float, float]:
+    """(low, high) bytes of activations one rank of `stage` keeps for backward at its peak.
+    Per layer and token, on a tp rank, with sequence parallelism (x = h/tp):
+    low counts what the matmuls and attention must keep: the all-gathered inputs of attention
+    and of the MLP (2h), q, k, v and the attention output (4x, K/V repeated), the MLP's gate,
+    up and their product (3·ffn/tp); high adds every other intermediate of the eager graph: the
+    two norms' inputs and normalised values (4x, RMSNorm in the compute dtype), q and k before
+    RoPE (2x), o's input copy (x) and silu(gate) (ffn/tp).
+    With `recompute` (checkpointing per layer) each layer keeps only its input (x per token)
+    and the band's top adds one layer whole, rebuilt in backward. The first stage holds
+    min(m, pp) micro-batches (1F1B)."""
+    x, f = llama.hidden / mesh.tp, llama.ffn / mesh.tp
+    tokens = mesh.micro_batch_size * llama.seq_len / mesh.cp
+    low = 2 * llama.hidden + 4 * x + 3 * f
+    high = low + 7 * x + f
+    layers = len(stage_layers(llama.layers, mesh.pp, stage)) * in_flight(mesh, stage)
+    e = dt.compute
+    if recompute:
+        kept = layers * tokens * x * e
+        return kept, kept + tokens * high * e
+    return layers * tokens * low * e, layers * tokens * high * e
+
+
+def compare(llama: Llama, mesh: Mesh, dt: Dtypes, measured: dict, stage: int = 0, t: int = 0,
+            s: int = 0, recompute: bool = True) -> list[dict]:
+    """The predictions beside a run's measured figures for one rank: `measured` holds
+    "model_state" ({"params", "grads", "optimizer"} bytes), "comm" ({dim: bytes handed to that
+    dimension's collectives in one step}) and "activations" (bytes kept for backward at the
+    peak). Model state and communication must be equal (they are counts, not timings); the
+    activations must lie in `activation_band`."""
+    rows = []
+    state = model_state_bytes(llama, mesh, dt, stage, t, s)
+    for part in ("params", "grads", "optimizer"):
+        rows.append({"name": f"model state: {part}", "predicted": state[part],
+                     "measured": measured["model_state"][part]})
+    comm = totals(comm_bytes(llama, mesh, dt, stage, t, recompute), mesh)
+    for dim, got in measured["comm"].items():
+        rows.append({"name": f"bytes per step at the boundary: {dim}",
+                     "predicted": comm[dim]["boundary"], "measured": got})
+    for row in rows:
+        row["ok"] = row["predicted"] == row["measured"]
+    low, high = activation_band(llama, mesh, dt, stage, recompute)
+    rows.append({"name": "activations (band)", "predicted": [low, high],
+                 "measured": measured["activations"], "ok": low <= measured["activations"] <= high})
+    return rows
