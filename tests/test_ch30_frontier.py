@@ -352,7 +352,7 @@ def test_model_state_bytes_by_hand_with_controls():
     assert f64["total"] == 2 * got["total"]
 
 
-def sharded_state_bytes(llama, dp: int, cp: int, tp: int, rank: int) -> tuple[tuple, int, int]:
+def sharded_state_bytes(llama, dp: int, cp: int, tp: int, rank: int, plan: str) -> tuple[tuple, int, int]:
     """Torch's own sharding, measured: the Llama's parameters (pp = 1) under DTensor TP
     (torchtitan's plan) and FSDP2 over the flattened dp x cp mesh, on a fake process group (one
     process plays `rank`; no data moves, shapes are real), then one AdamW step on zero
@@ -394,11 +394,12 @@ def sharded_state_bytes(llama, dp: int, cp: int, tp: int, rank: int) -> tuple[tu
         model = Parts(embed=nn.Embedding(llama.vocab, h), layers=layers, norm=nn.RMSNorm(h),
                       head=linear(h, llama.vocab))
         col, row, seq = ColwiseParallel, RowwiseParallel, SequenceParallel
-        parallelize_module(model, mesh["tp"], {"embed": row(), "head": col(), "norm": seq()})
+        if plan == "torchtitan":
+            parallelize_module(model, mesh["tp"], {"embed": row(), "head": col(), "norm": seq()})
+        norms = {"n1": seq(), "n2": seq()} if plan == "torchtitan" else {}
         for layer in layers:
             parallelize_module(layer, mesh["tp"], {"q": col(), "k": col(), "v": col(), "o": row(),
-                                                   "gate": col(), "up": col(), "down": row(),
-                                                   "n1": seq(), "n2": seq()})
+                                                   "gate": col(), "up": col(), "down": row(), **norms})
         shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")
         for layer in layers:
             fully_shard(layer, mesh=shard_mesh)
@@ -420,14 +421,18 @@ def sharded_state_bytes(llama, dp: int, cp: int, tp: int, rank: int) -> tuple[tu
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("dp,cp,tp,rank", [(2, 2, 2, 5), (3, 4, 2, 21), (3, 4, 2, 6)])
-def test_model_state_equals_torchs_sharding(dp, cp, tp, rank):
+@pytest.mark.parametrize("dp,cp,tp,rank,plan", [(2, 2, 2, 5, "torchtitan"), (3, 4, 2, 21, "torchtitan"),
+                                                (3, 4, 2, 6, "torchtitan"), (3, 4, 2, 21, "blocks")])
+def test_model_state_equals_torchs_sharding(dp, cp, tp, rank, plan):
     """At dp x cp = 12 the k and v projections' 16 TP-local rows give ranks 8-11 of the shard
     group nothing (torch.chunk makes 8 pieces of 2): rank 21 is one of them, rank 6 is not."""
-    (d, c, t), params, state = sharded_state_bytes(CPU_LLAMA, dp, cp, tp, rank)
-    mesh = mesh_bytes.Mesh(dp, tp, 1, cp)
+    (d, c, t), params, state = sharded_state_bytes(CPU_LLAMA, dp, cp, tp, rank, plan)
+    mesh = mesh_bytes.Mesh(dp, tp, 1, cp, plan=plan)
     got = mesh_bytes.model_state_bytes(CPU_LLAMA, mesh, FP32, stage=0, t=t, s=d * cp + c)
     assert (got["params"], got["optimizer"]) == (params, state)
+    other = mesh_bytes.model_state_bytes(CPU_LLAMA, dataclasses.replace(mesh, plan=(
+        "blocks" if plan == "torchtitan" else "torchtitan")), FP32, stage=0, t=t, s=d * cp + c)
+    assert other["params"] != params  # control: the other plan's split
     if (dp, cp) == (3, 4):  # control: shards taken as an even Ψ/n per rank, the same comparison
         even = 4 * CPU_LLAMA.params() / (tp * dp * cp)
         assert even != params
@@ -510,3 +515,38 @@ def test_compare_takes_equal_counts_and_rejects_the_controls():
         "bytes per step at the boundary: tp"]
     bad = {**measured, "activations": 2 * high}
     assert not mesh_bytes.compare(CPU_LLAMA, MESH16, FP32, bad)[-1]["ok"]
+
+
+def test_blocks_plan_by_hand():
+    """Chapter 25's composed.py plan: Megatron's blocks only (all-reduces), the embedding, norms
+    and head whole on every tp rank, no sequence parallelism; stage 0, tp rank 0, shard rank 0."""
+    mesh = dataclasses.replace(MESH16, plan="blocks")
+    numel = 256 * 64 + 8 * 64 + 2 * 4 * 64 + 16 * 32 + 2 * 22 * 64 + 16 * 88 + 2 * 16
+    got = mesh_bytes.model_state_bytes(CPU_LLAMA, mesh, FP32)
+    assert (got["params"], got["optimizer"]) == (4 * numel, 8 * numel + 10 * 4)
+    comm = mesh_bytes.comm_bytes(CPU_LLAMA, mesh, FP32, reshard_after_forward=False)
+    act = 32 * 64 * 4  # (b, s/cp, h), whole on every tp rank
+    assert comm["tp"] == [("all_reduce", 2 * 5, act)]  # 4 per layer and micro-batch + o's again
+    rc_off = mesh_bytes.comm_bytes(CPU_LLAMA, mesh, FP32, recompute=False)["tp"]
+    assert rc_off == [("all_reduce", 2 * 4, act)]  # Megatron's 4 (chapter 05)
+    tot = mesh_bytes.totals(comm, mesh)
+    layer = 32 * 64 + 2 * 16 * 64 + 64 * 32 + 2 * 88 * 64 + 64 * 88 + 2 * 64
+    assert tot["dp_cp"]["boundary"] == 2 * 4 * (layer + 1024 * 64)
+    assert tot["pp"]["boundary"] == 2 * act and tot["tp"]["wire"] == 10 * act * 2 * 1 / 2
+    low, high = mesh_bytes.activation_band(CPU_LLAMA, mesh, FP32)
+    assert low == 2 * 32 * 64 * 4  # each layer's whole input, 2 micro-batches in flight
+    assert mesh_bytes.layout_error(CPU_LLAMA, dataclasses.replace(mesh, plan="megatron")) is not None
+
+
+def test_planner_panels_show_every_shape():
+    """The 70B panel's tp=8 x pp bar: 80 layers do not split into 512/8 = 64 stages, so the
+    deepest pipeline is 16 stages with dp = 4 (the old shape 1 x 8 x 64 had no layout at all)."""
+    from chapters.ch30_frontier import plots
+
+    spec, cluster = planner.WORKED["70B on 512 GPUs of 80 GB"]
+    assert plots.deepest_tp8_pipeline(spec, 512) == (4, 8, 16)
+    assert not any((lay.dp, lay.tp, lay.pp) == (1, 8, 64) for lay in planner.layouts(spec, 512))
+    for name in planner.WORKED:
+        lays = plots.alternatives(name)
+        assert len(lays) == 4 and any(lay.tp == 8 and lay.pp > 1 for lay in lays)
+    assert plots.deepest_tp8_pipeline(*planner.WORKED["7B on 64 GPUs of 80 GB"][:1], 64) == (1, 8, 8)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+PLANS = ("torchtitan", "blocks")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send")
 WIRE = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
         "all_reduce": lambda n: 2 * (n - 1) / n, "send": lambda n: 1.0}
@@ -66,13 +67,16 @@ class Llama:
                 ("gate", (self.ffn, h), 0), ("up", (self.ffn, h), 0), ("down", (h, self.ffn), 1),
                 ("input_norm", (h,), None), ("post_attention_norm", (h,), None)]
 
-    def stage_params(self, stage: int, pp: int) -> list[tuple[str, tuple[int, ...], int | None]]:
-        """The parameters stage `stage` of `pp` holds."""
-        out = [("embed", (self.vocab, self.hidden), 0)] if stage == 0 else []
+    def stage_params(self, stage: int, pp: int, plan: str = "torchtitan"
+                     ) -> list[tuple[str, tuple[int, ...], int | None]]:
+        """The parameters stage `stage` of `pp` holds (the embedding and head split over tp
+        by rows under torchtitan's plan, whole under "blocks")."""
+        ends = 0 if plan == "torchtitan" else None
+        out = [("embed", (self.vocab, self.hidden), ends)] if stage == 0 else []
         out += [(f"layer{i}.{n}", s, d) for i in stage_layers(self.layers, pp, stage)
                 for n, s, d in self.layer_params()]
         if stage == pp - 1:
-            out += [("norm", (self.hidden,), None), ("head", (self.vocab, self.hidden), 0)]
+            out += [("norm", (self.hidden,), None), ("head", (self.vocab, self.hidden), ends)]
         return out
 
     def params(self) -> int:
@@ -90,6 +94,12 @@ class Mesh:
     cp: int
     micro_batch_size: int = 1
     micro_batches: int = 1
+    plan: str = "torchtitan"
+    """The tensor-parallel plan: "torchtitan" (sequence parallelism: all-gathers and
+    reduce-scatters; embedding and head split, loss parallel) or "blocks" (Megatron's split of the
+    blocks alone, an all-reduce after attention and after the MLP, their input gradients
+    all-reduced in backward; embedding, norms and head whole on every tp rank: chapter 25's
+    composed.py)."""
 
     @property
     def world(self) -> int:
@@ -118,15 +128,18 @@ class Dtypes:
 
 def layout_error(llama: Llama, mesh: Mesh) -> str | None:
     """Why this Llama cannot be laid out on this mesh, in one line, or None."""
+    if mesh.plan not in PLANS:
+        return f"plan must be one of {PLANS}, not {mesh.plan!r}"
     if min(mesh.dp, mesh.tp, mesh.pp, mesh.cp, mesh.micro_batch_size, mesh.micro_batches) < 1:
         return f"every size must be at least 1: {mesh}"
     if llama.heads % mesh.tp or llama.kv_heads % mesh.tp:
         return f"tp={mesh.tp} must divide the heads ({llama.heads}) and KV heads ({llama.kv_heads})"
     if llama.layers < mesh.pp:
         return f"pp={mesh.pp} stages for {llama.layers} layers: a stage would be empty"
-    if llama.seq_len % (2 * mesh.cp * mesh.tp):
-        return (f"seq_len {llama.seq_len} must split into 2·cp = {2 * mesh.cp} ring chunks and each "
-                f"rank's piece over tp={mesh.tp} (sequence parallelism)")
+    sp = mesh.tp if mesh.plan == "torchtitan" else 1
+    if llama.seq_len % (2 * mesh.cp * sp):
+        return (f"seq_len {llama.seq_len} must split into 2·cp = {2 * mesh.cp} ring chunks"
+                + (f" and each rank's piece over tp={mesh.tp} (sequence parallelism)" if sp > 1 else ""))
     return None
 
 
@@ -155,7 +168,7 @@ def model_state_bytes(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0, t: i
     """Parameters, gradients and AdamW state one rank keeps between steps: pipeline stage
     `stage`, tensor-parallel rank t, rank s of the dp × cp shard group."""
     n, numel, tensors = mesh.dp * mesh.cp, 0, 0
-    for _, shape, tp_dim in llama.stage_params(stage, mesh.pp):
+    for _, shape, tp_dim in llama.stage_params(stage, mesh.pp, mesh.plan):
         local = local_shape(shape, tp_dim, mesh.tp, t)
         numel += chunk_rows(local[0], n, s) * math.prod(local[1:])
         tensors += 1
@@ -169,7 +182,7 @@ def fsdp_units(llama: Llama, mesh: Mesh, stage: int, t: int) -> list[int]:
     one unit per decoder layer, then the root with what is left (embedding, norm, head)."""
     n = mesh.dp * mesh.cp
     units: dict[str, int] = {}
-    for name, shape, tp_dim in llama.stage_params(stage, mesh.pp):
+    for name, shape, tp_dim in llama.stage_params(stage, mesh.pp, mesh.plan):
         local = local_shape(shape, tp_dim, mesh.tp, t)
         unit = name.split(".")[0] if name.startswith("layer") else "root"
         units[unit] = units.get(unit, 0) + n * -(-local[0] // n) * math.prod(local[1:])
@@ -201,7 +214,11 @@ def comm_bytes(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0, t: int = 0,
             out["dp_cp"] += [("all_gather", gathers, unit * dt.compute),
                              ("reduce_scatter", scatters, unit * dt.reduce)]
     act = b * s_local * h * dt.compute  # one micro-batch's (b, s/cp, h) on a tp rank, gathered
-    if mesh.tp > 1:
+    if mesh.tp > 1 and mesh.plan == "blocks":
+        # per layer and micro-batch: o's and down's outputs all-reduced in forward, the inputs of
+        # q/k/v and of gate/up all-reduced in backward; the recomputation reruns o's, not down's
+        out["tp"].append(("all_reduce", m * layers * (4 + recompute), act))
+    elif mesh.tp > 1:
         # per layer and micro-batch: attention and MLP each all-gather their input and
         # reduce-scatter their output in forward, the reverse in backward; the recomputed forward
         # stops early (torch.utils.checkpoint's default) before the MLP's reduce-scatter, whose
@@ -212,7 +229,8 @@ def comm_bytes(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0, t: int = 0,
             calls[kind] += m * (first + last)  # embedding out (r-s / a-g), head in (a-g / r-s)
         out["tp"] += [(k, c, act) for k, c in calls.items()]
     if mesh.pp > 1:
-        piece = b * (s_local // mesh.tp) * h * dt.compute  # sequence parallel: (b, s/(cp·tp), h)
+        sp = mesh.tp if mesh.plan == "torchtitan" else 1  # sequence parallel: (b, s/(cp·tp), h)
+        piece = b * (s_local // sp) * h * dt.compute
         sends = m * ((not last) + (not first))  # activations forward, their gradients back
         out["pp"].append(("send", sends, piece))
     if mesh.cp > 1:
@@ -233,29 +251,31 @@ def totals(comm: dict[str, list], mesh: Mesh) -> dict[str, dict[str, float]]:
 def activation_band(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0,
                     recompute: bool = True) -> tuple[float, float]:
     """(low, high) bytes of activations one rank of `stage` keeps for backward at its peak.
-    Per layer and token, on a tp rank, with sequence parallelism (x = h/tp):
-    low counts what the matmuls and attention must keep: the all-gathered inputs of attention
-    and of the MLP (2h), q, k, v and the attention output (4x, K/V repeated), the MLP's gate,
-    up and their product (3·ffn/tp); high adds every other intermediate of the eager graph: the
-    two norms' inputs and normalised values (4x, RMSNorm in the compute dtype), q and k before
-    RoPE (2x), o's input copy (x) and silu(gate) (ffn/tp).
-    With `recompute` (checkpointing per layer) each layer keeps only its input (x per token)
+    Per layer and token, on a tp rank (x = h/tp; r = x with sequence parallelism, h without):
+    low counts what the matmuls and attention must keep: the whole inputs of q/k/v and of
+    gate/up (2h), q, k, v and the attention output (4x, K/V repeated), the MLP's gate, up and
+    their product (3·ffn/tp); high adds every other intermediate of the eager graph: the two
+    norms' inputs and normalised values (4r, RMSNorm in the compute dtype), q and k before RoPE
+    (2x), o's input copy (x) and silu(gate) (ffn/tp).
+    With `recompute` (checkpointing per layer) each layer keeps only its input (r per token)
     and the band's top adds one layer whole, rebuilt in backward. The first stage holds
     min(m, pp) micro-batches (1F1B)."""
     x, f = llama.hidden / mesh.tp, llama.ffn / mesh.tp
+    r = x if mesh.plan == "torchtitan" else llama.hidden
     tokens = mesh.micro_batch_size * llama.seq_len / mesh.cp
     low = 2 * llama.hidden + 4 * x + 3 * f
-    high = low + 7 * x + f
+    high = low + 4 * r + 3 * x + f
     layers = len(stage_layers(llama.layers, mesh.pp, stage)) * in_flight(mesh, stage)
     e = dt.compute
     if recompute:
-        kept = layers * tokens * x * e
+        kept = layers * tokens * r * e
         return kept, kept + tokens * high * e
     return layers * tokens * low * e, layers * tokens * high * e
 
 
 def compare(llama: Llama, mesh: Mesh, dt: Dtypes, measured: dict, stage: int = 0, t: int = 0,
-            s: int = 0, recompute: bool = True) -> list[dict]:
+            s: int = 0, recompute: bool = True,
+            reshard_after_forward: bool | None = None) -> list[dict]:
     """The predictions beside a run's measured figures for one rank: `measured` holds
     "model_state" ({"params", "grads", "optimizer"} bytes), "comm" ({dim: bytes handed to that
     dimension's collectives in one step}) and "activations" (bytes kept for backward at the
@@ -266,7 +286,7 @@ def compare(llama: Llama, mesh: Mesh, dt: Dtypes, measured: dict, stage: int = 0
     for part in ("params", "grads", "optimizer"):
         rows.append({"name": f"model state: {part}", "predicted": state[part],
                      "measured": measured["model_state"][part]})
-    comm = totals(comm_bytes(llama, mesh, dt, stage, t, recompute), mesh)
+    comm = totals(comm_bytes(llama, mesh, dt, stage, t, recompute, reshard_after_forward), mesh)
     for dim, got in measured["comm"].items():
         rows.append({"name": f"bytes per step at the boundary: {dim}",
                      "predicted": comm[dim]["boundary"], "measured": got})
@@ -276,3 +296,19 @@ def compare(llama: Llama, mesh: Mesh, dt: Dtypes, measured: dict, stage: int = 0
     rows.append({"name": "activations (band)", "predicted": [low, high],
                  "measured": measured["activations"], "ok": low <= measured["activations"] <= high})
     return rows
+
+
+def report(llama: Llama, mesh: Mesh, dt: Dtypes, recompute: bool = True) -> list[str]:
+    """Lines for the lesson: per pipeline stage (tp rank 0, shard rank 0), the model state, the
+    bytes per step of each dimension (at the boundary / on a ring's wire) and the activation band."""
+    lines = [f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp} cp={mesh.cp}, b={mesh.micro_batch_size}, "
+             f"m={mesh.micro_batches}, recompute={recompute}: bytes per rank (kB = 1000 B)"]
+    for stage in range(mesh.pp):
+        st = model_state_bytes(llama, mesh, dt, stage)
+        tot = totals(comm_bytes(llama, mesh, dt, stage, recompute=recompute), mesh)
+        low, high = activation_band(llama, mesh, dt, stage, recompute)
+        lines.append(f"stage {stage}: params {st['params'] / 1e3:.1f}, grads {st['grads'] / 1e3:.1f}, "
+                     f"AdamW {st['optimizer'] / 1e3:.1f} kB; activations {low / 1e3:.1f}-{high / 1e3:.1f} kB")
+        lines.append("   per step, boundary / wire (kB): " + ", ".join(
+            f"{d} {v['boundary'] / 1e3:.1f} / {v['wire'] / 1e3:.1f}" for d, v in tot.items()))
+    return lines

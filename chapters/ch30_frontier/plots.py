@@ -39,12 +39,21 @@ def measure() -> dict:
             "bounds": [fed["config"]["fedavg_accuracy"], fed["config"]["single_accuracy"]]}
 
 
+def deepest_tp8_pipeline(spec: planner.ModelSpec, n_gpus: int) -> tuple[int, int, int]:
+    """(dp, 8, pp) with the deepest pipeline whose pp divides both n/8 and the layers: pp = n/8
+    where it can (7B on 64: 1 x 8 x 8), else fewer stages and a little dp (70B on 512: 80 layers,
+    so pp = 16 and dp = 4, not pp = 64)."""
+    pp = max(p for p in planner.divisors(n_gpus // 8) if spec.n_layers % p == 0)
+    return n_gpus // (8 * pp), 8, pp
+
+
 def alternatives(name: str) -> list[planner.Layout]:
     """The planner's choice and the fastest layout that fits of a few other shapes."""
     spec, cluster = planner.WORKED[name]
     best = planner.search(spec, cluster).layout
     out = [best]
-    for shape in ((cluster.n_gpus, 1, 1), (cluster.n_gpus // 8, 8, 1), (1, 8, cluster.n_gpus // 8)):
+    for shape in ((cluster.n_gpus, 1, 1), (cluster.n_gpus // 8, 8, 1),
+                  deepest_tp8_pipeline(spec, cluster.n_gpus)):
         fits = [lay for lay in planner.layouts(spec, cluster.n_gpus)
                 if (lay.dp, lay.tp, lay.pp) == shape
                 and planner.memory_bytes(spec, lay) <= cluster.memory_bytes]
