@@ -23,7 +23,8 @@ import inspect
 
 import torch
 
-from chapters.ch30_frontier import planner, secure_agg
+from chapters.ch25_llm.model import PRESETS
+from chapters.ch30_frontier import mesh_bytes, planner, secure_agg
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
 
@@ -52,6 +53,21 @@ spec, cluster = planner.WORKED["7B on 64 GPUs of 80 GB"]
 print("40 GB GPUs:", planner.search(spec, dataclasses.replace(cluster, memory_bytes=40e9)).layout)
 print("all-reduce hidden:", planner.search(spec, cluster, drop="dp_comm").layout)
 print("memory ignored (a broken planner):", planner.search(spec, cluster, ignore_memory=True).layout)
+
+# %% [markdown]
+# ## Bytes per mesh dimension
+# Chapter 25's CPU Llama on dp × tp × pp × cp = 2 × 2 × 2 × 2: what each rank holds and what each
+# dimension's collectives move in one step (at the collective boundary / on a ring's wire), under
+# torchtitan's sequence-parallel plan and under chapter 25's `composed.py` plan ("blocks").
+# These are the figures to be held against chapter 25's measurements: model state and bytes
+# exactly, activations within the band.
+
+# %%
+llama = mesh_bytes.Llama.from_preset(PRESETS["cpu"])
+for plan in mesh_bytes.PLANS:
+    mesh = mesh_bytes.Mesh(dp=2, tp=2, pp=2, cp=2, micro_batch_size=1, micro_batches=2, plan=plan)
+    print("\n".join(mesh_bytes.report(llama, mesh, mesh_bytes.Dtypes.of(torch.float32))))
+print(mesh_bytes.comm_bytes(llama, mesh, mesh_bytes.Dtypes.of(torch.float32))["tp"])
 
 # %% [markdown]
 # ## Masks that cancel

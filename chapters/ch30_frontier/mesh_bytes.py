@@ -302,7 +302,8 @@ def report(llama: Llama, mesh: Mesh, dt: Dtypes, recompute: bool = True) -> list
     """Lines for the lesson: per pipeline stage (tp rank 0, shard rank 0), the model state, the
     bytes per step of each dimension (at the boundary / on a ring's wire) and the activation band."""
     lines = [f"dp={mesh.dp} tp={mesh.tp} pp={mesh.pp} cp={mesh.cp}, b={mesh.micro_batch_size}, "
-             f"m={mesh.micro_batches}, recompute={recompute}: bytes per rank (kB = 1000 B)"]
+             f"m={mesh.micro_batches}, {mesh.plan} plan, recompute={recompute}: bytes per rank "
+             "(kB = 1000 B)"]
     for stage in range(mesh.pp):
         st = model_state_bytes(llama, mesh, dt, stage)
         tot = totals(comm_bytes(llama, mesh, dt, stage, recompute=recompute), mesh)
