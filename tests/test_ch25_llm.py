@@ -388,3 +388,81 @@ def test_cuda_only_settings_decided_without_a_gpu():
     late.device = "cuda"
     with pytest.raises(ValueError, match="no timed step before the checkpoint"):
         T.validate(late, 1)
+
+
+# --------------------------------------------------------------------------- composed (issue 21)
+from chapters.ch25_llm import composed as C  # noqa: E402
+
+
+@pytest.mark.timeout(60)
+def test_course_llama_equals_hf_llama_and_a_miswired_load_does_not():
+    """The composed runs use the course's Llama (HF's LlamaForCausalLM computes RoPE tables in
+    LlamaModel and returns ModelOutput objects: it does not cut into pipeline stages); HF's
+    weights load into it one to one and its logits equal HF's."""
+    cfg = C.Cfg()
+    hf = M.build_model(M.llama_config(cfg.vocab, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads,
+                                      cfg.ffn, 64), 0)
+    ours = C.from_hf(hf)
+    x = torch.randint(0, cfg.vocab, (2, 32), generator=torch.Generator().manual_seed(1))
+    want = hf(input_ids=x, use_cache=False).logits
+    # float32, the same operations in the same order: equal (measured 0.0)
+    assert (ours(x) - want).abs().max().item() <= 1e-6
+    # control: gate and up swapped in one layer (an easy mapping slip) changes the logits
+    sd = C.hf_state_to_course(hf.state_dict())
+    sd["layers.1.mlp.gate_proj.weight"], sd["layers.1.mlp.up_proj.weight"] = \
+        sd["layers.1.mlp.up_proj.weight"], sd["layers.1.mlp.gate_proj.weight"]
+    wrong = C.Llama(cfg)
+    wrong.load_state_dict(sd)
+    assert (wrong(x) - want).abs().max().item() > 1e-3
+
+
+@pytest.mark.timeout(30)
+def test_layout_is_validated_in_one_line_before_ranks_start():
+    cfg, ok = C.Cfg(), C.Layout(dp=2, tp=2, pp=2)
+    assert C.layout_error(ok, cfg, 8, 32, 2, world=8) is None
+    bad = C.layout_error(C.Layout(dp=2, tp=8, pp=4), cfg, 8, 32, 2, world=8)
+    assert "\n" not in bad and "!= world 8" in bad and "tp 8" in bad and "1F1B" in bad
+    assert "zigzag" in C.layout_error(C.Layout(cp=3), cfg, 8, 32, 2)
+    assert "pp 3 must divide layers" in C.layout_error(C.Layout(pp=3), cfg, 8, 32, 3)
+    # the script's own check, before any process group exists (parse_config exits 2 with it)
+    with pytest.raises(ValueError, match="!= world 8"):
+        C.validate(C.Config(dp=3, tp=2), 8)
+    C.validate(C.Config(), 3)  # dp fills the world: 3 x 2 micro-batches x 2 sequences
+
+
+@pytest.fixture(scope="module")
+def composed_job():
+    """THE 8-rank job (one spawn): dp2 x tp2 x pp2 and pp2 x tp2 x cp2 with their controls."""
+    return run_on_ranks(C.parity_worker, 8, timeout=150)
+
+
+@pytest.mark.timeout(180)
+def test_composed_layouts_equal_one_process_and_every_control_is_caught(composed_job):
+    run = C.Run()
+    reference = C.one_process(run)  # computed here, in this process: independent of the ranks
+    tol = C.tolerances(run)
+    rows = {(r["layout"], r["broken"]): r for r in
+            C.compare_plans(run, C.PLANS, composed_job, reference)}
+    for layout in ("pp2 x dp2 x tp2", "pp2 x cp2 x tp2"):
+        row = rows[(layout, "none")]
+        assert row["within"], row  # measured: losses, norms ~3e-16, weights ~4e-14
+    # each control, and the metric that must catch it by 100x the tolerance at least
+    caught_by = {("pp2 x dp2 x tp2", "no_reduce:dp"): "params",
+                 ("pp2 x dp2 x tp2", "tp_unreduced"): "params",
+                 ("pp2 x dp2 x tp2", "clip_local_stage"): "params",
+                 # AdamW and clipping are blind to a uniform gradient scale: the norm sees it
+                 ("pp2 x dp2 x tp2", "pp_unscaled"): "norm",
+                 ("pp2 x cp2 x tp2", "no_reduce:cp"): "params"}
+    for key, metric in caught_by.items():
+        assert rows[key][metric] > 100 * tol[metric], (key, rows[key])
+    # the unscaled pipeline loss: norm exactly twice (2 micro-batches), weights nearly unmoved
+    assert abs(rows[("pp2 x dp2 x tp2", "pp_unscaled")]["norm"] - 1.0) < 1e-9
+    assert rows[("pp2 x dp2 x tp2", "pp_unscaled")]["params"] <= tol["params"]
+
+
+@pytest.mark.timeout(30)
+def test_composed_model_state_bytes_per_rank_equal_the_formula(composed_job):
+    for row in C.measured_figures(composed_job):
+        layout = next(lay for lay, _ in C.PLANS if lay.name() == row["layout"])
+        assert row["state_bytes"] == C.expected_state_bytes(C.Cfg(), layout,
+                                                            row["coords"]["pp"]), row
