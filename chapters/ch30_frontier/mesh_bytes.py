@@ -97,9 +97,10 @@ class Mesh:
     plan: str = "torchtitan"
     """The tensor-parallel plan: "torchtitan" (sequence parallelism: all-gathers and
     reduce-scatters; embedding and head split, loss parallel) or "blocks" (Megatron's split of the
-    blocks alone, an all-reduce after attention and after the MLP, their input gradients
-    all-reduced in backward; embedding, norms and head whole on every tp rank: chapter 25's
-    composed.py)."""
+    blocks alone with torch's ColwiseParallel/RowwiseParallel on separate q, k, v, o, gate, up,
+    down: an all-reduce after attention and after the MLP, each column-parallel linear's input
+    gradient all-reduced in backward; embedding, norms and head whole on every tp rank: chapter
+    25's composed.py)."""
 
     @property
     def world(self) -> int:
@@ -215,9 +216,12 @@ def comm_bytes(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0, t: int = 0,
                              ("reduce_scatter", scatters, unit * dt.reduce)]
     act = b * s_local * h * dt.compute  # one micro-batch's (b, s/cp, h) on a tp rank, gathered
     if mesh.tp > 1 and mesh.plan == "blocks":
-        # per layer and micro-batch: o's and down's outputs all-reduced in forward, the inputs of
-        # q/k/v and of gate/up all-reduced in backward; the recomputation reruns o's, not down's
-        out["tp"].append(("all_reduce", m * layers * (4 + recompute), act))
+        # per layer and micro-batch: o's and down's outputs all-reduced in forward; in backward
+        # the input gradient of each column-parallel linear on its own (q, k, v, gate, up: five,
+        # where Megatron's fused qkv and gate-up have two: DTensor's ColwiseParallel turns each
+        # module's input into a Replicate DTensor separately, so each reduces its own); the
+        # recomputation reruns o's, not down's (measured on a fake process group in the tests)
+        out["tp"].append(("all_reduce", m * layers * (7 + recompute), act))
     elif mesh.tp > 1:
         # per layer and micro-batch: attention and MLP each all-gather their input and
         # reduce-scatter their output in forward, the reverse in backward; the recomputed forward
