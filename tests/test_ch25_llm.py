@@ -431,12 +431,23 @@ def test_layout_is_validated_in_one_line_before_ranks_start():
 
 
 @pytest.fixture(scope="module")
-def composed_job():
-    """THE 8-rank job (one spawn): dp2 x tp2 x pp2 and pp2 x tp2 x cp2 with their controls."""
-    return run_on_ranks(C.parity_worker, 8, timeout=150)
+def composed_ckpt(tmp_path_factory):
+    return tmp_path_factory.mktemp("ch25_composed") / "ckpt"
 
 
-@pytest.mark.timeout(180)
+@pytest.fixture(scope="module")
+def composed_ranks(composed_ckpt):
+    """THE 8-rank job (one spawn): dp2 x tp2 x pp2 and pp2 x tp2 x cp2 with their controls, and
+    the DCP checkpoint of dp2 x tp2 x pp2 resumed on dp4 x tp2."""
+    return run_on_ranks(C.parity_worker, 8, str(composed_ckpt), timeout=170)
+
+
+@pytest.fixture(scope="module")
+def composed_job(composed_ranks):
+    return [r["plans"] for r in composed_ranks]
+
+
+@pytest.mark.timeout(200)
 def test_composed_layouts_equal_one_process_and_every_control_is_caught(composed_job):
     run = C.Run()
     reference = C.one_process(run)  # computed here, in this process: independent of the ranks
@@ -466,3 +477,25 @@ def test_composed_model_state_bytes_per_rank_equal_the_formula(composed_job):
         layout = next(lay for lay, _ in C.PLANS if lay.name() == row["layout"])
         assert row["state_bytes"] == C.expected_state_bytes(C.Cfg(), layout,
                                                             row["coords"]["pp"]), row
+
+
+@pytest.mark.timeout(60)
+def test_composed_checkpoint_resumes_on_another_layout_and_on_one_process(composed_ranks,
+                                                                         composed_ckpt):
+    """dp2 x tp2 x pp2 saved a DCP checkpoint after 3 steps; dp4 x tp2 (no pipeline: the stages'
+    shards merge) and one process (world 1, no process group) each load it and take step 3:
+    both equal one process that trained 4 steps straight (the same float64 tolerances)."""
+    run, tol = C.Run(), C.tolerances(C.Run(steps=4))
+    straight = C.one_process(C.Run(steps=4))
+    last = {"losses": straight["losses"][3:], "norms": straight["norms"][3:],
+            "params": straight["params"]}
+    resumed = {"losses": composed_ranks[0]["resumed"]["losses"],
+               "norms": composed_ranks[0]["resumed"]["norms"],
+               "params": C.merge_stages([r["resumed"] for r in composed_ranks])}
+    alone = C.resume_one_process(C.Run(steps=1), str(composed_ckpt), start=run.steps)
+    for got in (resumed, alone):
+        d = C.differences(got, last)
+        assert all(d[k] <= tol[k] for k in tol), d
+    # control: resuming from the start weights (the checkpoint not loaded) is caught
+    fresh = C.one_process(C.Run(steps=1))
+    assert C.differences(fresh, last)["params"] > 100 * tol["params"]

@@ -463,16 +463,19 @@ def local_batch(run: Run, layout: Layout, coords: dict, step: int):
 
 
 def train_composed(run: Run, layout: Layout, mesh, broken: str = "none",
-                   device="cpu") -> dict:
+                   device="cpu", start: int = 0, load: str | None = None,
+                   save: str | None = None) -> dict:
     """Train `run.steps` steps on `layout`. Every rank returns losses (global means) and pre-clip
     norms; the ranks at dp = cp = tp = 0 return their stage's whole parameters."""
     assert broken in BROKEN, broken
     coords = {d: mesh[d].get_local_rank() for d in DIMS}
     model, schedule = build_composed(run, layout, mesh, broken, device)
     opt = make_optimizer(model.parameters(), run.lr)
+    if load:
+        dcp_load(model, opt, load)
     first, last = coords["pp"] == 0, coords["pp"] == layout.pp - 1
     losses, norms = [], []
-    for step in range(run.steps):
+    for step in range(start, start + run.steps):
         x, y = (t.to(device) for t in local_batch(run, layout, coords, step))
         mb_losses: list = []
         args = (x,) if first else ()
@@ -493,6 +496,8 @@ def train_composed(run: Run, layout: Layout, mesh, broken: str = "none",
         dist.all_reduce(mine)
         losses.append(mine.item() / (layout.dp * layout.cp))
         norms.append(norm.item())
+    if save:
+        dcp_save(model, opt, save)
     params = None
     if coords["dp"] == coords["cp"] == coords["tp"] == 0:
         params = full_params(model)
@@ -500,6 +505,57 @@ def train_composed(run: Run, layout: Layout, mesh, broken: str = "none",
         full_params(model)  # the gathers are collectives: every rank of the stage takes part
     return {"losses": losses, "norms": norms, "params": params, "state_bytes": state,
             "coords": coords}
+
+
+def dcp_save(model, opt, path: str) -> None:
+    """The composed model's and AdamW's state in DCP's sharded format: every rank writes its own
+    shards (its stage, its tp slice, its dp x cp shard) under the parameters' full names."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def dcp_load(model, opt, path: str) -> None:
+    """Load a DCP checkpoint saved by any layout into this rank's part of this layout: DCP
+    reads, for each of this rank's shards, the pieces of the saved shards that overlap it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def resume_one_process(run: Run, path: str, start: int) -> dict:
+    """A different world: one process, no process group, loads the composed run's DCP
+    checkpoint into the whole model and AdamW and trains `run.steps` more steps from `start`."""
+    import torch.distributed.checkpoint as dcp
+
+    model = reference_model(run.cfg, run.seed, run.dtype)
+    opt = make_optimizer(model.parameters(), run.lr)
+    # AdamW's state exists after a first step: make it (zero gradients), then overwrite it all
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    names = {p: n for n, p in model.named_parameters()}
+    state = {"model": model.state_dict(),
+             "optim": {"state": {names[p]: st for p, st in opt.state.items()}}}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    model.load_state_dict(state["model"])
+    losses, norms = [], []
+    for step in range(start, start + run.steps):
+        x, y = batch(run, step)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_norm).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms,
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 def _local(t):
@@ -586,25 +642,38 @@ def tolerances(run: Run) -> dict:
     return {"loss": n * u, "norm": n * u, "params": run.steps * run.lr * n * u / 1e-8}
 
 
-def layout_worker(run: Run, plans: list) -> list:
-    """For tests and the CLI: on every spawned rank, `plans` is a list of (layout, [broken...]);
-    one mesh per layout, every run on it. Returns per plan per broken this rank's result."""
+def layout_worker(run: Run, plans: list, save: str | None = None) -> list:
+    """For tests: on every spawned rank, `plans` is a list of (layout, [broken...]); one mesh per
+    layout, every run on it. Returns per plan per broken this rank's result. With `save`, the
+    first plan's correct run also writes its DCP checkpoint there."""
     out = []
-    for layout, brokens in plans:
+    for i, (layout, brokens) in enumerate(plans):
         mesh = build_mesh(layout)
-        out.append({b: train_composed(run, layout, mesh, b) for b in brokens})
+        out.append({b: train_composed(run, layout, mesh, b,
+                                      save=save if i == 0 and b == "none" else None)
+                    for b in brokens})
     return out
 
 
-def parity_worker() -> list:
+def parity_worker(ckpt: str | None = None) -> dict:
     """The chapter's 8-rank job: dp2 x tp2 x pp2 with its four controls, pp2 x tp2 x cp2 with its
-    cp control."""
-    return layout_worker(Run(), PLANS)
+    cp control; with `ckpt`, the resharding: dp2 x tp2 x pp2 trains `Run().steps` steps and saves
+    a DCP checkpoint there, which dp4 x tp2 (one stage: no pipeline) loads and trains one step
+    on. The same folder is then resumed by one process (`resume_one_process`), in the test."""
+    run = Run()
+    out = {"plans": layout_worker(run, PLANS, save=ckpt)}
+    if ckpt:
+        b = RESHARD[1]
+        one_more = Run(steps=1)
+        out["resumed"] = train_composed(one_more, b, build_mesh(b), start=run.steps, load=ckpt)
+    return out
 
 
 PLANS = [(Layout(dp=2, tp=2, pp=2), ["none", "no_reduce:dp", "pp_unscaled", "clip_local_stage",
                                      "tp_unreduced"]),
          (Layout(pp=2, tp=2, cp=2), ["none", "no_reduce:cp"])]
+
+RESHARD = (PLANS[0][0], Layout(dp=4, tp=2))  # saved by, resumed on
 
 
 def compare_plans(run: Run, plans: list, results_by_rank: list, reference: dict) -> list[dict]:
