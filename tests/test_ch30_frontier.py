@@ -130,7 +130,7 @@ def test_links_follow_megatron_cores_default_rank_order():
     # by Megatron's formula: a dp group (4 ranks, 2 apart) stays in a node, a pp group does not
     assert in_one_node(megatron_groups(64, 2, 4, 8, "dp"))
     assert not in_one_node(megatron_groups(64, 2, 4, 8, "pp"))
-    assert planner.strides(cluster, lay) == {"tp": 1, "dp": 2, "pp": 8}
+    assert planner.strides(cluster, lay) == {"tp": 1, "cp": 2, "dp": 2, "pp": 8}
     # so the dp all-reduce is priced on NVLink and the pipeline sends on the network, by hand:
     ring = lambda S, n, a, bw: 2 * (n - 1) * a + 2 * (n - 1) / n * S / bw  # noqa: E731
     grads = math.ceil(spec.params() / (2 * 8)) * 2
@@ -141,7 +141,7 @@ def test_links_follow_megatron_cores_default_rank_order():
     assert terms["pp_comm"] == pytest.approx((m + 8 - 1) * 2 * (10e-6 + act / 40e9), rel=1e-12)
     # control: the other order (tp-pp-dp) swaps them: pp neighbours 2 apart, dp 16 apart
     swapped = dataclasses.replace(cluster, order="tp-pp-dp")
-    assert planner.strides(swapped, lay) == {"tp": 1, "pp": 2, "dp": 16}
+    assert planner.strides(swapped, lay) == {"tp": 1, "cp": 2, "pp": 2, "dp": 16}
     other = planner.step_terms(spec, swapped, lay)
     assert other["dp_comm"] == pytest.approx(ring(grads, 4, 10e-6, 40e9), rel=1e-12)
     assert other["dp_comm"] > 5 * terms["dp_comm"]
@@ -687,3 +687,79 @@ def test_comm_bytes_equal_the_collectives_torch_issues():
     assert 2 * 4 * act != got["tp"]["all_reduce"]
     with_rc = composed_step_bytes(CPU_LLAMA, 2, 2, True)["tp"]["all_reduce"]
     assert with_rc == 2 * 8 * act and with_rc != 2 * (7 + 2) * act
+
+
+
+def own_brute_force_cp(spec: planner.ModelSpec, cluster: planner.Cluster):
+    """Every (dp, tp, pp, cp, b, recompute, zero) with dp·tp·pp·cp = N, cp ≤ max_cp and 2·cp
+    dividing the sequence; the fastest that fits (the tests' own loops)."""
+    n, best = cluster.n_gpus, None
+    for tp in range(1, n + 1):
+        for pp in range(1, n + 1):
+            for cp in range(1, spec.max_cp + 1):
+                if n % (tp * pp * cp) or (cp > 1 and spec.seq_len % (2 * cp)):
+                    continue
+                dp = n // (tp * pp * cp)
+                if (spec.n_heads % tp or (spec.kv_heads or spec.n_heads) % tp or spec.d_ff % tp
+                        or spec.n_layers % pp or spec.global_batch % dp):
+                    continue
+                for b in (b for b in range(1, spec.global_batch // dp + 1) if (spec.global_batch // dp) % b == 0):
+                    for r in range(3):
+                        for z in range(4):
+                            lay = planner.Layout(dp, tp, pp, b, r, z, cp)
+                            if planner.memory_bytes(spec, lay) <= cluster.memory_bytes:
+                                t = planner.step_time(spec, cluster, lay)
+                                if best is None or (t, lay) < best:
+                                    best = (t, lay)
+    return best
+
+
+@pytest.mark.timeout(60)
+def test_planner_with_cp_equals_brute_force_and_chooses_cp():
+    spec, cluster = planner.cp_case()
+    t, lay = own_brute_force_cp(spec, cluster)
+    plan_ = planner.search(spec, cluster)
+    assert (plan_.layout, plan_.time) == (lay, t)
+    assert str(lay) == "dp=4 tp=2 pp=1 cp=2 b=1 rc=selective ZeRO-1" and round(t, 3) == 2.481
+    # control: the same planner without cp (max_cp = 1) picks another layout, slower
+    no_cp = planner.search(dataclasses.replace(spec, max_cp=1), cluster)
+    assert no_cp.layout.cp == 1 and no_cp.time > plan_.time
+    assert (str(no_cp.layout), round(no_cp.time, 3)) == ("dp=4 tp=4 pp=1 b=1 rc=selective ZeRO-0", 2.523)
+
+
+def test_cp_terms_by_hand():
+    """7B at 32,768 tokens on 64 GPUs: dp=2 tp=4 pp=2 cp=4 (ranks tp, then cp, then dp, then pp)."""
+    spec = dataclasses.replace(planner.LLAMA_7B, seq_len=32768, global_batch=64, max_cp=8)
+    cluster = planner.WORKED["7B on 64 GPUs of 80 GB"][1]
+    lay = planner.Layout(2, 4, 2, 1, 0, 1, cp=4)
+    assert planner.strides(cluster, lay) == {"tp": 1, "cp": 4, "dp": 16, "pp": 32}
+    ring = lambda S, n, a, bw: 2 * (n - 1) * a + 2 * (n - 1) / n * S / bw  # noqa: E731
+    m, slots = 32, 32 + 2 - 1
+    act = 32768 // 4 * 4096 * 2  # (b, s/cp, h) in bf16
+    want = {
+        "compute": slots * spec.flops_per_step(0) / 64 / m / (989e12 * 0.5),
+        "tp_comm": slots * 16 * 4 * ring(act, 4, 5e-6, 360e9),  # in a node
+        "pp_comm": slots * 2 * (10e-6 + act / 40e9),  # 32 apart: across nodes
+        # ZeRO-1 over dp·cp = 8 ranks (cp ranks hold the same weights), across nodes
+        "dp_comm": ring(math.ceil(spec.params() / 8) * 2, 8, 10e-6, 40e9),
+        # K and V of 8192 tokens x 32·128/4 dims, 2(cp-1) + cp hops per layer, across nodes (cp·tp = 16)
+        "cp_comm": slots * 16 * 10 * (10e-6 + 2 * 8192 * 1024 * 2 / 40e9),
+    }
+    got = planner.step_terms(spec, cluster, lay)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-12), k
+    # memory: ZeRO-1 over 8 ranks of Ψ/8, activations at s/cp tokens (chapter 05's count), 2 in flight
+    from chapters.ch05_tensor_parallel.activations import layer_activation_bytes
+    from chapters.ch06_hybrid_zero.memory import per_rank_bytes
+
+    local = math.ceil(spec.params() / 8)
+    states = per_rank_bytes(1, local, 8, 2, 2, 12)["total"]
+    acts = 16 * 2 * layer_activation_bytes(8192, 1, 4096, 32, 4, sequence_parallel=True)
+    assert planner.memory_bytes(spec, lay) == pytest.approx(states + acts, rel=1e-12)
+    # controls, rejected by the same comparisons: optimizer sharded over dp alone, activations
+    # at the whole sequence, the gradient ring over dp alone
+    assert per_rank_bytes(1, local, 2, 2, 2, 12)["total"] + acts != pytest.approx(planner.memory_bytes(spec, lay))
+    whole = 16 * 2 * layer_activation_bytes(32768, 1, 4096, 32, 4, sequence_parallel=True)
+    assert states + whole != pytest.approx(planner.memory_bytes(spec, lay))
+    assert ring(math.ceil(spec.params() / 8) * 2, 2, 10e-6, 40e9) != pytest.approx(got["dp_comm"])

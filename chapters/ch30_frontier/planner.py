@@ -1,5 +1,6 @@
-"""An auto-parallel planner: search (dp, tp, pp, micro-batch size, ZeRO stage) with the course's
-own models of step time and memory, under a memory limit.
+"""An auto-parallel planner: search (dp, tp, pp, micro-batch size, ZeRO stage, and with
+`ModelSpec.max_cp` context parallelism cp) with the course's own models of step time and memory,
+under a memory limit. mesh_bytes.py counts the bytes of a composed dp × tp × pp × cp layout.
 
 Nothing here is new theory; every term is imported from the chapter that taught it:
 
@@ -34,7 +35,7 @@ from chapters.ch20_memory.train import recompute_flop_ratio
 
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")  # Korthikanti et al.'s selective; chapter 20's full
-TERMS = ("compute", "tp_comm", "pp_comm", "dp_comm")
+TERMS = ("compute", "tp_comm", "pp_comm", "dp_comm", "cp_comm")
 ORDERS = ("tp-dp-pp", "tp-pp-dp")  # rank numbering, innermost first (Megatron-Core supports both)
 
 
@@ -56,6 +57,9 @@ class ModelSpec:
     grad_bytes: float = 2
     state_bytes: float = 12  # Adam: fp32 master, momentum, variance
     act_bytes: int = 2  # bytes of an activation element on the wire
+    max_cp: int = 1
+    """Largest context-parallel size the search may use (1: no cp, the chapter's worked pairs).
+    cp ranks each hold s/cp of every sequence (ring attention, chapter 18)."""
 
     def params_per_layer(self) -> int:
         h = self.d_model
@@ -116,12 +120,14 @@ class Layout:
     micro_batch_size: int
     recompute: int  # index into RECOMPUTE
     zero: int
+    cp: int = 1  # context parallelism: each sequence's tokens over cp ranks (last: cp = 1 sorts as before)
 
     def micro_batches(self, spec: ModelSpec) -> int:
         return spec.global_batch // (self.dp * self.micro_batch_size)
 
     def __str__(self) -> str:
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} b={self.micro_batch_size} "
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp}{cp} b={self.micro_batch_size} "
                 f"rc={RECOMPUTE[self.recompute]} ZeRO-{self.zero}")
 
 
@@ -134,18 +140,20 @@ def link(cluster: Cluster, size: int, stride: int) -> tuple[float, float]:
 
 def strides(cluster: Cluster, lay: Layout) -> dict[str, int]:
     """How far apart the ranks of one group of each axis are, from the cluster's rank order:
-    tp innermost (stride 1), then the middle axis (stride tp), then the outer one."""
+    tp innermost (stride 1), cp next (stride tp; Megatron-Core's "tp-cp-ep-dp-pp" and
+    "tp-cp-ep-pp-dp"), then the middle axis (stride tp·cp), then the outer one."""
     middle, outer = ("dp", "pp") if cluster.order == "tp-dp-pp" else ("pp", "dp")
-    return {"tp": 1, middle: lay.tp, outer: lay.tp * getattr(lay, middle)}
+    inner = lay.tp * lay.cp
+    return {"tp": 1, "cp": lay.tp, middle: inner, outer: inner * getattr(lay, middle)}
 
 
 def step_terms(spec: ModelSpec, cluster: Cluster, lay: Layout) -> dict[str, float]:
     """Seconds per optimizer step, by term. compute, tp_comm and pp_comm are per micro-batch
     slot and stretched by the pipeline's (m + p − 1) slots; dp_comm follows once (not overlapped)."""
-    m, n = lay.micro_batches(spec), lay.dp * lay.tp * lay.pp
+    m, n = lay.micro_batches(spec), lay.dp * lay.tp * lay.pp * lay.cp
     stretch = m / (1 - float(bubble_formula(lay.pp, m)))  # = m + p − 1 (chapter 04)
     compute = spec.flops_per_step(lay.recompute) / n / m / (cluster.peak_flops * cluster.efficiency)
-    act = lay.micro_batch_size * spec.seq_len * spec.d_model * spec.act_bytes
+    act = lay.micro_batch_size * spec.seq_len // lay.cp * spec.d_model * spec.act_bytes
     per_layer = 4 if spec.attention else 2  # Megatron: (attention, MLP) × (forward, backward)
     apart = strides(cluster, lay)
     a, b = link(cluster, lay.tp, apart["tp"])
@@ -153,10 +161,22 @@ def step_terms(spec: ModelSpec, cluster: Cluster, lay: Layout) -> dict[str, floa
     a, b = link(cluster, lay.pp, apart["pp"])  # the slowest hop paces every slot
     pp = 2 * (a + act * b) if lay.pp > 1 else 0.0  # activation forward, its gradient back
     pp *= (lay.pp - 1) if cluster.async_p2p else stretch
+    # gradients are reduced over dp·cp (cp ranks hold the same weights); the ring is paced by
+    # the slower of the two groups' links (the larger α: the network's)
     a, b = link(cluster, lay.dp, apart["dp"])
+    if lay.cp > 1:
+        a, b = max((a, b), link(cluster, lay.cp, apart["cp"]))
     grads = math.ceil(spec.params() / (lay.tp * lay.pp)) * spec.grad_bytes
-    dp = paper_volume(lay.zero) / 2 * predicted_time("ring", grads, lay.dp, a, b)
-    return {"compute": stretch * compute, "tp_comm": stretch * tp, "pp_comm": pp, "dp_comm": dp}
+    dp = paper_volume(lay.zero) / 2 * predicted_time("ring", grads, lay.dp * lay.cp, a, b)
+    cp = 0.0
+    if lay.cp > 1 and spec.attention:  # ring attention, not overlapped (as nothing here is)
+        kv = (spec.kv_heads or spec.n_heads) * (spec.d_model // spec.n_heads) // lay.tp
+        block = 2 * act // spec.d_model * kv  # K and V of this rank's s/cp tokens
+        a, b = link(cluster, lay.cp, apart["cp"])
+        hops = 2 * (lay.cp - 1) + lay.cp  # K/V forward and backward, dK/dV back home
+        cp = spec.n_layers // lay.pp * hops * (a + block * b)
+    return {"compute": stretch * compute, "tp_comm": stretch * tp, "pp_comm": pp, "dp_comm": dp,
+            "cp_comm": stretch * cp}
 
 
 def step_time(spec: ModelSpec, cluster: Cluster, lay: Layout, drop: str | None = None) -> float:
@@ -169,8 +189,10 @@ def activation_bytes(spec: ModelSpec, lay: Layout) -> float:
     """Activations one rank of the first stage holds: its L/p layers for min(m, p) micro-batches
     (1F1B). With tp > 1 sequence parallelism is on (Megatron-LM's practice; same bytes moved).
     selective: the a·s²·b attention terms are recomputed, not kept; full: only each layer's
-    input is kept, plus one layer's whole activations while it is recomputed."""
-    s, b, h, t = spec.seq_len, lay.micro_batch_size, spec.d_model, lay.tp
+    input is kept, plus one layer's whole activations while it is recomputed. With cp > 1 the
+    count is taken at s/cp tokens (its a·s²·b terms then stand for a ring step's (s/cp)² score
+    blocks, an approximation)."""
+    s, b, h, t = spec.seq_len // lay.cp, lay.micro_batch_size, spec.d_model, lay.tp
     if spec.attention:
         whole = layer_activation_bytes(s, b, h, spec.n_heads, t, sequence_parallel=t > 1)
     else:  # Korthikanti's MLP rows with any d_ff: input and dropout mask whole, the rest split
@@ -189,7 +211,7 @@ def activation_bytes(spec: ModelSpec, lay: Layout) -> float:
 def memory_bytes(spec: ModelSpec, lay: Layout) -> float:
     """Model states (chapter 06, ZeRO over dp) of this rank's Ψ/(tp·pp) plus activations."""
     local = math.ceil(spec.params() / (lay.tp * lay.pp))
-    states = per_rank_bytes(lay.zero, local, lay.dp, spec.param_bytes, spec.grad_bytes,
+    states = per_rank_bytes(lay.zero, local, lay.dp * lay.cp, spec.param_bytes, spec.grad_bytes,
                             spec.state_bytes)["total"]
     return states + activation_bytes(spec, lay)
 
@@ -202,19 +224,26 @@ def recompute_options(spec: ModelSpec) -> tuple[int, ...]:
     return (0, 1, 2) if spec.attention else (0, 2)
 
 
+def cp_options(spec: ModelSpec, n: int) -> list[int]:
+    """cp sizes up to `max_cp` that divide n and cut each sequence into 2·cp equal chunks."""
+    return [c for c in divisors(n) if c <= spec.max_cp and spec.seq_len % (2 * c if c > 1 else 1) == 0]
+
+
 def layouts(spec: ModelSpec, n_gpus: int):
-    """Every valid layout: dp·tp·pp = n, tp divides the heads and d_ff, pp the layers, dp·b the batch."""
+    """Every valid layout: dp·tp·pp·cp = n, tp divides the heads and d_ff, pp the layers, dp·b
+    the batch, 2·cp the sequence (cp ≤ spec.max_cp)."""
     for tp in divisors(n_gpus):
         if spec.d_ff % tp or (spec.attention and (spec.n_heads % tp or (spec.kv_heads or spec.n_heads) % tp)):
             continue
         for pp in divisors(n_gpus // tp):
-            dp = n_gpus // (tp * pp)
-            if spec.n_layers % pp or spec.global_batch % dp:
-                continue
-            for b in divisors(spec.global_batch // dp):
-                for r in recompute_options(spec):
-                    for z in ZERO_STAGES:
-                        yield Layout(dp, tp, pp, b, r, z)
+            for cp in cp_options(spec, n_gpus // (tp * pp)):
+                dp = n_gpus // (tp * pp * cp)
+                if spec.n_layers % pp or spec.global_batch % dp:
+                    continue
+                for b in divisors(spec.global_batch // dp):
+                    for r in recompute_options(spec):
+                        for z in ZERO_STAGES:
+                            yield Layout(dp, tp, pp, b, r, z, cp)
 
 
 @dataclass
@@ -254,14 +283,14 @@ def search(spec: ModelSpec, cluster: Cluster, ignore_memory: bool = False,
     limit = math.inf if ignore_memory else cluster.memory_bytes
     best: tuple | None = None
     evaluated = 0
-    groups: dict[tuple[int, int, int], list[int]] = {}
+    groups: dict[tuple[int, int, int, int], list[int]] = {}
     for lay in layouts(spec, cluster.n_gpus):
-        bs = groups.setdefault((lay.dp, lay.tp, lay.pp), [])
+        bs = groups.setdefault((lay.dp, lay.tp, lay.pp, lay.cp), [])
         if lay.micro_batch_size not in bs:
             bs.append(lay.micro_batch_size)
-    for (dp, tp, pp), bs in groups.items():
+    for (dp, tp, pp, cp), bs in groups.items():
         if best is not None and drop is None:
-            probe = Layout(dp, tp, pp, spec.global_batch // dp, 0, 0)
+            probe = Layout(dp, tp, pp, spec.global_batch // dp, 0, 0, cp)
             terms, m = step_terms(spec, cluster, probe), probe.micro_batches(spec)
             bound = terms["compute"] * m / (m + pp - 1) + terms["dp_comm"]
             if bound > best[0] * (1 + 1e-9):
@@ -270,7 +299,7 @@ def search(spec: ModelSpec, cluster: Cluster, ignore_memory: bool = False,
             fitted = False
             for r in recompute_options(spec):
                 for z in ZERO_STAGES:
-                    lay = Layout(dp, tp, pp, b, r, z)
+                    lay = Layout(dp, tp, pp, b, r, z, cp)
                     evaluated += 1
                     mem = memory_bytes(spec, lay)
                     if mem > limit:
@@ -316,3 +345,10 @@ def small_cases() -> dict[str, tuple[ModelSpec, Cluster]]:
         "1.3B, 16 x 80 GB": (gpt, Cluster(n_gpus=16, **H100_NODE)),
         "7B, 32 x 40 GB": (replace(LLAMA_7B, global_batch=64), Cluster(n_gpus=32, **{**H100_NODE, "memory_bytes": 40e9})),
     }
+
+
+def cp_case() -> tuple[ModelSpec, Cluster]:
+    """Long sequences, where context parallelism pays: the 1.3B-like model at 32,768 tokens, 16
+    sequences per step, cp up to 8, on 16 GPUs of 24 GB."""
+    spec, cluster = small_cases()["1.3B, 16 x 24 GB"]
+    return replace(spec, seq_len=32768, global_batch=16, max_cp=8), cluster

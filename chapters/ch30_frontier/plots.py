@@ -10,7 +10,8 @@ from chapters.ch30_frontier import planner
 from common.results import save_figure
 
 MEASURE_S = 40
-COLORS = {"compute": "#4c72b0", "tp_comm": "#dd8452", "pp_comm": "#55a868", "dp_comm": "#c44e52"}
+COLORS = {"compute": "#4c72b0", "tp_comm": "#dd8452", "pp_comm": "#55a868", "dp_comm": "#c44e52",
+          "cp_comm": "#8172b3"}
 
 
 def measure() -> dict:
@@ -70,12 +71,16 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     fig_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    drawn = set()
     for ax, name in zip(axes, planner.WORKED):
         spec, cluster = planner.WORKED[name]
         lays = alternatives(name)
         longest = 0.0
         for i, lay in enumerate(lays):
             terms, left = planner.step_terms(spec, cluster, lay), 0.0
+            if lay.cp == 1:  # no cp group: the term is not drawn nor labelled
+                terms.pop("cp_comm")
+            drawn.update(terms)
             for term, value in terms.items():
                 ax.barh(i, value, left=left, color=COLORS[term])
                 left += value
@@ -89,9 +94,10 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
         ax.invert_yaxis()
         ax.set_xlabel("predicted step time (s)")
         ax.set_title(f"{name}: chosen (top) vs best of other shapes", fontsize=9)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[t]) for t in COLORS]
-    fig.legend(handles, [t if t == "compute" else f"{t} ({t.replace('_comm', '')})" for t in COLORS],
-               loc="lower center", ncol=len(COLORS), fontsize=8, frameon=False)
+    shown = [t for t in COLORS if t in drawn]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[t]) for t in shown]
+    fig.legend(handles, [t if t == "compute" else f"{t} ({t.replace('_comm', '')})" for t in shown],
+               loc="lower center", ncol=len(shown), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 1))  # the legend below both panels, over no bar
     paths.append(save_figure(fig, fig_dir / "planner_terms.png"))
 
