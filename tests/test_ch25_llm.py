@@ -472,11 +472,24 @@ def test_composed_layouts_equal_one_process_and_every_control_is_caught(composed
 
 
 @pytest.mark.timeout(30)
-def test_composed_model_state_bytes_per_rank_equal_the_formula(composed_job):
-    for row in C.measured_figures(composed_job):
+def test_composed_state_and_traffic_per_rank_equal_the_formulas(composed_job):
+    """Model-state bytes counted from each rank's tensors, and the bytes each rank handed to
+    collectives in a step counted at the collective boundary (a TorchDispatchMode), by mesh
+    dimension, equal the formulas (what chapter 30's planner predicts) on all 8 ranks."""
+    run = C.Run()
+    rows = C.measured_figures(composed_job)
+    assert len(rows) == 16
+    for row in rows:
         layout = next(lay for lay, _ in C.PLANS if lay.name() == row["layout"])
-        assert row["state_bytes"] == C.expected_state_bytes(C.Cfg(), layout,
-                                                            row["coords"]["pp"]), row
+        stage = row["coords"]["pp"]
+        assert row["state_bytes"] == C.expected_state_bytes(run.cfg, layout, stage), row
+        assert row["comm_bytes"] == C.expected_comm_bytes(run, layout, stage), row
+    # control: the unscaled-micro-batch run moves the same bytes (traffic cannot see it), and
+    # the cp run without cp reduction moves fewer dp_cp bytes than the formula (FSDP2 over dp=1)
+    for r in composed_job:
+        assert r[0]["pp_unscaled"]["comm_bytes"] == r[0]["none"]["comm_bytes"]
+        assert r[1]["no_reduce:cp"]["comm_bytes"].get("dp_cp", 0) < \
+            r[1]["none"]["comm_bytes"]["dp_cp"]
 
 
 @pytest.mark.timeout(60)

@@ -480,14 +480,15 @@ def train_composed(run: Run, layout: Layout, mesh, broken: str = "none",
         mb_losses: list = []
         args = (x,) if first else ()
         kwargs = {"target": y, "losses": mb_losses} if last else {}
-        schedule.step(*args, **kwargs)
-        norm = grad_norm(model.parameters(), mesh["pp"].get_group(),
-                         over_pp=broken != "clip_local_stage", device=device)
-        coef = torch.clamp(run.max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s formula
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef.item())
-        opt.step()
+        with CommCounter(mesh) as comm:  # the step's traffic (the last step's is returned)
+            schedule.step(*args, **kwargs)
+            norm = grad_norm(model.parameters(), mesh["pp"].get_group(),
+                             over_pp=broken != "clip_local_stage", device=device)
+            coef = torch.clamp(run.max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef.item())
+            opt.step()
         state = state_bytes(model, opt)
         opt.zero_grad(set_to_none=True)
         # the global loss: the mean of the last stage's micro-batch means over dp x cp
@@ -504,7 +505,7 @@ def train_composed(run: Run, layout: Layout, mesh, broken: str = "none",
     elif any(getattr(layout, d) > 1 for d in ("dp", "cp", "tp")):
         full_params(model)  # the gathers are collectives: every rank of the stage takes part
     return {"losses": losses, "norms": norms, "params": params, "state_bytes": state,
-            "coords": coords}
+            "coords": coords, "comm_bytes": comm.bytes, "comm_calls": comm.calls}
 
 
 def dcp_save(model, opt, path: str) -> None:
@@ -558,6 +559,68 @@ def resume_one_process(run: Run, path: str, start: int) -> dict:
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+class CommCounter:
+    """Bytes this rank hands to collectives, by mesh dimension, counted at the collective
+    boundary: a `TorchDispatchMode` sees every c10d op (FSDP2's all-gather and reduce-scatter,
+    DTensor's functional all-reduce and all-gather, the pipeline's and the ring's send/recv) with
+    its process group, which `dims` maps back to a name. Counted: the input of an all-reduce,
+    all-gather or reduce-scatter, the tensor of a send (receives are the peer's sends)."""
+
+    OPS = {"allreduce_": 0, "all_reduce": 0, "_allgather_base_": 1, "all_gather_into_tensor": 0,
+           "_reduce_scatter_base_": 1, "reduce_scatter_tensor": 0, "send": 0}
+
+    def __init__(self, mesh):
+        def by_ranks(order):  # where two dimensions have the same ranks, the later one wins
+            return {tuple(dist.get_process_group_ranks(mesh[d].get_group())): d
+                    for d in order if mesh[d].size() > 1}
+
+        # at dp = 1 the cp ranks are the dp_cp ranks: sends there are the ring's, collectives
+        # FSDP2's (and at cp = 1 the dp ranks are dp_cp's: FSDP2 is counted as dp_cp)
+        self.p2p = by_ranks(("dp", "dp_cp", "tp", "cp", "pp"))
+        self.collective = by_ranks(("pp", "cp", "tp", "dp", "dp_cp"))
+        self.bytes: dict = {}
+        self.calls: dict = {}
+
+    def _dim(self, group, p2p: bool) -> str:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        # functional ops name their group; c10d ops carry it as a TorchBind object. Groups are
+        # matched by their ranks: DTensor and FSDP2 make their own groups for the same ranks.
+        pg = _resolve_process_group(group) if isinstance(group, str) \
+            else dist.ProcessGroup.unbox(group)
+        dims = self.p2p if p2p else self.collective
+        return dims.get(tuple(dist.get_process_group_ranks(pg)), "other")
+
+    def record(self, func, args) -> None:
+        op = func.__name__.split(".")[0]
+        if op not in self.OPS:
+            return
+        t = args[self.OPS[op]]
+        t = t[0] if isinstance(t, (list, tuple)) else t
+        group = [a for a in args[1:] if isinstance(a, str) or type(a).__name__ in
+                 ("ProcessGroup", "ScriptObject")][-1 if isinstance(args[-1], str) else 0]
+        dim = self._dim(group, p2p=op == "send")
+        self.bytes[dim] = self.bytes.get(dim, 0) + t.numel() * t.element_size()
+        self.calls[dim] = self.calls.get(dim, 0) + 1
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.record(func, args)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -589,16 +652,57 @@ def expected_state_bytes(cfg: Cfg, layout: Layout, stage: int, elem: int = 8) ->
     return {"params": n * elem, "grads": n * elem, "optimizer": 2 * n * elem}
 
 
+def expected_comm_bytes(run: Run, layout: Layout, stage: int, elem: int = 8) -> dict:
+    """What one training step hands to collectives, by mesh dimension, by formula; m
+    micro-batches of B/(dp·m) sequences of T/cp tokens, an activation a = B/(dp·m)·T/cp·h
+    elements, L/pp blocks on the stage.
+    - pp: each micro-batch's activation (forward, first stage) or its gradient (backward, last
+      stage): m·a; plus the 8-byte gradient-norm sum.
+    - dp_cp (FSDP2, `reshard_after_forward=False`): one all-gather of this rank's shard and one
+      reduce-scatter of its whole (tp-local) gradient, dp·cp shards: (1 + dp·cp) × shard bytes;
+      plus one 8-byte norm sum per kind of sharding (1-D; 2-D when tp > 1).
+    - tp, per block and micro-batch, all-reduces of one activation a: 2 forward (after o and
+      down), 1 in the recomputation (activation checkpointing stops before the MLP's down
+      projection: its output is not needed by backward), 5 backward (the input gradients of q,
+      k, v and gate, up: each column-parallel input all-reduces its own); plus 8 (the norm).
+    - cp: chapter 18's ring, `ring_bytes_per_rank`, per block and micro-batch, its forward twice
+      (once more in the recomputation) and its backward once; K/V heads are repeated to the
+      query heads before the ring (heads/tp of them)."""
+    from chapters.ch18_long_context.ring import ring_bytes_per_rank
+
+    cfg = run.cfg
+    rows = run.global_batch // (layout.dp * run.microbatches)
+    local_len = run.seq_len // layout.cp
+    act = rows * local_len * cfg.hidden * elem
+    blocks = cfg.layers // layout.pp
+    out = {}
+    if layout.pp > 1:
+        out["pp"] = run.microbatches * act * (1 if stage in (0, layout.pp - 1) else 2) + 8
+    if layout.dp * layout.cp > 1:
+        shard = expected_state_bytes(cfg, layout, stage, elem)["params"]
+        out["dp_cp"] = (1 + layout.dp * layout.cp) * shard + 8 * (2 if layout.tp > 1 else 1)
+    if layout.tp > 1:
+        out["tp"] = blocks * run.microbatches * (2 + 1 + 5) * act + 8
+    if layout.cp > 1:
+        ring = ring_bytes_per_rank(rows, cfg.heads // layout.tp, local_len, cfg.head_dim, elem,
+                                   layout.cp)
+        out["cp"] = blocks * run.microbatches * (2 * ring["forward"] + ring["backward"])
+    return out
+
+
 def measured_figures(results_by_rank: list, plans: list = None) -> list[dict]:
     """Chapter 25's measured per-layout figures for chapter 30's planner: for each correct run
-    of `layout_worker` (one list per rank), each rank's coordinates and its model-state bytes."""
+    of `layout_worker` (one list per rank), each rank's coordinates, its model-state bytes
+    (params, grads, AdamW moments) and the bytes it handed to collectives in one training step
+    by mesh dimension ("pp", "dp", "cp", "tp", "dp_cp"), with the number of calls."""
     plans = PLANS if plans is None else plans
     rows = []
     for i, (layout, _) in enumerate(plans):
         for rank, r in enumerate(results_by_rank):
             res = r[i]["none"]
             rows.append({"layout": layout.name(), "rank": rank, "coords": res["coords"],
-                         "state_bytes": res["state_bytes"]})
+                         "state_bytes": res["state_bytes"], "comm_bytes": res["comm_bytes"],
+                         "comm_calls": res["comm_calls"]})
     return rows
 
 
@@ -784,6 +888,11 @@ def main(cfg: Config) -> int:
         rec.check("model-state bytes per rank = formula (every rank)", "count", sum(ok),
                   info.world_size)
         rec.figure("model-state bytes per rank (largest)", max(gather_numbers(mine)), unit="B")
+        traffic = result["comm_bytes"] == expected_comm_bytes(run, layout, result["coords"]["pp"])
+        rec.check("bytes to collectives per step, by mesh dimension = formula (every rank)",
+                  "count", sum(gather_numbers(int(traffic))), info.world_size)
+        for dim, n in sorted(result["comm_bytes"].items()):
+            rec.figure(f"bytes to collectives per step over {dim} (rank 0)", n, unit="B")
         return rec.finish()
     finally:
         teardown_distributed()
