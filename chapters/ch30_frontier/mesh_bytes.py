@@ -24,11 +24,12 @@ asks chapter 25 to build:
   fewer rows, or none; the all-gather's output and the reduce-scatter's input are the padded
   whole, n·⌈d0/n⌉ rows.
 
-Counted "at the collective boundary": the bytes of the tensor handed to the collective, whole
-(an all-gather's output, a reduce-scatter's input, a send's tensor), in the dtype it is sent in.
-`wire` is what a ring algorithm then sends per rank: (n − 1)/n of it for an all-gather or a
-reduce-scatter, 2(n − 1)/n for an all-reduce (chapter 07), all of it for a send. Scalars (the
-loss, the gradient norm's partial sums) are left out.
+Counted "at the collective boundary": the bytes of the tensor a rank hands to the collective,
+in the dtype it is sent in: an all-gather's input (its 1/n piece), a reduce-scatter's or an
+all-reduce's input (the whole), a send's tensor (receives are the peer's sends); chapter 25's
+`CommCounter` counts the same. `wire` is what a ring algorithm then sends per rank, of the whole
+S: (n − 1)/n·S for an all-gather or a reduce-scatter, 2(n − 1)/n·S for an all-reduce (chapter
+07), all of a send. Scalars (the loss, the gradient norm's partial sums) are left out.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 
 PLANS = ("torchtitan", "blocks")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send")
+HANDED = {"all_gather": lambda n: n, "reduce_scatter": lambda n: 1, "all_reduce": lambda n: 1,
+          "send": lambda n: 1}  # the whole over this: what a rank hands to the collective
 WIRE = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
         "all_reduce": lambda n: 2 * (n - 1) / n, "send": lambda n: 1.0}
 
@@ -198,7 +201,7 @@ def in_flight(mesh: Mesh, stage: int) -> int:
 def comm_bytes(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0, t: int = 0,
                recompute: bool = True, reshard_after_forward: bool | None = None) -> dict[str, list]:
     """Collectives one rank of `stage` (tensor-parallel rank t) joins in one optimizer step, by
-    mesh dimension: {dim: [(kind, calls, boundary bytes of each call)]}. `recompute`: activation
+    mesh dimension: {dim: [(kind, calls, bytes of each call's whole tensor S)]}. `recompute`: activation
     checkpointing per layer (its forward's tp collectives and cp ring again in backward).
     `reshard_after_forward`: FSDP2's; default torchtitan's (False under pp, True without)."""
     m, b, h = mesh.micro_batches, mesh.micro_batch_size, llama.hidden
@@ -247,7 +250,7 @@ def comm_bytes(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0, t: int = 0,
 def totals(comm: dict[str, list], mesh: Mesh) -> dict[str, dict[str, float]]:
     """Per dimension: bytes at the collective boundary and bytes a ring sends per rank."""
     size = {"dp_cp": mesh.dp * mesh.cp, "tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp}
-    return {d: {"boundary": sum(c * x for _, c, x in entries),
+    return {d: {"boundary": sum(c * (x // HANDED[k](size[d])) for k, c, x in entries),
                 "wire": sum(c * x * WIRE[k](size[d]) for k, c, x in entries)}
             for d, entries in comm.items()}
 
