@@ -831,42 +831,51 @@ COMPOSED_LLAMA = mesh_bytes.Llama(vocab=256, hidden=64, layers=2, heads=4, kv_he
 
 @pytest.mark.timeout(200)
 @pytest.mark.skipif(not os.environ.get("COURSE_CH30_COMPOSED"), reason=(
-    "4 spawned ranks train chapter 25's composed run twice (32-70 s at load 9-10): over chapter 30's "
+    "4 spawned ranks train chapter 25's composed run twice per layout (80 s at load 5-8): over chapter 30's "
     "60 s budget; COURSE_CH30_COMPOSED=1 runs it"))
-def test_planner_against_chapter_25s_composed_run():
-    """pp2 x cp2 on 4 ranks: chapter 25's measured model state (its `measured_figures`) exactly,
-    and the bytes each dimension's collectives were handed in one step (counted at the boundary)
-    exactly, against `mesh_bytes` with chapter 25's plan: blocks, FSDP2's
-    reshard_after_forward=False, checkpointing per block, float64."""
+@pytest.mark.parametrize("layout", [dict(pp=2, cp=2), dict(dp=2, tp=2)], ids=["pp2xcp2", "dp2xtp2"])
+def test_planner_against_chapter_25s_composed_run(layout):
+    """4 ranks: chapter 25's model state (`composed.state_bytes`) exactly, and the bytes each
+    dimension's collectives were handed in one step (counted at the boundary) exactly, against
+    `mesh_bytes` with chapter 25's plan: blocks, FSDP2's reshard_after_forward=False, a 1F1B
+    schedule even at pp = 1, checkpointing per block, float64."""
     from chapters.ch25_llm import composed as C
 
-    layout = dict(pp=2, cp=2)
     ranks = run_on_ranks(composed_worker, 4, layout, timeout=190)
     run = C.Run()
     assert (run.cfg.vocab, run.cfg.hidden, run.cfg.layers, run.cfg.heads, run.cfg.kv_heads,
             run.cfg.ffn, run.seq_len) == tuple(getattr(COMPOSED_LLAMA, f) for f in (
                 "vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "seq_len"))
-    mesh = mesh_bytes.Mesh(dp=1, tp=1, pp=2, cp=2, micro_batch_size=run.global_batch // run.microbatches,
-                           micro_batches=run.microbatches, plan="blocks")
+    lay = C.Layout(**layout)
+    mesh = mesh_bytes.Mesh(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, plan="blocks",
+                           micro_batch_size=run.global_batch // (lay.dp * run.microbatches),
+                           micro_batches=run.microbatches)
     dt = mesh_bytes.Dtypes.of(run.dtype)
     for row in ranks:
         r = row
-        stage, shard = row["coords"]["pp"], row["coords"]["dp"] * 2 + row["coords"]["cp"]
-        want = mesh_bytes.model_state_bytes(COMPOSED_LLAMA, mesh, dt, stage, 0, shard)
+        c = row["coords"]
+        stage, shard = c["pp"], c["dp"] * lay.cp + c["cp"]
+        want = mesh_bytes.model_state_bytes(COMPOSED_LLAMA, mesh, dt, stage, c["tp"], shard)
         got = row["state_bytes"]  # chapter 25 counts AdamW's moments, not its step scalars
         assert (got["params"], got["grads"], got["optimizer"]) == (
             want["params"], want["grads"], want["optimizer"] - (want["total"] - 4 * want["params"]))
-        comm = mesh_bytes.totals(mesh_bytes.comm_bytes(COMPOSED_LLAMA, mesh, dt, stage,
-                                                       reshard_after_forward=False), mesh)
+        comm = mesh_bytes.totals(mesh_bytes.comm_bytes(COMPOSED_LLAMA, mesh, dt, stage, c["tp"],
+                                                       reshard_after_forward=False, pipelined=True), mesh)
         predicted = {d: v["boundary"] for d, v in comm.items() if v["boundary"]}
         assert r["step_bytes"] == predicted, (stage, r["step_bytes"], predicted)
-    # controls, rejected by the same comparisons: the optimizer state of a planner that does not
-    # shard over dp x cp, the ring without its dK/dV hops, FSDP2 gathering per micro-batch
-    stage0 = ranks[0]
-    unsharded = mesh_bytes.model_state_bytes(COMPOSED_LLAMA, dataclasses.replace(mesh, cp=1), dt)
-    assert unsharded["params"] != stage0["state_bytes"]["params"]
-    block = 4 * 4 * 16 * 16 * 8  # b x heads (repeated) x s/cp x d, float64
-    assert stage0["step_bytes"]["cp"] == 2 * (1 * 3 + 2) * 2 * block
-    assert stage0["step_bytes"]["cp"] != 2 * (1 * 3) * 2 * block
+    # controls, rejected by the same comparisons: the model state of a planner that does not
+    # shard over dp x cp, FSDP2 gathering per micro-batch, and (pp2 x cp2) the ring without its
+    # dK/dV hops, (dp2 x tp2) Megatron's fused count of 4 tp all-reduces per block
+    rank0 = ranks[0]
+    unsharded = mesh_bytes.model_state_bytes(COMPOSED_LLAMA, dataclasses.replace(mesh, dp=1, cp=1), dt)
+    assert unsharded["params"] != rank0["state_bytes"]["params"]
     raf = mesh_bytes.totals(mesh_bytes.comm_bytes(COMPOSED_LLAMA, mesh, dt, 0, reshard_after_forward=True), mesh)
-    assert raf["dp_cp"]["boundary"] != stage0["step_bytes"]["dp_cp"]
+    assert raf["dp_cp"]["boundary"] != rank0["step_bytes"]["dp_cp"]
+    if lay.cp == 2:
+        block = 4 * 4 * 16 * 16 * 8  # b x heads (repeated) x s/cp x d, float64
+        assert rank0["step_bytes"]["cp"] == 2 * (1 * 3 + 2) * 2 * block
+        assert rank0["step_bytes"]["cp"] != 2 * (1 * 3) * 2 * block
+    if lay.tp == 2:
+        act = 2 * 32 * 64 * 8  # (b, s, h) float64, whole on each tp rank
+        assert rank0["step_bytes"]["tp"] == 2 * 2 * (2 + 5 + 1) * act  # 2 blocks, 2 micro-batches
+        assert rank0["step_bytes"]["tp"] != 2 * 2 * (4 + 1) * act

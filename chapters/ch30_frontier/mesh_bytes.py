@@ -199,11 +199,15 @@ def in_flight(mesh: Mesh, stage: int) -> int:
 
 
 def comm_bytes(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0, t: int = 0,
-               recompute: bool = True, reshard_after_forward: bool | None = None) -> dict[str, list]:
+               recompute: bool = True, reshard_after_forward: bool | None = None,
+               pipelined: bool | None = None) -> dict[str, list]:
     """Collectives one rank of `stage` (tensor-parallel rank t) joins in one optimizer step, by
     mesh dimension: {dim: [(kind, calls, bytes of each call's whole tensor S)]}. `recompute`: activation
     checkpointing per layer (its forward's tp collectives and cp ring again in backward).
-    `reshard_after_forward`: FSDP2's; default torchtitan's (False under pp, True without)."""
+    `reshard_after_forward`: FSDP2's; default torchtitan's (False under pp, True without).
+    `pipelined`: whether a torch.distributed.pipelining schedule runs the micro-batches (default:
+    pp > 1; chapter 25's composed.py runs one at pp = 1 too), which holds FSDP2's gradient
+    reduction to the last micro-batch."""
     m, b, h = mesh.micro_batches, mesh.micro_batch_size, llama.hidden
     s_local = llama.seq_len // mesh.cp
     layers = len(stage_layers(llama.layers, mesh.pp, stage))
@@ -211,9 +215,11 @@ def comm_bytes(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0, t: int = 0,
     out: dict[str, list] = {"dp_cp": [], "tp": [], "pp": [], "cp": []}
     if mesh.dp * mesh.cp > 1:
         raf = mesh.pp == 1 if reshard_after_forward is None else reshard_after_forward
-        # under pp, torch's PipelineStage defers gradient sync to the last micro-batch
-        gathers = 2 * m if raf else (1 if mesh.pp > 1 else m)
-        scatters = 1 if mesh.pp > 1 else m
+        piped = mesh.pp > 1 if pipelined is None else pipelined
+        # under a pipelining schedule torch's PipelineStage defers gradient sync to the last
+        # micro-batch and keeps the parameters gathered between micro-batches
+        gathers = 2 * m if raf else (1 if piped else m)
+        scatters = 1 if piped else m
         for unit in fsdp_units(llama, mesh, stage, t):
             out["dp_cp"] += [("all_gather", gathers, unit * dt.compute),
                              ("reduce_scatter", scatters, unit * dt.reduce)]
