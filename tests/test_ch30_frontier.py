@@ -879,3 +879,68 @@ def test_planner_against_chapter_25s_composed_run(layout):
         act = 2 * 32 * 64 * 8  # (b, s, h) float64, whole on each tp rank
         assert rank0["step_bytes"]["tp"] == 2 * 2 * (2 + 5 + 1) * act  # 2 blocks, 2 micro-batches
         assert rank0["step_bytes"]["tp"] != 2 * 2 * (4 + 1) * act
+
+
+@pytest.mark.timeout(60)
+def test_activation_band_holds_what_autograd_saves():
+    """The course's Llama block (as in the fake-process-group test: RMSNorm, GQA with K/V repeated,
+    SDPA, SwiGLU) in float64, one process: the bytes autograd saves inside the layers (unique
+    storages, the weights and their transposed views left out) lie in `activation_band`, with
+    checkpointing exactly at its bottom (each layer's input)."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    llama = COMPOSED_LLAMA
+    h, d = llama.hidden, llama.hidden // llama.heads
+
+    def linear(i, o):
+        return nn.Linear(i, o, bias=False, dtype=torch.float64)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            kv = llama.kv_heads * d
+            self.q, self.k, self.v, self.o = (linear(h, n) for n in (h, kv, kv, h))
+            self.gate, self.up, self.down = linear(h, llama.ffn), linear(h, llama.ffn), linear(llama.ffn, h)
+            self.n1, self.n2 = nn.RMSNorm(h, dtype=torch.float64), nn.RMSNorm(h, dtype=torch.float64)
+
+        def forward(self, x):
+            B, T, _ = x.shape
+            y = self.n1(x)
+            q, k, v = (m(y).view(B, T, -1, d).transpose(1, 2) for m in (self.q, self.k, self.v))
+            rep = q.shape[1] // k.shape[1]
+            a = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
+                                               v.repeat_interleave(rep, 1), is_causal=True)
+            x = x + self.o(a.transpose(1, 2).reshape(B, T, -1))
+            y = self.n2(x)
+            return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+    def is_weight(t):
+        base = t._base if t._base is not None else t
+        return base.is_leaf and base.requires_grad
+
+    torch.manual_seed(0)
+    blocks = [Block() for _ in range(llama.layers)]
+    mesh = mesh_bytes.Mesh(1, 1, 1, 1, micro_batch_size=4)
+    dt = mesh_bytes.Dtypes.of(torch.float64)
+    measured = {}
+    for recompute in (False, True):
+        saved: dict[int, int] = {}
+
+        def pack(t, saved=saved):
+            if not is_weight(t):
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(4, llama.seq_len, h, dtype=torch.float64, requires_grad=True) * 1.0
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            for block in blocks:
+                x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        low, high = mesh_bytes.activation_band(llama, mesh, dt, recompute=recompute)
+        measured[recompute] = sum(saved.values())
+        assert low <= measured[recompute] <= high, (recompute, low, measured[recompute], high)
+    assert measured[True] == 2 * 4 * 32 * 64 * 8  # each layer's input
+    # control: a band that forgets cp's cut (taken at cp = 2 here, half the tokens) rejects it
+    low, high = mesh_bytes.activation_band(llama, dataclasses.replace(mesh, cp=2), dt, recompute=False)
+    assert not low <= measured[False] <= high
