@@ -106,10 +106,49 @@ plt.legend()
 plt.show()
 
 # %% [markdown]
+# ## All four at once: dp × tp × pp × cp
+# [`composed.py`](../chapters/ch25_llm/composed.py) trains a small course-owned Llama (HF's
+# weights, HF's logits) with pipeline stages, tensor parallelism, chapter 18's ring attention as
+# context parallelism and FSDP2 on one named mesh. A layout the world or the model cannot hold is
+# refused in one line, before any rank starts:
+
+# %%
+from chapters.ch25_llm import composed
+
+run = composed.Run()
+for layout in (composed.Layout(dp=2, tp=2, pp=2), composed.Layout(pp=2, tp=2, cp=2),
+               composed.Layout(dp=2, tp=4, pp=2)):
+    print(f"{layout.name():>16}:", composed.layout_error(layout, run.cfg, run.global_batch,
+                                                         run.seq_len, run.microbatches, 8) or "ok")
+
+# %% [markdown]
+# What each rank of the two test layouts holds and sends per step, by formula (the 8-rank test
+# counts the same bytes from the tensors and at the collective boundary, on every rank):
+
+# %%
+for layout in (composed.Layout(dp=2, tp=2, pp=2), composed.Layout(pp=2, tp=2, cp=2)):
+    for stage in range(layout.pp):
+        state = sum(composed.expected_state_bytes(run.cfg, layout, stage).values())
+        print(f"{layout.name():>16} stage {stage}: model state {state} B,",
+              composed.expected_comm_bytes(run, layout, stage))
+
+# %% [markdown]
+# The reference every layout is checked against: one process, the whole global batch, float64.
+# The tolerances are derived in the lesson (a reordered sum of 256 token terms, AdamW's 1/ε).
+
+# %%
+reference = composed.one_process(run)
+print("losses", [round(x, 9) for x in reference["losses"]])
+print("pre-clip norms", [round(x, 9) for x in reference["norms"]])
+print("tolerances", composed.tolerances(run))
+
+# %% [markdown]
 # ## Exercises
 # 1. What fraction of the `gpu` preset's FLOPs is the head, and what fraction attention?
 # 2. Why does the loss plateau near 5.9 before it falls further?
 # 3. How much does activation checkpointing add to a step's hardware FLOPs, and why less than 4/3?
 # 4. Run on four processes: do the FSDP2-vs-DDP differences stay 0?
+# 5. In the composed run, why does a micro-batch loss that is not divided by the number of
+#    micro-batches leave the weights (almost) unchanged, and which check catches it?
 #
 # Hints and answers are in the lesson, [README.md](../chapters/ch25_llm/README.md#exercises).
