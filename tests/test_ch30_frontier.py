@@ -454,8 +454,9 @@ def test_comm_bytes_by_hand_with_controls():
     # tp = 2: (b, s/cp, h) = 1·32·64 fp32 = 8192 bytes per call; per layer and micro-batch 4 a-g
     # + 4 r-s, recomputation 2 a-g + 1 r-s; the embedding's r-s and its gradient's a-g
     act = 32 * 64 * 4
-    assert comm["tp"] == [("all_gather", 2 * 6 + 2, act), ("reduce_scatter", 2 * 5 + 2, act)]
-    assert tot["tp"]["wire"] == 26 * act / 2
+    assert comm["tp"] == [("all_gather", 2 * 6 + 2, act), ("reduce_scatter", 2 * 5 + 2, act),
+                          ("all_reduce", 2 * 2, 64 * 4)]  # the two norms' weight gradients
+    assert tot["tp"]["wire"] == 26 * act / 2 + 4 * 64 * 4 * 2 * 1 / 2
     # pp = 2: the first stage sends each micro-batch's activation (b, s/(cp·tp), h) = 16·64·4
     assert tot["pp"]["boundary"] == 2 * 16 * 64 * 4
     # cp = 2: K and V of 2 heads x 32 tokens x 16 dims per hop: forward, recomputed forward and
@@ -473,11 +474,12 @@ def test_comm_bytes_by_hand_with_controls():
     plain = mesh_bytes.comm_bytes(wide, one, FP32, recompute=False)["tp"]
     full = 64 * 64 * 4
     ends = 4 * full * 3 / 4  # the one stage is first and last: the embedding's and head's a-g, r-s
-    layers_wire = sum(c * x * mesh_bytes.WIRE[k](4) for k, c, x in plain) - ends
+    norms = 5 * 64 * 4 * mesh_bytes.WIRE["all_reduce"](4)  # the norms' weight gradients
+    layers_wire = sum(c * x * mesh_bytes.WIRE[k](4) for k, c, x in plain) - ends - norms
     assert layers_wire == 2 * 4 * mesh_bytes.WIRE["all_reduce"](4) * full == 12 * full  # 2 layers
     # controls, rejected by that comparison: the all-reduce counted 1x, a-g/r-s counted whole
     assert 2 * 4 * 1.0 * full != layers_wire
-    assert sum(c * x for k, c, x in plain) - 4 * full != layers_wire
+    assert sum(c * x for k, c, x in plain if k != "all_reduce") - 4 * full != layers_wire
     raf = mesh_bytes.totals(mesh_bytes.comm_bytes(CPU_LLAMA, MESH16, FP32, reshard_after_forward=True), MESH16)
     assert raf["dp_cp"]["boundary"] != 279680  # all-gathers per micro-batch, forward and backward
     no_rc = mesh_bytes.totals(mesh_bytes.comm_bytes(CPU_LLAMA, MESH16, FP32, recompute=False), MESH16)
@@ -583,6 +585,10 @@ class BoundaryCount:
                     add(args[2], "reduce_scatter", args[1])
                 elif name == "_c10d_functional.all_reduce.default":
                     add(args[2], "all_reduce", args[0])
+                elif name == "_c10d_functional.all_gather_into_tensor.default":
+                    add(args[2], "all_gather", args[0])
+                elif name == "_c10d_functional.reduce_scatter_tensor.default":
+                    add(args[3], "reduce_scatter", args[0])
                 elif "c10d" in name and "wait" not in name and "wrap" not in name:
                     add("?", name, args[0] if isinstance(args[0], torch.Tensor) else args[0][0])
                 return func(*args, **(kwargs or {}))
@@ -590,20 +596,27 @@ class BoundaryCount:
         self.counts, self.mode = counts, Mode()
 
 
-def composed_step_bytes(llama, dp_cp: int, tp: int, recompute: bool) -> dict[str, dict[str, int]]:
-    """One forward and backward of the Llama (pp = 1, one micro-batch of one sequence) under
-    chapter 25's composed plan, on a fake process group (rank 0 of dp_cp x tp; no data moves):
-    torch's ColwiseParallel/RowwiseParallel on the blocks, checkpointing per block (non-reentrant,
-    torch's default early stop), FSDP2 per block and root with reshard_after_forward=False.
-    Returns the boundary bytes per mesh dimension and kind."""
+def composed_step_bytes(llama, dp_cp: int, tp: int, recompute: bool,
+                        plan: str = "blocks") -> dict[str, dict[str, int]]:
+    """One forward and backward of the Llama (pp = 1, one micro-batch of one sequence) on a fake
+    process group (rank 0 of dp_cp x tp; no data moves), FSDP2 per block and root with
+    reshard_after_forward=False, checkpointing per block (non-reentrant, torch's default early
+    stop), under a tensor-parallel plan: "blocks" (chapter 25's composed.py: torch's
+    Colwise/RowwiseParallel on the blocks' linears) or "torchtitan" (its Llama plan: sequence
+    parallel norms, PrepareModuleInput gathering attention's and the MLP's input once, row-wise
+    outputs reduce-scattered, the embedding and the head split, loss parallel). Returns the
+    bytes handed to collectives per mesh dimension and kind."""
     import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
+        SequenceParallel,
         parallelize_module,
     )
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -611,25 +624,39 @@ def composed_step_bytes(llama, dp_cp: int, tp: int, recompute: bool) -> dict[str
 
     h, d = llama.hidden, llama.hidden // llama.heads
 
-    class Block(nn.Module):
+    def linear(i, o):
+        return nn.Linear(i, o, bias=False)
+
+    class Attention(nn.Module):
         def __init__(self):
             super().__init__()
             kv = llama.kv_heads * d
-            self.q, self.k, self.v, self.o = (nn.Linear(h, n, bias=False) for n in (h, kv, kv, h))
-            self.gate, self.up = nn.Linear(h, llama.ffn, bias=False), nn.Linear(h, llama.ffn, bias=False)
-            self.down = nn.Linear(llama.ffn, h, bias=False)
-            self.n1, self.n2 = nn.RMSNorm(h), nn.RMSNorm(h)
+            self.q, self.k, self.v, self.o = (linear(h, n) for n in (h, kv, kv, h))
 
-        def layer(self, x):
-            B, T, _ = x.shape
-            y = self.n1(x)
+        def forward(self, y):
+            B, T, _ = y.shape
             q, k, v = (m(y).view(B, T, -1, d).transpose(1, 2) for m in (self.q, self.k, self.v))
             rep = q.shape[1] // k.shape[1]  # grouped-query K/V repeated to the local heads
             a = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
                                                v.repeat_interleave(rep, 1), is_causal=True)
-            x = x + self.o(a.transpose(1, 2).reshape(B, T, -1))
-            y = self.n2(x)
-            return x + self.down(F.silu(self.gate(y)) * self.up(y))
+            return self.o(a.transpose(1, 2).reshape(B, T, -1))
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.up, self.down = linear(h, llama.ffn), linear(h, llama.ffn), linear(llama.ffn, h)
+
+        def forward(self, y):
+            return self.down(F.silu(self.gate(y)) * self.up(y))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1, self.attn, self.n2, self.mlp = nn.RMSNorm(h), Attention(), nn.RMSNorm(h), MLP()
+
+        def layer(self, x):
+            x = x + self.attn(self.n1(x))
+            return x + self.mlp(self.n2(x))
 
         def forward(self, x):
             return checkpoint(self.layer, x, use_reentrant=False) if recompute else self.layer(x)
@@ -639,7 +666,7 @@ def composed_step_bytes(llama, dp_cp: int, tp: int, recompute: bool) -> dict[str
             super().__init__()
             self.embed, self.norm = nn.Embedding(llama.vocab, h), nn.RMSNorm(h)
             self.layers = nn.ModuleList(Block() for _ in range(llama.layers))
-            self.head = nn.Linear(h, llama.vocab, bias=False)
+            self.head = linear(h, llama.vocab)
 
         def forward(self, tokens):
             x = self.embed(tokens)
@@ -652,15 +679,26 @@ def composed_step_bytes(llama, dp_cp: int, tp: int, recompute: bool) -> dict[str
         mesh = init_device_mesh("cpu", (dp_cp, tp), mesh_dim_names=("dp_cp", "tp"))
         model = Model()
         col, row = ColwiseParallel, RowwiseParallel
+        linears = {"attn.q": col(), "attn.k": col(), "attn.v": col(), "attn.o": row(),
+                   "mlp.gate": col(), "mlp.up": col(), "mlp.down": row()}
+        if plan == "torchtitan":
+            gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            parallelize_module(model, mesh["tp"], {
+                "embed": row(input_layouts=Replicate(), output_layouts=Shard(1)),
+                "norm": SequenceParallel(),
+                "head": col(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+            linears.update({"attn.o": row(output_layouts=Shard(1)), "mlp.down": row(output_layouts=Shard(1)),
+                            "n1": SequenceParallel(), "n2": SequenceParallel(), "attn": gather, "mlp": gather})
         for block in model.layers:
-            parallelize_module(block, mesh["tp"], {"q": col(), "k": col(), "v": col(), "o": row(),
-                                                   "gate": col(), "up": col(), "down": row()})
+            parallelize_module(block, mesh["tp"], linears)
             fully_shard(block, mesh=mesh["dp_cp"], reshard_after_forward=False)
         fully_shard(model, mesh=mesh["dp_cp"], reshard_after_forward=False)
         tokens = torch.randint(0, llama.vocab, (1, llama.seq_len))
         count = BoundaryCount()
         with count.mode:
-            model(tokens).float().square().mean().backward()
+            logits = model(tokens)
+            logits = logits.to_local() if plan == "torchtitan" else logits  # loss parallel
+            logits.float().square().mean().backward()
         names = {mesh[dim].get_group().group_name: dim for dim in ("dp_cp", "tp")}
         return {names.get(g, g): kinds for g, kinds in count.counts.items()}
     finally:
@@ -668,28 +706,37 @@ def composed_step_bytes(llama, dp_cp: int, tp: int, recompute: bool) -> dict[str
 
 
 @pytest.mark.timeout(60)
-def test_comm_bytes_equal_the_collectives_torch_issues():
-    """The blocks plan's bytes per dimension against the collectives torch itself issues, counted
-    at the boundary (a dispatch mode) on a fake process group, with and without checkpointing."""
-    mesh = mesh_bytes.Mesh(dp=2, tp=2, pp=1, cp=1, plan="blocks")
+@pytest.mark.parametrize("plan", mesh_bytes.PLANS)
+def test_comm_bytes_equal_the_collectives_torch_issues(plan):
+    """Both tensor-parallel plans' bytes per dimension against the collectives torch itself
+    issues, counted at the boundary (a dispatch mode) on a fake process group, with and without
+    checkpointing."""
+    llama = CPU_LLAMA if plan == "torchtitan" else COMPOSED_LLAMA
+    mesh = mesh_bytes.Mesh(dp=2, tp=2, pp=1, cp=1, plan=plan)
+    got = {}
     for recompute in (True, False):
-        got = composed_step_bytes(CPU_LLAMA, 2, 2, recompute)
-        want = mesh_bytes.comm_bytes(CPU_LLAMA, mesh, FP32, recompute=recompute,
+        got[recompute] = composed_step_bytes(llama, 2, 2, recompute, plan)
+        want = mesh_bytes.comm_bytes(llama, mesh, FP32, recompute=recompute,
                                      reshard_after_forward=False)
         for dim in ("dp_cp", "tp"):
             predicted: dict[str, int] = {}
             for kind, calls, size in want[dim]:
                 handed = size // mesh_bytes.HANDED[kind](2)  # an all-gather is handed its half
                 predicted[kind] = predicted.get(kind, 0) + calls * handed
-            assert got[dim] == predicted, (dim, recompute)
-        assert set(got) == {"dp_cp", "tp"}  # nothing on another group
-    # controls, rejected by the same comparison: Megatron's fused count (4 all-reduces per layer
-    # and micro-batch), and a recomputation that reruns every forward all-reduce (no early stop)
-    act = 64 * 64 * 4
-    assert got["tp"]["all_reduce"] == 2 * 7 * act  # recompute=False, the last loop
-    assert 2 * 4 * act != got["tp"]["all_reduce"]
-    with_rc = composed_step_bytes(CPU_LLAMA, 2, 2, True)["tp"]["all_reduce"]
-    assert with_rc == 2 * 8 * act and with_rc != 2 * (7 + 2) * act
+            assert got[recompute][dim] == predicted, (plan, dim, recompute)
+        assert set(got[recompute]) == {"dp_cp", "tp"}  # nothing on another group
+    act = llama.seq_len * 64 * 4  # (1, s, h) fp32
+    if plan == "blocks":
+        # controls, rejected by the same comparison: Megatron's fused count (4 all-reduces per
+        # layer and micro-batch), a recomputation that reruns every forward all-reduce
+        assert got[False]["tp"]["all_reduce"] == 2 * 7 * act != 2 * 4 * act
+        assert got[True]["tp"]["all_reduce"] == 2 * 8 * act != 2 * (7 + 2) * act
+    else:
+        # 2 layers x (4 + 2 recomputed) + embedding/head a-g of half; 2 x (4 + 1) + 2 r-s;
+        # the five norms' partial gradients (h each) all-reduced; control: no early stop
+        assert got[True]["tp"] == {"all_gather": 14 * act // 2, "reduce_scatter": 12 * act,
+                                   "all_reduce": 5 * 64 * 4}
+        assert got[True]["tp"]["reduce_scatter"] != (2 * 6 + 2) * act
 
 
 

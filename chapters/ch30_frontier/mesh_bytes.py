@@ -15,7 +15,10 @@ asks chapter 25 to build:
   sequence-sharded input of attention and of the MLP and reduce-scatters their outputs; the
   backward does the reverse; activation checkpointing repeats the forward's but for the MLP's
   reduce-scatter (the recomputation stops early, once every saved tensor is back). The embedding's
-  output is reduce-scattered, the head's input all-gathered (loss parallel: logits stay sharded).
+  output is reduce-scattered, the head's input all-gathered (loss parallel: logits stay sharded);
+  the replicated norm weights' partial gradients are all-reduced in each backward. Chapter 25's
+  composed.py uses the "blocks" plan instead (`Mesh.plan`). Both plans' counts are measured
+  against the collectives torch issues in tests/test_ch30_frontier.py.
 - cp: chapter 18's ring attention (`ring.RingAttention`): forward cp − 1 hops of K and V;
   backward cp − 1 hops of K and V and cp hops of dK, dV; its K and V have as many heads as q
   (chapter 18's ring needs q, k, v of one shape: grouped-query K/V are repeated before it).
@@ -241,6 +244,10 @@ def comm_bytes(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0, t: int = 0,
         for kind in ("all_gather", "reduce_scatter"):
             calls[kind] += m * (first + last)  # embedding out (r-s / a-g), head in (a-g / r-s)
         out["tp"] += [(k, c, act) for k, c in calls.items()]
+        # the norms' weights are replicated over tp but see only a piece of the sequence: each
+        # micro-batch's backward all-reduces their partial gradients (h each; measured)
+        norms = 2 * layers + last
+        out["tp"].append(("all_reduce", m * norms, h * dt.compute))
     if mesh.pp > 1:
         sp = mesh.tp if mesh.plan == "torchtitan" else 1  # sequence parallel: (b, s/(cp·tp), h)
         piece = b * (s_local // sp) * h * dt.compute
