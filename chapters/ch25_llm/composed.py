@@ -30,7 +30,6 @@ Run (CPU, gloo; the one-process reference and its checks run in the same program
 
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass, field
 
@@ -222,20 +221,18 @@ def from_hf(hf_model) -> Llama:
 
 
 def reference_model(cfg: Cfg, seed: int, dtype=torch.float64) -> Llama:
-    """Every rank (and the one-process reference) builds the same start: HF's initialisation of a
-    `LlamaForCausalLM` from `seed`, loaded into the course's Llama."""
-    model = Llama(cfg).to(dtype)
-    model.load_state_dict(_hf_start(cfg, seed))
-    return model
-
-
-@functools.lru_cache(maxsize=4)
-def _hf_start(cfg: Cfg, seed: int) -> dict:
-    from chapters.ch25_llm.model import build_model, llama_config
-
-    hf = build_model(llama_config(cfg.vocab, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads,
-                                  cfg.ffn, 4096), seed)
-    return hf_state_to_course(hf.state_dict())
+    """Every rank (and the one-process reference) builds the same start from `seed`: HF's
+    initialisation of a Llama (every matrix and embedding N(0, 0.02²), norms 1), drawn here so
+    that the ranks need not import `transformers` (8 s each on a loaded 2-core machine)."""
+    g = torch.Generator().manual_seed(seed)
+    model = Llama(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return model.to(dtype)
 
 
 # --------------------------------------------------------------------------- the layout

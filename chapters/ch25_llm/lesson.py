@@ -108,7 +108,7 @@ plt.show()
 # %% [markdown]
 # ## All four at once: dp × tp × pp × cp
 # [`composed.py`](../chapters/ch25_llm/composed.py) trains a small course-owned Llama (HF's
-# weights, HF's logits) with pipeline stages, tensor parallelism, chapter 18's ring attention as
+# weights load into it one to one and give HF's logits) with pipeline stages, tensor parallelism, chapter 18's ring attention as
 # context parallelism and FSDP2 on one named mesh. A layout the world or the model cannot hold is
 # refused in one line, before any rank starts:
 
