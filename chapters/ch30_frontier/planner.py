@@ -16,8 +16,8 @@ Nothing here is new theory; every term is imported from the chapter that taught 
   micro-batches a 1F1B stage holds at once (min(m, p), chapter 17).
 
 What is missing from those chapters and written here: which link a group of ranks uses (ranks
-numbered tp innermost, then dp, then pp: Megatron-Core's default order `tp-cp-ep-dp-pp` without
-its cp and ep axes; its other supported order, tp-pp-dp, is `Cluster(order="tp-pp-dp")`), the
+numbered tp innermost, then cp, then dp, then pp: Megatron-Core's default order `tp-cp-ep-dp-pp`
+without its ep axis; its other supported order, tp-cp-ep-pp-dp, is `Cluster(order="tp-pp-dp")`), the
 activation count of a layer without attention (the MLP rows of Korthikanti's table with any
 d_ff), and the search itself.
 """
@@ -103,9 +103,9 @@ class Cluster:
     the fill and the drain are on the critical path."""
     order: str = "tp-dp-pp"
     """How ranks are numbered, innermost axis first: "tp-dp-pp" (Megatron-Core's default,
-    `initialize_model_parallel(order="tp-cp-ep-dp-pp")` without cp and ep: a dp group's ranks are
-    tp apart, a pp group's tp·dp apart) or "tp-pp-dp" (its other order: pp groups tp apart, dp
-    groups tp·pp apart)."""
+    `initialize_model_parallel(order="tp-cp-ep-dp-pp")` without ep, cp next to tp (at cp = 1: a dp
+    group's ranks are tp apart, a pp group's tp·dp apart) or "tp-pp-dp" (its other order,
+    tp-cp-ep-pp-dp: pp groups tp·cp apart, dp groups tp·cp·pp apart)."""
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
