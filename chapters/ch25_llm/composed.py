@@ -398,13 +398,11 @@ def make_optimizer(params, lr: float):
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def one_process(run: Run) -> dict:
-    """The reference: the whole model, the whole global batch, mean cross-entropy, torch's own
+def reference_steps(model, opt, run: Run, steps: range) -> dict:
+    """One process's steps on the whole global batch: mean cross-entropy, torch's own
     `clip_grad_norm_`, AdamW. Returns losses, pre-clip norms and the final parameters."""
-    model = reference_model(run.cfg, run.seed, run.dtype)
-    opt = make_optimizer(model.parameters(), run.lr)
     losses, norms = [], []
-    for step in range(run.steps):
+    for step in steps:
         x, y = batch(run, step)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
@@ -414,6 +412,14 @@ def one_process(run: Run) -> dict:
         losses.append(loss.item())
     return {"losses": losses, "norms": norms,
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def one_process(run: Run) -> dict:
+    """The reference: the whole model, the whole global batch, mean cross-entropy, torch's own
+    `clip_grad_norm_`, AdamW. Returns losses, pre-clip norms and the final parameters."""
+    model = reference_model(run.cfg, run.seed, run.dtype)
+    opt = make_optimizer(model.parameters(), run.lr)
+    return reference_steps(model, opt, run, range(run.steps))
 
 
 def build_composed(run: Run, layout: Layout, mesh, broken: str = "none", device="cpu"):
@@ -543,17 +549,7 @@ def resume_one_process(run: Run, path: str, start: int) -> dict:
              "optim": {"state": {names[p]: st for p, st in opt.state.items()}}}
     dcp.load(state, checkpoint_id=path, no_dist=True)
     model.load_state_dict(state["model"])
-    losses, norms = [], []
-    for step in range(start, start + run.steps):
-        x, y = batch(run, step)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_norm).item())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return {"losses": losses, "norms": norms,
-            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return reference_steps(model, opt, run, range(start, start + run.steps))
 
 
 class CommCounter:
