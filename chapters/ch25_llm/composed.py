@@ -365,7 +365,7 @@ def grad_norm(params, pp_group, over_pp: bool = True, device="cpu") -> torch.Ten
         for group in groups:
             dist.all_reduce(s, group=group)
         total = total + s
-    if over_pp:
+    if over_pp and dist.get_world_size(pp_group) > 1:  # pp = 1: nothing to sum, no collective
         dist.all_reduce(total, group=pp_group)
     return total.sqrt()
 
