@@ -392,6 +392,9 @@ def test_cuda_only_settings_decided_without_a_gpu():
 
 # --------------------------------------------------------------------------- composed (issue 21)
 from chapters.ch25_llm import composed as C  # noqa: E402
+from chapters.ch25_llm import composed_checks as K  # noqa: E402
+from chapters.ch25_llm import llama as L  # noqa: E402
+from chapters.ch25_llm import reference as R  # noqa: E402
 
 
 @pytest.mark.timeout(60)
@@ -399,31 +402,31 @@ def test_course_llama_equals_hf_llama_and_a_miswired_load_does_not():
     """The composed runs use the course's Llama (HF's LlamaForCausalLM computes RoPE tables in
     LlamaModel and returns ModelOutput objects: it does not cut into pipeline stages); HF's
     weights load into it one to one and its logits equal HF's."""
-    cfg = C.Cfg()
+    cfg = L.Cfg()
     hf = M.build_model(M.llama_config(cfg.vocab, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads,
                                       cfg.ffn, 64), 0)
-    ours = C.from_hf(hf)
+    ours = L.from_hf(hf)
     x = torch.randint(0, cfg.vocab, (2, 32), generator=torch.Generator().manual_seed(1))
     want = hf(input_ids=x, use_cache=False).logits
     # float32, the same operations in the same order: equal (measured 0.0)
     assert (ours(x) - want).abs().max().item() <= 1e-6
     # control: gate and up swapped in one layer (an easy mapping slip) changes the logits
-    sd = C.hf_state_to_course(hf.state_dict())
+    sd = L.hf_state_to_course(hf.state_dict())
     sd["layers.1.mlp.gate_proj.weight"], sd["layers.1.mlp.up_proj.weight"] = \
         sd["layers.1.mlp.up_proj.weight"], sd["layers.1.mlp.gate_proj.weight"]
-    wrong = C.Llama(cfg)
+    wrong = L.Llama(cfg)
     wrong.load_state_dict(sd)
     assert (wrong(x) - want).abs().max().item() > 1e-3
 
 
 @pytest.mark.timeout(30)
 def test_layout_is_validated_in_one_line_before_ranks_start():
-    cfg, ok = C.Cfg(), C.Layout(dp=2, tp=2, pp=2)
+    cfg, ok = L.Cfg(), R.Layout(dp=2, tp=2, pp=2)
     assert C.layout_error(ok, cfg, 8, 32, 2, world=8) is None
-    bad = C.layout_error(C.Layout(dp=2, tp=8, pp=4), cfg, 8, 32, 2, world=8)
+    bad = C.layout_error(R.Layout(dp=2, tp=8, pp=4), cfg, 8, 32, 2, world=8)
     assert "\n" not in bad and "!= world 8" in bad and "tp 8" in bad and "1F1B" in bad
-    assert "zigzag" in C.layout_error(C.Layout(cp=3), cfg, 8, 32, 2)
-    assert "pp 3 must divide layers" in C.layout_error(C.Layout(pp=3), cfg, 8, 32, 3)
+    assert "zigzag" in C.layout_error(R.Layout(cp=3), cfg, 8, 32, 2)
+    assert "pp 3 must divide layers" in C.layout_error(R.Layout(pp=3), cfg, 8, 32, 3)
     # the script's own check, before any process group exists (parse_config exits 2 with it)
     with pytest.raises(ValueError, match="!= world 8"):
         C.validate(C.Config(dp=3, tp=2), 8)
@@ -439,7 +442,7 @@ def composed_ckpt(tmp_path_factory):
 def composed_ranks(composed_ckpt):
     """THE 8-rank job (one spawn): dp2 x tp2 x pp2 and pp2 x tp2 x cp2 with their controls, and
     the DCP checkpoint of dp2 x tp2 x pp2 resumed on dp4 x tp2."""
-    return run_on_ranks(C.parity_worker, 8, str(composed_ckpt), timeout=170)
+    return run_on_ranks(K.parity_worker, 8, str(composed_ckpt), timeout=170)
 
 
 @pytest.fixture(scope="module")
@@ -449,11 +452,11 @@ def composed_job(composed_ranks):
 
 @pytest.mark.timeout(200)
 def test_composed_layouts_equal_one_process_and_every_control_is_caught(composed_job):
-    run = C.Run()
-    reference = C.one_process(run)  # computed here, in this process: independent of the ranks
-    tol = C.tolerances(run)
+    run = R.Run()
+    reference = R.one_process(run)  # computed here, in this process: independent of the ranks
+    tol = R.tolerances(run)
     rows = {(r["layout"], r["broken"]): r for r in
-            C.compare_plans(run, C.PLANS, composed_job, reference)}
+            K.compare_plans(run, K.PLANS, composed_job, reference)}
     for layout in ("pp2 x dp2 x tp2", "pp2 x cp2 x tp2"):
         row = rows[(layout, "none")]
         assert row["within"], row  # measured: losses, norms <= 4e-16, weights <= 2e-14
@@ -473,17 +476,27 @@ def test_composed_layouts_equal_one_process_and_every_control_is_caught(composed
 
 @pytest.mark.timeout(30)
 def test_composed_state_and_traffic_per_rank_equal_the_formulas(composed_job):
-    """Model-state bytes counted from each rank's tensors, and the bytes each rank handed to
+    """Model-state bytes counted from each rank's tensors, the bytes each rank handed to
     collectives in a step counted at the collective boundary (a TorchDispatchMode), by mesh
-    dimension, equal the formulas (what chapter 30's planner predicts) on all 8 ranks."""
-    run = C.Run()
-    rows = C.measured_figures(composed_job)
+    dimension, and the activation bytes autograd kept for backward at the step's peak (saved-
+    tensor hooks) equal the formulas on all 8 ranks; what chapter 30's planner is set beside
+    (figures/data.json, "composed") is what this job measured."""
+    run = R.Run()
+    rows = K.measured_figures(composed_job)
     assert len(rows) == 16
     for row in rows:
-        layout = next(lay for lay, _ in C.PLANS if lay.name() == row["layout"])
+        layout = next(lay for lay, _ in K.PLANS if lay.name() == row["layout"])
         stage = row["coords"]["pp"]
-        assert row["state_bytes"] == C.expected_state_bytes(run.cfg, layout, stage), row
-        assert row["comm_bytes"] == C.expected_comm_bytes(run, layout, stage), row
+        assert row["state_bytes"] == R.expected_state_bytes(run.cfg, layout, stage), row
+        assert row["comm_bytes"] == R.expected_comm_bytes(run, layout, stage), row
+        assert row["activation_bytes"] == R.expected_activation_bytes(run, layout, stage), row
+    # 1F1B: the first stage holds both micro-batches' block inputs, the last stage one at a time
+    # (both layouts: B/dp x T/cp = 2 x 32 = 4 x 16 tokens a micro-batch, h = 64, float64)
+    assert {r["activation_bytes"] for r in rows if r["coords"]["pp"] == 0} == {2 * 2 * 32 * 64 * 8}
+    assert {r["activation_bytes"] for r in rows if r["coords"]["pp"] == 1} == {2 * 32 * 64 * 8}
+    recorded = json.loads((REPO_ROOT / "chapters/ch25_llm/figures/data.json").read_text())
+    assert recorded["composed"]["ranks"] == json.loads(json.dumps(rows)), (
+        "chapter 30's record is stale: python tools/figures.py --rerun ch25")
     # control: the unscaled-micro-batch run moves the same bytes (traffic cannot see it), and
     # the cp run without cp reduction moves fewer dp_cp bytes than the formula (FSDP2 over dp=1)
     for r in composed_job:
@@ -493,25 +506,51 @@ def test_composed_state_and_traffic_per_rank_equal_the_formulas(composed_job):
 
 
 @pytest.mark.timeout(60)
+def test_activation_counter_sees_what_autograd_saves_and_checkpointing_frees():
+    """One process, the course's Llama in float64: with checkpointing per block the counter sees
+    each block's input and nothing else (the formula's count); without it, every intermediate
+    the blocks save (control: a counter blind to saved tensors would read the same both ways)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from chapters.ch25_llm.counters import ActivationCounter
+
+    run = R.Run()
+    x = torch.randint(0, run.cfg.vocab, (2, run.seq_len), generator=torch.Generator().manual_seed(0))
+    peaks = {}
+    for recompute in (True, False):
+        model = L.reference_model(run.cfg, 0)
+        if recompute:
+            for key in list(model.layers.keys()):
+                model.layers[key] = checkpoint_wrapper(model.layers[key])
+        counter = ActivationCounter(model.layers.values())
+        model(x).sum().backward()
+        counter.remove()
+        peaks[recompute] = counter.peak
+        assert counter.now == 0  # every saved tensor released after backward
+    assert peaks[True] == run.cfg.layers * 2 * run.seq_len * run.cfg.hidden * 8
+    assert peaks[False] > 5 * peaks[True]
+
+
+@pytest.mark.timeout(60)
 def test_composed_checkpoint_resumes_on_another_layout_and_on_one_process(composed_ranks,
                                                                          composed_ckpt):
     """dp2 x tp2 x pp2 saved a DCP checkpoint after 3 steps; dp4 x tp2 (no pipeline: the stages'
     shards merge) and one process (world 1, no process group) each load it and take step 3:
     both equal one process that trained 4 steps straight (the same float64 tolerances)."""
-    run, tol = C.Run(), C.tolerances(C.Run(steps=4))
-    straight = C.one_process(C.Run(steps=4))
+    run, tol = R.Run(), R.tolerances(R.Run(steps=4))
+    straight = R.one_process(R.Run(steps=4))
     last = {"losses": straight["losses"][3:], "norms": straight["norms"][3:],
             "params": straight["params"]}
     resumed = {"losses": composed_ranks[0]["resumed"]["losses"],
                "norms": composed_ranks[0]["resumed"]["norms"],
                "params": C.merge_stages([r["resumed"] for r in composed_ranks])}
-    alone = C.resume_one_process(C.Run(steps=1), str(composed_ckpt), start=run.steps)
+    alone = R.resume_one_process(R.Run(steps=1), str(composed_ckpt), start=run.steps)
     for got in (resumed, alone):
-        d = C.differences(got, last)
+        d = R.differences(got, last)
         assert all(d[k] <= tol[k] for k in tol), d
     # control: resuming from the start weights (the checkpoint not loaded) is caught
-    fresh = C.one_process(C.Run(steps=1))
-    assert C.differences(fresh, last)["params"] > 100 * tol["params"]
+    fresh = R.one_process(R.Run(steps=1))
+    assert R.differences(fresh, last)["params"] > 100 * tol["params"]
 
 
 @pytest.mark.timeout(30)
@@ -523,10 +562,10 @@ def test_recorded_4d_run_on_16_ranks_passed_and_matches_the_formulas():
     assert record["world_size"] == 16 and record["script"] == "composed"
     assert {k: record["config"][k] for k in ("dp", "tp", "pp", "cp")} == dict(dp=2, tp=2, pp=2, cp=2)
     assert len(record["checks"]) == 5 and all(c["ok"] for c in record["checks"])
-    run, layout = C.Run(), C.Layout(dp=2, tp=2, pp=2, cp=2)
-    expected = C.expected_comm_bytes(run, layout, 0)
+    run, layout = R.Run(), R.Layout(dp=2, tp=2, pp=2, cp=2)
+    expected = R.expected_comm_bytes(run, layout, 0)
     assert set(expected) == {"pp", "dp_cp", "tp", "cp"}
     for dim, n in expected.items():
         assert record["figures"][f"bytes to collectives per step over {dim} (rank 0)"]["measured"] == n
-    largest = max(sum(C.expected_state_bytes(run.cfg, layout, s).values()) for s in (0, 1))
+    largest = max(sum(R.expected_state_bytes(run.cfg, layout, s).values()) for s in (0, 1))
     assert record["figures"]["model-state bytes per rank (largest)"]["measured"] == largest

@@ -113,7 +113,7 @@ plt.show()
 # refused in one line, before any rank starts:
 
 # %%
-from chapters.ch25_llm import composed
+from chapters.ch25_llm import composed, reference
 
 run = composed.Run()
 for layout in (composed.Layout(dp=2, tp=2, pp=2), composed.Layout(pp=2, tp=2, cp=2),
@@ -123,24 +123,26 @@ for layout in (composed.Layout(dp=2, tp=2, pp=2), composed.Layout(pp=2, tp=2, cp
 
 # %% [markdown]
 # What each rank of the two test layouts holds and sends per step, by formula (the 8-rank test
-# counts the same bytes from the tensors and at the collective boundary, on every rank):
+# counts the same bytes from the tensors, from autograd's saved tensors and at the collective
+# boundary, on every rank):
 
 # %%
 for layout in (composed.Layout(dp=2, tp=2, pp=2), composed.Layout(pp=2, tp=2, cp=2)):
     for stage in range(layout.pp):
-        state = sum(composed.expected_state_bytes(run.cfg, layout, stage).values())
-        print(f"{layout.name():>16} stage {stage}: model state {state} B,",
-              composed.expected_comm_bytes(run, layout, stage))
+        state = sum(reference.expected_state_bytes(run.cfg, layout, stage).values())
+        acts = reference.expected_activation_bytes(run, layout, stage)
+        print(f"{layout.name():>16} stage {stage}: model state {state} B, activations {acts} B,",
+              reference.expected_comm_bytes(run, layout, stage))
 
 # %% [markdown]
 # The reference every layout is checked against: one process, the whole global batch, float64.
 # The tolerances are derived in the lesson (a reordered sum of 256 token terms, AdamW's 1/ε).
 
 # %%
-reference = composed.one_process(run)
-print("losses", [round(x, 9) for x in reference["losses"]])
-print("pre-clip norms", [round(x, 9) for x in reference["norms"]])
-print("tolerances", composed.tolerances(run))
+ref = reference.one_process(run)
+print("losses", [round(x, 9) for x in ref["losses"]])
+print("pre-clip norms", [round(x, 9) for x in ref["norms"]])
+print("tolerances", reference.tolerances(run))
 
 # %% [markdown]
 # ## Exercises

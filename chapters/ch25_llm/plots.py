@@ -1,5 +1,6 @@
 """Figures for the chapter 25 lesson (redraw with `python tools/figures.py ch25`; re-measure the
-loss curve with `python tools/figures.py --rerun ch25`, which runs train.py on two processes)."""
+loss curve with `python tools/figures.py --rerun ch25`, which runs train.py on two processes and
+the composed run's 8-rank job, whose per-rank counts chapter 30 sets its planner beside)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from chapters.ch25_llm.model import PRESETS, forward_matmul_flops, llama_config, n_params
 from common.results import save_figure
 
-MEASURE_S = 60
+MEASURE_S = 120
 
 
 def data_from_run(out_dir: Path) -> dict:
@@ -28,13 +29,25 @@ def data_from_run(out_dir: Path) -> dict:
             "world_size": summary["world_size"], "torch": summary["versions"]["torch"]}
 
 
+def measure_composed() -> dict:
+    """The composed run's 8-rank job (about a minute on two idle cores): what every rank counted
+    (model state, bytes per mesh dimension, activations kept), for chapter 30's planner."""
+    from chapters.ch25_llm.composed_checks import parity_worker, record
+    from common.launch import run_on_ranks
+
+    ranks = run_on_ranks(parity_worker, 8, None, timeout=600)
+    return record([r["plans"] for r in ranks])
+
+
 def measure() -> dict:
     from common.launch import REPO_ROOT, run_torchrun
 
     with tempfile.TemporaryDirectory() as tmp:
         run_torchrun(REPO_ROOT / "chapters" / "ch25_llm" / "train.py", nproc=2, out_dir=tmp,
                      timeout=600)
-        return data_from_run(Path(tmp))
+        data = data_from_run(Path(tmp))
+    data["composed"] = measure_composed()
+    return data
 
 
 def make_figures(fig_dir: Path, data: dict) -> list[Path]:

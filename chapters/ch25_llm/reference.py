@@ -1,0 +1,226 @@
+"""What the composed run (composed.py) is proven against: its settings (`Run`) and the global
+batch of each step, one process training the whole model on that batch (`one_process`, and
+`resume_one_process` from the composed run's DCP checkpoint), the parity tolerances the lesson
+derives, and the closed forms of the bytes a rank holds and hands to collectives per step.
+Nothing here builds a mesh: it is the expected value the composed run is measured against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from chapters.ch25_llm.llama import Cfg, Llama, reference_model
+
+DIMS = ("pp", "dp", "cp", "tp")  # outermost to innermost: tp on neighbouring ranks (one node)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def name(self) -> str:
+        return " x ".join(f"{d}{getattr(self, d)}" for d in DIMS if getattr(self, d) > 1) or "1"
+
+
+@dataclass
+class Run:
+    """Settings shared by the composed run and its one-process reference."""
+
+    cfg: Cfg = field(default_factory=Cfg)
+    steps: int = 3
+    global_batch: int = 8
+    seq_len: int = 32
+    microbatches: int = 2
+    lr: float = 3e-3
+    max_norm: float = 0.5       # chosen below the measured norms: clipping acts at every step
+    seed: int = 0
+    dtype: torch.dtype = torch.float64
+
+
+def batch(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's global batch: random token windows (inputs, next-token targets)."""
+    g = torch.Generator().manual_seed(run.seed * 7919 + step)
+    ids = torch.randint(0, run.cfg.vocab, (run.global_batch, run.seq_len + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def make_optimizer(params, lr: float):
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def reference_steps(model, opt, run: Run, steps: range) -> dict:
+    """One process's steps on the whole global batch: mean cross-entropy, torch's own
+    `clip_grad_norm_`, AdamW. Returns losses, pre-clip norms and the final parameters."""
+    losses, norms = [], []
+    for step in steps:
+        x, y = batch(run, step)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_norm).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms,
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def one_process(run: Run) -> dict:
+    """The reference: the whole model, the whole global batch, mean cross-entropy, torch's own
+    `clip_grad_norm_`, AdamW. Returns losses, pre-clip norms and the final parameters."""
+    model = reference_model(run.cfg, run.seed, run.dtype)
+    opt = make_optimizer(model.parameters(), run.lr)
+    return reference_steps(model, opt, run, range(run.steps))
+
+
+def resume_one_process(run: Run, path: str, start: int) -> dict:
+    """A different world: one process, no process group, loads the composed run's DCP
+    checkpoint into the whole model and AdamW and trains `run.steps` more steps from `start`."""
+    import torch.distributed.checkpoint as dcp
+
+    model = reference_model(run.cfg, run.seed, run.dtype)
+    opt = make_optimizer(model.parameters(), run.lr)
+    # AdamW's state exists after a first step: make it (zero gradients), then overwrite it all
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    names = {p: n for n, p in model.named_parameters()}
+    state = {"model": model.state_dict(),
+             "optim": {"state": {names[p]: st for p, st in opt.state.items()}}}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    model.load_state_dict(state["model"])
+    return reference_steps(model, opt, run, range(start, start + run.steps))
+
+
+def expected_state_bytes(cfg: Cfg, layout: Layout, stage: int, elem: int = 8) -> dict:
+    """The same by formula (what chapter 30's planner predicts): the stage's parameters, the
+    block matrices divided by tp, everything divided by dp x cp (FSDP2's shards; exact when
+    the sharded dimensions divide, as here); gradients as large; AdamW two moments each."""
+    h, d = cfg.hidden, cfg.head_dim
+    matrices = h * cfg.heads * d * 2 + 2 * h * cfg.kv_heads * d + 3 * h * cfg.ffn
+    block = matrices // layout.tp + 2 * h
+    n = cfg.layers // layout.pp * block
+    if stage == 0:
+        n += cfg.vocab * h
+    if stage == layout.pp - 1:
+        n += h + cfg.vocab * h
+    n //= layout.dp * layout.cp
+    return {"params": n * elem, "grads": n * elem, "optimizer": 2 * n * elem}
+
+
+def expected_comm_bytes(run: Run, layout: Layout, stage: int, elem: int = 8) -> dict:
+    """What one training step hands to collectives, by mesh dimension, by formula; m
+    micro-batches of B/(dp·m) sequences of T/cp tokens, an activation a = B/(dp·m)·T/cp·h
+    elements, L/pp blocks on the stage.
+    - pp: each micro-batch's activation (forward, first stage) or its gradient (backward, last
+      stage): m·a; plus the 8-byte gradient-norm sum.
+    - dp_cp (FSDP2, `reshard_after_forward=False`): one all-gather of this rank's shard and one
+      reduce-scatter of its whole (tp-local) gradient, dp·cp shards: (1 + dp·cp) × shard bytes;
+      plus one 8-byte norm sum per kind of sharding (1-D; 2-D when tp > 1).
+    - tp, per block and micro-batch, all-reduces of one activation a: 2 forward (after o and
+      down), 1 in the recomputation (activation checkpointing stops before the MLP's down
+      projection: its output is not needed by backward), 5 backward (the input gradients of q,
+      k, v and gate, up: each column-parallel input all-reduces its own); plus 8 (the norm).
+    - cp: chapter 18's ring, `ring_bytes_per_rank`, per block and micro-batch, its forward twice
+      (once more in the recomputation) and its backward once; K/V heads are repeated to the
+      query heads before the ring (heads/tp of them)."""
+    from chapters.ch18_long_context.ring import ring_bytes_per_rank
+
+    cfg = run.cfg
+    rows = run.global_batch // (layout.dp * run.microbatches)
+    local_len = run.seq_len // layout.cp
+    act = rows * local_len * cfg.hidden * elem
+    blocks = cfg.layers // layout.pp
+    out = {}
+    if layout.pp > 1:
+        out["pp"] = run.microbatches * act * (1 if stage in (0, layout.pp - 1) else 2) + 8
+    if layout.dp * layout.cp > 1:
+        shard = expected_state_bytes(cfg, layout, stage, elem)["params"]
+        out["dp_cp"] = (1 + layout.dp * layout.cp) * shard + 8 * (2 if layout.tp > 1 else 1)
+    if layout.tp > 1:
+        out["tp"] = blocks * run.microbatches * (2 + 1 + 5) * act + 8
+    if layout.cp > 1:
+        ring = ring_bytes_per_rank(rows, cfg.heads // layout.tp, local_len, cfg.head_dim, elem,
+                                   layout.cp)
+        out["cp"] = blocks * run.microbatches * (2 * ring["forward"] + ring["backward"])
+    return out
+
+
+def differences(composed: dict, reference: dict) -> dict:
+    """Largest differences: loss (relative), pre-clip norm (relative), parameters (absolute)."""
+    loss = max(abs(a - b) / abs(b) for a, b in zip(composed["losses"], reference["losses"]))
+    norm = max(abs(a - b) / abs(b) for a, b in zip(composed["norms"], reference["norms"]))
+    params = composed["params"]
+    assert set(params) == set(reference["params"]), set(params) ^ set(reference["params"])
+    p = max((params[k].double() - reference["params"][k].double()).abs().max().item()
+            for k in params)
+    return {"loss": loss, "norm": norm, "params": p}
+
+
+def tolerances(run: Run) -> dict:
+    """The lesson's float64 tolerances. The composed run and one process compute the same sums
+    in another order (over tokens, micro-batches, dp x cp ranks, tp shards, ring blocks): a sum
+    of n terms reordered moves by at most n·u times the sum of their magnitudes, u = 2^-53. The
+    loss is a sum over the B·T tokens of the global batch (relative B·T·u). The squared norm is a
+    sum of P squared gradient entries, regrouped by shard, slice and stage, each entry a sum over
+    the tokens: relative (P + B·T)·u. A weight moves by at most η·B·T·u/ε per AdamW step (the
+    chapter's first-order bound, gradients clipped to norm <= 1), k steps."""
+    u = torch.finfo(run.dtype).eps / 2
+    n = run.global_batch * run.seq_len
+    p = sum(t.numel() for t in Llama(run.cfg).parameters())
+    return {"loss": n * u, "norm": (p + n) * u, "params": run.steps * run.lr * n * u / 1e-8}
+
+
+def expected_activation_bytes(run: Run, layout: Layout, stage: int, elem: int = 8) -> int:
+    """Activations a rank's decoder layers keep for backward at the peak of a step, by formula:
+    with checkpointing per block each block keeps its input, one micro-batch's (B/(dp·m), T/cp,
+    h) on every tp rank; a 1F1B stage holds min(m, pp − stage) micro-batches at once (torch's
+    Schedule1F1B warms up with that many forwards before its first backward). Chapter 30's
+    `activation_band` has this as its bottom."""
+    rows = run.global_batch // (layout.dp * run.microbatches)
+    in_flight = min(run.microbatches, layout.pp - stage)
+    blocks = run.cfg.layers // layout.pp
+    return blocks * in_flight * rows * (run.seq_len // layout.cp) * run.cfg.hidden * elem
+
+
+def record_checks(rec, run: Run, layout: Layout, result: dict, composed: dict, info) -> None:
+    """The script's checks: the composed run against one process (computed on rank 0, in the
+    same program), and what every rank counted against the formulas above."""
+    import torch.distributed as dist
+
+    from common.distributed import gather_numbers
+
+    tol, box = tolerances(run), [None]
+    if info.is_main:
+        box = [differences(composed, one_process(run))]
+    dist.broadcast_object_list(box, src=0)
+    d = box[0]
+    for key, what in (("loss", "losses (relative)"), ("norm", "pre-clip grad norms (relative)"),
+                      ("params", "weights")):
+        rec.check(f"{layout.name()}: {what} = one process", "parity", d[key], tol[key],
+                  compare="<=")
+    stage = result["coords"]["pp"]
+    mine = sum(result["state_bytes"].values())
+    ok = gather_numbers(int(mine == sum(expected_state_bytes(run.cfg, layout, stage).values())))
+    rec.check("model-state bytes per rank = formula (every rank)", "count", sum(ok),
+              info.world_size)
+    rec.figure("model-state bytes per rank (largest)", max(gather_numbers(mine)), unit="B")
+    traffic = result["comm_bytes"] == expected_comm_bytes(run, layout, stage)
+    rec.check("bytes to collectives per step, by mesh dimension = formula (every rank)",
+              "count", sum(gather_numbers(int(traffic))), info.world_size)
+    for dim, n in sorted(result["comm_bytes"].items()):
+        rec.figure(f"bytes to collectives per step over {dim} (rank 0)", n, unit="B")
+    acts = result["activation_bytes"] == expected_activation_bytes(run, layout, stage)
+    rec.check("activation bytes kept for backward, at the peak = formula (every rank)",
+              "count", sum(gather_numbers(int(acts))), info.world_size)
+    rec.figure("activation bytes kept for backward, peak (rank 0)", result["activation_bytes"],
+               expected=expected_activation_bytes(run, layout, stage), unit="B")
