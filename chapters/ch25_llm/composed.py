@@ -264,6 +264,7 @@ def train_composed(run: Run, layout: Layout, mesh, broken: str = "none",
         full_params(model)  # the gathers are collectives: every rank of the stage takes part
     return {"losses": losses, "norms": norms, "params": params, "state_bytes": state,
             "coords": coords, "comm_bytes": comm.bytes, "comm_calls": comm.calls,
+            "comm_scalar_bytes": comm.scalar_bytes,
             "activation_bytes": acts.peak}
 
 

@@ -67,7 +67,8 @@ def measured_figures(results_by_rank: list, plans: list = None) -> list[dict]:
     """Chapter 25's measured per-layout figures for chapter 30's planner: for each correct run
     of `layout_worker` (one list per rank), each rank's coordinates, its model-state bytes
     (params, grads, AdamW moments) and the bytes it handed to collectives in one training step
-    by mesh dimension ("pp", "dp", "cp", "tp", "dp_cp"), with the number of calls, and the
+    by mesh dimension ("pp", "dp", "cp", "tp", "dp_cp"), with the number of calls and the bytes
+    of one-element tensors among them (the gradient norm's partial sums), and the
     activation bytes its decoder layers kept for backward at the step's peak."""
     plans = PLANS if plans is None else plans
     rows = []
@@ -77,6 +78,7 @@ def measured_figures(results_by_rank: list, plans: list = None) -> list[dict]:
             rows.append({"layout": layout.name(), "rank": rank, "coords": res["coords"],
                          "state_bytes": res["state_bytes"], "comm_bytes": res["comm_bytes"],
                          "comm_calls": res["comm_calls"],
+                         "comm_scalar_bytes": res["comm_scalar_bytes"],
                          "activation_bytes": res["activation_bytes"]})
     return rows
 

@@ -34,6 +34,7 @@ class CommCounter:
         self.collective = by_ranks(("pp", "cp", "tp", "dp", "dp_cp"))
         self.bytes: dict = {}
         self.calls: dict = {}
+        self.scalar_bytes: dict = {}  # of those bytes, one-element tensors (the norm's sums)
 
     def _dim(self, group, p2p: bool) -> str:
         from torch.distributed.distributed_c10d import _resolve_process_group
@@ -56,6 +57,8 @@ class CommCounter:
         dim = self._dim(group, p2p=op == "send")
         self.bytes[dim] = self.bytes.get(dim, 0) + t.numel() * t.element_size()
         self.calls[dim] = self.calls.get(dim, 0) + 1
+        if t.numel() == 1:
+            self.scalar_bytes[dim] = self.scalar_bytes.get(dim, 0) + t.element_size()
 
     def __enter__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
