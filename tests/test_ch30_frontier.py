@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -306,6 +305,8 @@ def test_plan_script(tmp_path):
 CPU_LLAMA = mesh_bytes.Llama(vocab=1024, hidden=64, layers=2, heads=4, kv_heads=2, ffn=176, seq_len=64)
 MESH16 = mesh_bytes.Mesh(dp=2, tp=2, pp=2, cp=2, micro_batch_size=1, micro_batches=2)
 FP32 = mesh_bytes.Dtypes.of(torch.float32)
+COMPOSED_LLAMA = mesh_bytes.Llama(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=176, seq_len=32)
+"""Chapter 25's composed run's Llama (composed.py's default `Run`)."""
 
 
 def test_llama_shape_is_chapter_25s():
@@ -816,116 +817,51 @@ def test_cp_terms_by_hand():
 
 
 
-# --- against chapter 25's composed run (its committed measured_figures: model state; the bytes
-# per dimension counted here, at the collective boundary, around its own training loop) ---------
+# --- against chapter 25's composed run (the per-rank counts its 8-rank job recorded) ----------
 
-def composed_worker(layout_kw: dict) -> dict:
-    """One rank of chapter 25's composed run (`composed.train_composed`, its default `Run`: the
-    course Llama in float64, 2 micro-batches of 4 sequences of 32 tokens) trained 1 step and, from
-    scratch, 2 steps, each under a dispatch mode counting the bytes handed to every collective and
-    send (tensors of more than one element: the loss and the norm's partial sums are scalars),
-    by mesh dimension. Two steps less one is one step: the model's construction, the pipeline's
-    shape inference (a real forward and backward) and the final gathers cancel."""
-    import torch.distributed as dist
-    from torch.utils._python_dispatch import TorchDispatchMode
+@pytest.mark.timeout(60)
+def test_planner_against_chapter_25s_composed_run():
+    """Every rank of chapter 25's two layouts (dp2 x tp2 x pp2, pp2 x cp2 x tp2; float64, 1F1B,
+    FSDP2 without resharding, checkpointing per block), as its job counted them inside the run
+    (chapter 25's tests fail when a fresh job no longer matches the record): model state and the
+    bytes each dimension's collectives were handed in one step equal `mesh_bytes` exactly, the
+    activations lie in `activation_band`, at its bottom (each block's input)."""
+    from chapters.ch30_frontier import against_ch25
 
-    from chapters.ch25_llm import composed as C
-
-    layout = C.Layout(**layout_kw)
-    mesh = C.build_mesh(layout)
-    names = {mesh[d].get_group().group_name: d for d in C.DIMS if getattr(layout, d) > 1}
-    if layout.dp * layout.cp > 1:
-        names[mesh["dp_cp"].get_group().group_name] = "dp_cp"
-
-    def group(g) -> str:
-        g = g if isinstance(g, str) else dist.ProcessGroup.unbox(g).group_name
-        return names.get(g, g)
-
-    def run(steps: int):
-        counts: dict[str, int] = {}
-
-        def add(g, t):
-            if t.numel() > 1:
-                counts[group(g)] = counts.get(group(g), 0) + t.numel() * t.element_size()
-
-        class Count(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = str(func)
-                if name == "c10d._allgather_base_.default":
-                    add(args[2], args[1])
-                elif name == "c10d._reduce_scatter_base_.default":
-                    add(args[2], args[1])
-                elif name == "c10d.send.default":
-                    for t in args[0]:
-                        add(args[1], t)
-                elif name in ("c10d.allreduce_.default", "_c10d_functional.all_reduce.default"):
-                    for t in (args[0] if isinstance(args[0], list) else [args[0]]):
-                        add(args[1] if isinstance(args[0], list) else args[2], t)
-                return func(*args, **(kwargs or {}))
-
-        with Count():
-            res = C.train_composed(C.Run(steps=steps), layout, mesh)
-        return counts, res
-
-    one, _ = run(1)
-    two, res = run(2)
-    step = {d: two.get(d, 0) - one.get(d, 0) for d in set(one) | set(two)}
-    return {"coords": res["coords"], "state_bytes": res["state_bytes"], "step_bytes": step}
-
-
-COMPOSED_LLAMA = mesh_bytes.Llama(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=176, seq_len=32)
-
-
-@pytest.mark.timeout(200)
-@pytest.mark.skipif(not os.environ.get("COURSE_CH30_COMPOSED"), reason=(
-    "4 spawned ranks train chapter 25's composed run twice per layout (80-115 s at load 4-8): over chapter 30's "
-    "60 s budget; COURSE_CH30_COMPOSED=1 runs it"))
-@pytest.mark.parametrize("layout", [dict(pp=2, cp=2), dict(dp=2, tp=2)], ids=["pp2xcp2", "dp2xtp2"])
-def test_planner_against_chapter_25s_composed_run(layout):
-    """4 ranks: chapter 25's model state (`composed.state_bytes`) exactly, and the bytes each
-    dimension's collectives were handed in one step (counted at the boundary) exactly, against
-    `mesh_bytes` with chapter 25's plan: blocks, FSDP2's reshard_after_forward=False, a 1F1B
-    schedule even at pp = 1, checkpointing per block, float64."""
-    from chapters.ch25_llm import composed as C
-
-    ranks = run_on_ranks(composed_worker, 4, layout, timeout=190)
-    run = C.Run()
-    assert (run.cfg.vocab, run.cfg.hidden, run.cfg.layers, run.cfg.heads, run.cfg.kv_heads,
-            run.cfg.ffn, run.seq_len) == tuple(getattr(COMPOSED_LLAMA, f) for f in (
-                "vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "seq_len"))
-    lay = C.Layout(**layout)
-    mesh = mesh_bytes.Mesh(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, plan="blocks",
-                           micro_batch_size=run.global_batch // (lay.dp * run.microbatches),
-                           micro_batches=run.microbatches)
-    dt = mesh_bytes.Dtypes.of(run.dtype)
-    for row in ranks:
-        r = row
-        c = row["coords"]
-        stage, shard = c["pp"], c["dp"] * lay.cp + c["cp"]
-        want = mesh_bytes.model_state_bytes(COMPOSED_LLAMA, mesh, dt, stage, c["tp"], shard)
-        got = row["state_bytes"]  # chapter 25 counts AdamW's moments, not its step scalars
-        assert (got["params"], got["grads"], got["optimizer"]) == (
-            want["params"], want["grads"], want["optimizer"] - (want["total"] - 4 * want["params"]))
-        comm = mesh_bytes.totals(mesh_bytes.comm_bytes(COMPOSED_LLAMA, mesh, dt, stage, c["tp"],
-                                                       reshard_after_forward=False, pipelined=True), mesh)
-        predicted = {d: v["boundary"] for d, v in comm.items() if v["boundary"]}
-        assert r["step_bytes"] == predicted, (stage, r["step_bytes"], predicted)
-    # controls, rejected by the same comparisons: the model state of a planner that does not
-    # shard over dp x cp, FSDP2 gathering per micro-batch, and (pp2 x cp2) the ring without its
-    # dK/dV hops, (dp2 x tp2) Megatron's fused count of 4 tp all-reduces per block
-    rank0 = ranks[0]
-    unsharded = mesh_bytes.model_state_bytes(COMPOSED_LLAMA, dataclasses.replace(mesh, dp=1, cp=1), dt)
-    assert unsharded["params"] != rank0["state_bytes"]["params"]
-    raf = mesh_bytes.totals(mesh_bytes.comm_bytes(COMPOSED_LLAMA, mesh, dt, 0, reshard_after_forward=True), mesh)
-    assert raf["dp_cp"]["boundary"] != rank0["step_bytes"]["dp_cp"]
-    if lay.cp == 2:
-        block = 4 * 4 * 16 * 16 * 8  # b x heads (repeated) x s/cp x d, float64
-        assert rank0["step_bytes"]["cp"] == 2 * (1 * 3 + 2) * 2 * block
-        assert rank0["step_bytes"]["cp"] != 2 * (1 * 3) * 2 * block
-    if lay.tp == 2:
-        act = 2 * 32 * 64 * 8  # (b, s, h) float64, whole on each tp rank
-        assert rank0["step_bytes"]["tp"] == 2 * 2 * (2 + 5 + 1) * act  # 2 blocks, 2 micro-batches
-        assert rank0["step_bytes"]["tp"] != 2 * 2 * (4 + 1) * act
+    record = against_ch25.load()
+    assert len(record["ranks"]) == 16
+    rows = against_ch25.rows(record)
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    assert {r["name"] for r in rows} == {
+        "model state: params", "model state: grads", "model state: moments", "activations (band)",
+        *(f"bytes per step at the boundary: {d}" for d in ("dp_cp", "tp", "pp", "cp"))}
+    acts = [r for r in rows if r["name"] == "activations (band)"]
+    assert all(r["measured"] == r["predicted"][0] for r in acts)
+    # 1F1B: stage 0 holds both micro-batches, stage 1 one (GPipe would hold two on both)
+    assert {r["measured"] for r in acts if r["stage"] == 0} == {2 * 2 * 32 * 64 * 8}
+    assert {r["measured"] for r in acts if r["stage"] == 1} == {2 * 32 * 64 * 8}
+    # controls, each rejected by the same comparison: a planner that does not shard over dp x cp,
+    # FSDP2 resharding after forward (gathers per micro-batch), a ring without its dK/dV hops,
+    # Megatron's fused count of tp all-reduces, a band that forgets cp's cut of the sequence
+    by_layout = {r["layout"]: r for r in record["ranks"] if r["rank"] == 0}
+    for name, rank0 in by_layout.items():
+        llama, mesh, dt = against_ch25.setting(record, name)
+        got = against_ch25.measured(rank0)
+        flat = mesh_bytes.model_state_bytes(llama, dataclasses.replace(mesh, dp=1, cp=1), dt)
+        assert flat["params"] != got["model_state"]["params"]
+        raf = mesh_bytes.totals(mesh_bytes.comm_bytes(llama, mesh, dt, 0, reshard_after_forward=True,
+                                                      pipelined=True), mesh)
+        assert raf["dp_cp"]["boundary"] != got["comm"]["dp_cp"]
+        if mesh.cp == 2:
+            block = 4 * 2 * 16 * 16 * 8  # b x heads/tp (repeated) x s/cp x head dim, float64
+            assert got["comm"]["cp"] == 2 * (1 * 3 + 2) * 2 * block
+            assert got["comm"]["cp"] != 2 * (1 * 3) * 2 * block
+            low, high = mesh_bytes.activation_band(llama, dataclasses.replace(mesh, cp=1), dt)
+            assert not low <= got["activations"] <= high
+        if mesh.plan == "blocks" and mesh.tp == 2:
+            act = 2 * 32 * 64 * 8  # (b, s, h) float64, whole on each tp rank
+            assert got["comm"]["tp"] == 2 * 1 * (2 + 5 + 1) * act  # 2 micro-batches, 1 block
+            assert got["comm"]["tp"] != 2 * 1 * (4 + 1) * act
 
 
 @pytest.mark.timeout(60)

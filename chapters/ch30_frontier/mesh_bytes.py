@@ -181,6 +181,7 @@ def model_state_bytes(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0, t: i
         tensors += 1
     return {"params": numel * dt.param, "grads": numel * dt.param,
             "optimizer": 2 * numel * dt.param + tensors * dt.step,
+            "moments": 2 * numel * dt.param,  # of the optimizer's: AdamW's exp_avg, exp_avg_sq
             "total": 4 * numel * dt.param + tensors * dt.step}
 
 
@@ -294,22 +295,24 @@ def activation_band(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0,
 
 
 def compare(llama: Llama, mesh: Mesh, dt: Dtypes, measured: dict, stage: int = 0, t: int = 0,
-            s: int = 0, recompute: bool = True,
-            reshard_after_forward: bool | None = None) -> list[dict]:
+            s: int = 0, recompute: bool = True, reshard_after_forward: bool | None = None,
+            pipelined: bool | None = None) -> list[dict]:
     """The predictions beside a run's measured figures for one rank: `measured` holds
-    "model_state" ({"params", "grads", "optimizer"} bytes), "comm" ({dim: bytes handed to that
-    dimension's collectives in one step}) and "activations" (bytes kept for backward at the
-    peak). Model state and communication must be equal (they are counts, not timings); the
-    activations must lie in `activation_band`."""
+    "model_state" (bytes of some of `model_state_bytes`'s parts: "params", "grads", "optimizer"
+    or "moments"), "comm" ({dim: bytes handed to that dimension's collectives in one step}) and
+    "activations" (bytes kept for backward at the peak). Model state and communication must be
+    equal (they are counts, not timings), every dimension the prediction moves bytes over
+    included; the activations must lie in `activation_band`."""
     rows = []
     state = model_state_bytes(llama, mesh, dt, stage, t, s)
-    for part in ("params", "grads", "optimizer"):
-        rows.append({"name": f"model state: {part}", "predicted": state[part],
-                     "measured": measured["model_state"][part]})
-    comm = totals(comm_bytes(llama, mesh, dt, stage, t, recompute, reshard_after_forward), mesh)
-    for dim, got in measured["comm"].items():
+    for part, got in measured["model_state"].items():
+        rows.append({"name": f"model state: {part}", "predicted": state[part], "measured": got})
+    comm = totals(comm_bytes(llama, mesh, dt, stage, t, recompute, reshard_after_forward,
+                             pipelined), mesh)
+    for dim in sorted(set(measured["comm"]) | {d for d, v in comm.items() if v["boundary"]}):
         rows.append({"name": f"bytes per step at the boundary: {dim}",
-                     "predicted": comm[dim]["boundary"], "measured": got})
+                     "predicted": comm[dim]["boundary"] if dim in comm else 0,
+                     "measured": measured["comm"].get(dim, 0)})
     for row in rows:
         row["ok"] = row["predicted"] == row["measured"]
     low, high = activation_band(llama, mesh, dt, stage, recompute)

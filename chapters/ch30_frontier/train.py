@@ -8,7 +8,9 @@ prints its choice for worked cluster/model pairs (7B on 64 GPUs, 70B on 512 GPUs
 against brute force over the whole space on small cases, then measures this machine (a matmul,
 two all-reduces), predicts dp = W, tp = W and pp = W of a tiny MLP, runs the three for real on
 the W ranks and reports whether the measured order is the predicted one for the layouts
-predicted at least 1.5x apart (closer predictions are not ranked).
+predicted at least 1.5x apart (closer predictions are not ranked). It also sets the planner's
+bytes per mesh dimension beside chapter 25's composed dp x tp x pp x cp run, as that run counted
+them on each of its 8 ranks (against_ch25).
 
 Run:
     python chapters/ch30_frontier/train.py                                  # planner only
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chapters.ch30_frontier import planner, real_layouts
+from chapters.ch30_frontier import against_ch25, planner, real_layouts
 from common.config import RunConfig, parse_config, require_at_least_one
 from common.distributed import setup_distributed, teardown_distributed
 from common.log import log, setup_logging
@@ -97,6 +99,30 @@ def check_small_cases(rec: RunRecorder) -> None:
               int(blind.layout != right.layout), 1)
 
 
+def check_against_chapter_25(rec: RunRecorder) -> None:
+    """The planner's bytes beside chapter 25's composed run, as its 8-rank job counted them on
+    every rank (against_ch25): model state and bytes per mesh dimension exactly, activations
+    inside the band. Rank 0 of each layout is shown figure by figure."""
+    record = against_ch25.load()
+    rows = against_ch25.rows(record)
+    parts = (("model state", "model state (params, grads, AdamW moments)"),
+             ("bytes per step", "bytes per step at the boundary, every dimension"),
+             ("activations", "activations kept for backward, in the band"))
+    for layout in record["layouts"]:
+        mine = [r for r in rows if r["layout"] == layout]
+        ranks = sorted({r["rank"] for r in mine})
+        for prefix, what in parts:
+            bad = {r["rank"] for r in mine if r["name"].startswith(prefix) and not r["ok"]}
+            rec.check(f"chapter 25, {layout}: {what} = planner (ranks)", "count",
+                      len(ranks) - len(bad), len(ranks))
+        for r in (r for r in mine if r["rank"] == ranks[0]):
+            expected = r["predicted"]
+            if isinstance(expected, list):  # the activation band
+                expected = f"{expected[0]:.0f}-{expected[1]:.0f}"
+            rec.figure(f"chapter 25, {layout}, rank {ranks[0]}: {r['name']}", r["measured"],
+                       expected, unit="B")
+
+
 def predict_and_run(cfg: Config, info, rec: RunRecorder) -> None:
     """Measure this machine, predict the three layouts' step times, run them, compare the order."""
     world = info.world_size
@@ -167,6 +193,7 @@ def main(cfg: Config) -> int:
         rec = RunRecorder(cfg, __file__, info)
         plan_worked_pairs(rec)
         check_small_cases(rec)
+        check_against_chapter_25(rec)
         if info.world_size > 1:
             predict_and_run(cfg, info, rec)
         else:
