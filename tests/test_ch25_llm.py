@@ -569,3 +569,24 @@ def test_recorded_4d_run_on_16_ranks_passed_and_matches_the_formulas():
         assert record["figures"][f"bytes to collectives per step over {dim} (rank 0)"]["measured"] == n
     largest = max(sum(R.expected_state_bytes(run.cfg, layout, s).values()) for s in (0, 1))
     assert record["figures"]["model-state bytes per rank (largest)"]["measured"] == largest
+
+
+@pytest.mark.timeout(150)
+def test_four_dimension_script_at_pp1_under_torchrun(tmp_path):
+    """composed.py as a reader starts it: torchrun, 2 processes, `--dp 2` (one stage: the 1F1B
+    schedule over a single stage, FSDP2 over dp, no tp, no cp). Its own checks pass (parity with
+    the one process it runs on rank 0, every rank's counts against the formulas), and the
+    figures it prints equal the formulas computed here; the pp, tp and cp collectives are absent."""
+    run = run_torchrun(REPO_ROOT / "chapters/ch25_llm/composed.py", nproc=2, timeout=140,
+                       out_dir=tmp_path, args=["--dp", "2"])
+    checks = run.summary["checks"]
+    assert len(checks) >= 6 and all(c["ok"] for c in checks), checks
+    assert {c["kind"] for c in checks} == {"parity", "count"}
+    figures = run.summary["figures"]
+    layout, reference = R.Layout(dp=2), R.Run(global_batch=2 * 2 * 2)  # dp x micro-batches x 2
+    per_dim = {k.split(" over ")[1].split(" ")[0]: v["measured"] for k, v in figures.items()
+               if k.startswith("bytes to collectives per step over ")}
+    assert per_dim == R.expected_comm_bytes(reference, layout, 0) and set(per_dim) == {"dp_cp"}
+    # 2 blocks keep their input, one micro-batch in flight at pp = 1: 2 x (2, 32, 64) float64
+    acts = figures["activation bytes kept for backward, peak (rank 0)"]["measured"]
+    assert acts == R.expected_activation_bytes(reference, layout, 0) == 2 * 2 * 32 * 64 * 8
