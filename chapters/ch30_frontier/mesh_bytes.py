@@ -18,7 +18,7 @@ asks chapter 25 to build:
   output is reduce-scattered, the head's input all-gathered (loss parallel: logits stay sharded);
   the replicated norm weights' partial gradients are all-reduced in each backward. Chapter 25's
   composed.py uses the "blocks" plan instead (`Mesh.plan`). Both plans' counts are measured
-  against the collectives torch issues in tests/test_ch30_frontier.py.
+  against the collectives torch issues in tests/test_ch30_frontier_measured.py.
 - cp: chapter 18's ring attention (`ring.RingAttention`): forward cp − 1 hops of K and V;
   backward cp − 1 hops of K and V and cp hops of dK, dV; its K and V have as many heads as q
   (chapter 18's ring needs q, k, v of one shape: grouped-query K/V are repeated before it).
