@@ -7,6 +7,7 @@ tests of the tokenizer and of the FLOP count against a formula computed here fro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -427,10 +428,19 @@ def test_layout_is_validated_in_one_line_before_ranks_start():
     assert "\n" not in bad and "!= world 8" in bad and "tp 8" in bad and "1F1B" in bad
     assert "zigzag" in C.layout_error(R.Layout(cp=3), cfg, 8, 32, 2)
     assert "pp 3 must divide layers" in C.layout_error(R.Layout(pp=3), cfg, 8, 32, 3)
+    # sequence parallelism cuts each cp chunk again over tp: 36 tokens split 2 x cp 2 ways only
+    assert C.layout_error(R.Layout(cp=2, tp=2), cfg, 8, 36, 2) is None
+    assert "x tp 2 sequence shards" in C.layout_error(R.Layout(cp=2, tp=2, tp_plan="sequence"),
+                                                      cfg, 8, 36, 2)
+    with pytest.raises(ValueError, match="--tp-plan must be one of blocks, sequence"):
+        C.Config(tp_plan="megatron")
     # the script's own check, before any process group exists (parse_config exits 2 with it)
     with pytest.raises(ValueError, match="!= world 8"):
         C.validate(C.Config(dp=3, tp=2), 8)
     C.validate(C.Config(), 3)  # dp fills the world: 3 x 2 micro-batches x 2 sequences
+
+
+SP = "pp2 x cp2 x tp2 (sequence)"  # the job's layout on torchtitan's sequence-parallel plan
 
 
 @pytest.fixture(scope="module")
@@ -457,16 +467,16 @@ def test_composed_layouts_equal_one_process_and_every_control_is_caught(composed
     tol = R.tolerances(run)
     rows = {(r["layout"], r["broken"]): r for r in
             K.compare_plans(run, K.PLANS, composed_job, reference)}
-    for layout in ("pp2 x dp2 x tp2", "pp2 x cp2 x tp2"):
+    for layout in ("pp2 x dp2 x tp2", SP):
         row = rows[(layout, "none")]
-        assert row["within"], row  # measured: losses, norms <= 4e-16, weights <= 2e-14
+        assert row["within"], row  # measured: losses, norms <= 4e-16, weights <= 3e-14
     # each control, and the metric that must catch it by 100x the tolerance at least
     caught_by = {("pp2 x dp2 x tp2", "no_reduce:dp"): "params",
                  ("pp2 x dp2 x tp2", "tp_unreduced"): "params",
                  ("pp2 x dp2 x tp2", "clip_local_stage"): "params",
                  # AdamW and clipping are blind to a uniform gradient scale: the norm sees it
                  ("pp2 x dp2 x tp2", "pp_unscaled"): "norm",
-                 ("pp2 x cp2 x tp2", "no_reduce:cp"): "params"}
+                 (SP, "no_reduce:cp"): "params"}
     for key, metric in caught_by.items():
         assert rows[key][metric] > 100 * tol[metric], (key, rows[key])
     # the unscaled pipeline loss: norm exactly twice (2 micro-batches), weights nearly unmoved
@@ -491,9 +501,37 @@ def test_composed_state_and_traffic_per_rank_equal_the_formulas(composed_job):
         assert row["comm_bytes"] == R.expected_comm_bytes(run, layout, stage), row
         assert row["activation_bytes"] == R.expected_activation_bytes(run, layout, stage), row
     # 1F1B: the first stage holds both micro-batches' block inputs, the last stage one at a time
-    # (both layouts: B/dp x T/cp = 2 x 32 = 4 x 16 tokens a micro-batch, h = 64, float64)
-    assert {r["activation_bytes"] for r in rows if r["coords"]["pp"] == 0} == {2 * 2 * 32 * 64 * 8}
-    assert {r["activation_bytes"] for r in rows if r["coords"]["pp"] == 1} == {2 * 32 * 64 * 8}
+    # (B/dp x T/cp = 2 x 32 = 4 x 16 tokens a micro-batch, h = 64, float64; the sequence plan
+    # keeps 1/tp of each block's input: 4 x 8 tokens)
+    acts = {(r["layout"], r["coords"]["pp"]): set() for r in rows}
+    for r in rows:
+        acts[(r["layout"], r["coords"]["pp"])].add(r["activation_bytes"])
+    assert acts == {("pp2 x dp2 x tp2", 0): {2 * 2 * 32 * 64 * 8},
+                    ("pp2 x dp2 x tp2", 1): {2 * 32 * 64 * 8},
+                    (SP, 0): {2 * 4 * 8 * 64 * 8}, (SP, 1): {4 * 8 * 64 * 8}}
+    # formula controls: the sequence layout's counts are not the blocks plan's (a plan silently
+    # left "blocks" would match those): state (embedding and head whole), pp (a whole (b, s/cp,
+    # h) sent per micro-batch, tp x the shard), tp (all-reduces), activations (tp x); nor a
+    # sequence formula that all-reduced the norms' gradients once per micro-batch (m x) or left
+    # out loss parallel's three all-reduces per micro-batch
+    sp_layout = next(lay for lay, _ in K.PLANS if lay.name() == SP)
+    blocks = dataclasses.replace(sp_layout, tp_plan="blocks")
+    h, m, tokens = run.cfg.hidden, run.microbatches, 4 * 16
+    for row in rows:
+        if row["layout"] != SP:
+            continue
+        stage = row["coords"]["pp"]
+        assert row["state_bytes"] != R.expected_state_bytes(run.cfg, blocks, stage)
+        old = R.expected_comm_bytes(run, blocks, stage)
+        assert row["comm_bytes"]["pp"] - 8 == (old["pp"] - 8) // 2
+        assert row["comm_bytes"]["tp"] != old["tp"]
+        assert row["activation_bytes"] * 2 == R.expected_activation_bytes(run, blocks, stage)
+        norms = (2 + stage) * h * 8  # 1 block a stage, the final norm on the last
+        assert row["comm_bytes"]["tp"] != R.expected_comm_bytes(run, sp_layout, stage)["tp"] + \
+            (m - 1) * norms
+        if stage == 1:
+            assert row["comm_bytes"]["tp"] != \
+                R.expected_comm_bytes(run, sp_layout, stage)["tp"] - 3 * m * tokens * 8
     recorded = json.loads((REPO_ROOT / "chapters/ch25_llm/figures/data.json").read_text())
     assert recorded["composed"]["ranks"] == json.loads(json.dumps(rows)), (
         "chapter 30's record is stale: python tools/figures.py --rerun ch25")

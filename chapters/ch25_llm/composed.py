@@ -9,7 +9,10 @@ The order (torchtitan's `parallelize_llama` after `pipeline_llama`):
    (what lets a DCP checkpoint reshard across layouts). `torch.distributed.pipelining` runs the
    stages with the 1F1B schedule over the "pp" dimension;
 2. tensor parallelism per stage (`parallelize_module` on "tp"): q, k, v, gate, up column-wise,
-   o and down row-wise (Megatron's split: one all-reduce after attention and one after the MLP);
+   o and down row-wise (Megatron's split: one all-reduce after attention and one after the MLP;
+   `--tp-plan sequence` is torchtitan's plan, with sequence parallelism: the all-reduces become
+   reduce-scatters and all-gathers around sequence-sharded norms, the embedding and head are
+   split by vocabulary and the loss is computed on the vocabulary shards);
 3. context parallelism on "cp": each rank holds a zigzag shard of every sequence; attention is
    chapter 18's ring attention (`RING_ADAPTER`: grouped-query heads repeated before the ring,
    RoPE at the tokens' global positions);
@@ -25,7 +28,8 @@ the schedule divides gradients by the number of micro-batches (`scale_grads`).
 
 Run (CPU, gloo; the one-process reference and its checks run in the same program):
     torchrun --standalone --nproc_per_node=8 chapters/ch25_llm/composed.py --dp 2 --tp 2 --pp 2
-    torchrun --standalone --nproc_per_node=8 chapters/ch25_llm/composed.py --pp 2 --tp 2 --cp 2
+    torchrun --standalone --nproc_per_node=8 chapters/ch25_llm/composed.py --pp 2 --tp 2 --cp 2 \
+        --tp-plan sequence
 
 How the files divide: this one is the technique and the script (the layout, the order of
 parallelization, the training step, the resharding checkpoint); llama.py is the model,
@@ -55,6 +59,7 @@ from common.config import RunConfig, parse_config, require_at_least_one
 
 BROKEN = ("none", "no_reduce:dp", "no_reduce:cp", "pp_unscaled", "clip_local_stage",
           "tp_unreduced")
+TP_PLANS = ("blocks", "sequence")
 
 
 def layout_error(layout: Layout, cfg: Cfg, global_batch: int, seq_len: int, microbatches: int,
@@ -74,8 +79,11 @@ def layout_error(layout: Layout, cfg: Cfg, global_batch: int, seq_len: int, micr
     if global_batch % (layout.dp * microbatches):
         problems.append(f"batch {global_batch} must split into dp {layout.dp} x {microbatches} "
                         f"micro-batches")
-    if seq_len % (2 * layout.cp):
-        problems.append(f"sequence {seq_len} must split into 2 x cp {layout.cp} zigzag chunks")
+    if layout.tp_plan not in TP_PLANS:
+        problems.append(f"tp plan must be one of {', '.join(TP_PLANS)}, not {layout.tp_plan!r}")
+    elif seq_len % (2 * layout.cp * layout.sp):
+        problems.append(f"sequence {seq_len} must split into 2 x cp {layout.cp} zigzag chunks"
+                        + (f" x tp {layout.tp} sequence shards" if layout.sp > 1 else ""))
     return "; ".join(problems) or None
 
 
@@ -104,21 +112,55 @@ def split_stage(model: Llama, stage: int, stages: int) -> Llama:
     return model
 
 
-def apply_tp(model: Llama, tp_mesh) -> None:
-    """Megatron's split of every block on the tp mesh (torchtitan's plan without sequence
-    parallelism): the embedding, norms and head stay whole on every tp rank."""
+def apply_tp(model: Llama, tp_mesh, plan: str = "blocks") -> None:
+    """Tensor parallelism on the tp mesh, one of two plans (`TP_PLANS`).
+
+    "blocks": Megatron's split of every block (q, k, v, gate, up column-wise, o and down
+    row-wise: an all-reduce after attention and after the MLP); the embedding, norms and head
+    stay whole on every tp rank.
+
+    "sequence": torchtitan's plan (`parallelize_llama`'s `apply_tp`), Megatron's split plus
+    sequence parallelism. Between the blocks' matmuls the residual stream is cut along the
+    sequence (Shard(1)): the norms run on their 1/tp of the tokens (`SequenceParallel`), each of
+    attention and the MLP all-gathers its input (`PrepareModuleInput` Shard(1) -> Replicate) and
+    o and down reduce-scatter their output back to Shard(1) where "blocks" all-reduces it (an
+    all-reduce is a reduce-scatter then an all-gather: the same bytes, split around the norm).
+    The embedding is split by vocabulary rows and reduce-scatters its output onto the sequence;
+    the head is split by vocabulary columns and keeps its logits sharded (loss parallel: the
+    cross-entropy is computed on the shards, `train_composed` enters `loss_parallel`)."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
+        SequenceParallel,
         parallelize_module,
     )
 
-    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel()}
+    sp = plan == "sequence"
+    row_out = {"output_layouts": Shard(1)} if sp else {}  # reduce-scatter onto the sequence
+    block_plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                  "self_attn.v_proj": ColwiseParallel(),
+                  "self_attn.o_proj": RowwiseParallel(**row_out),
+                  "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                  "mlp.down_proj": RowwiseParallel(**row_out)}
+    if sp:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        block_plan.update({"input_layernorm": SequenceParallel(), "self_attn": gather,
+                           "post_attention_layernorm": SequenceParallel(), "mlp": gather})
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, block_plan)
+    if not sp:
+        return
+    ends = {}
+    if model.embed_tokens is not None:  # first stage: token ids whole, output on the sequence
+        ends["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.lm_head is not None:  # last stage: logits sharded over the vocabulary
+        ends["norm"] = SequenceParallel()
+        ends["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                          use_local_output=False)
+    if ends:
+        parallelize_module(model, tp_mesh, ends)
 
 
 def set_context(model: Llama, positions, cp_group, no_reduce_mesh=None) -> None:
@@ -142,6 +184,19 @@ def apply_fsdp2(model: Llama, mesh) -> None:
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
+
+
+def tp_grads_to_param_placements(model) -> None:
+    """Bring each DTensor gradient to its parameter's placements. Under sequence parallelism a
+    replicated norm weight sees 1/tp of the tokens: its gradient comes out Partial (a sum still
+    to be taken over tp), and the vocabulary-split embedding's comes out Replicate. FSDP2 does
+    this itself before its reduce-scatter (`redistribute` to the parameter's tp placements);
+    without FSDP2 (dp·cp = 1) the Partial sums would reach clipping and AdamW unsummed."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(placements=p.placements)
 
 
 def grad_norm(params, pp_group, over_pp: bool = True, device="cpu") -> torch.Tensor:
@@ -184,7 +239,7 @@ def build_composed(run: Run, layout: Layout, mesh, broken: str = "none", device=
     model = reference_model(run.cfg, run.seed, run.dtype).to(device)
     model = split_stage(model, coords["pp"], layout.pp)                       # 1. pipeline
     if layout.tp > 1:
-        apply_tp(model, mesh["tp"])                                           # 2. tensor
+        apply_tp(model, mesh["tp"], layout.tp_plan)                           # 2. tensor
     positions, cp_group = None, None
     if layout.cp > 1:                                                        # 3. context
         from chapters.ch18_long_context.ring import positions as zigzag_positions
@@ -206,6 +261,19 @@ def build_composed(run: Run, layout: Layout, mesh, broken: str = "none", device=
     schedule = Schedule1F1B(stage, run.microbatches, loss_fn=loss_fn,
                             scale_grads=broken != "pp_unscaled")
     return model, schedule
+
+
+def tp_loss_context(layout: Layout):
+    """Loss parallel under the sequence plan: the cross-entropy of vocabulary-sharded logits
+    (its forward and the backward the schedule runs) computed on the shards. Entered around the
+    whole schedule step, as torchtitan does: the loss and its backward run inside the schedule."""
+    import contextlib
+
+    if layout.sp == 1:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def local_batch(run: Run, layout: Layout, coords: dict, step: int):
@@ -237,9 +305,10 @@ def train_composed(run: Run, layout: Layout, mesh, broken: str = "none",
         args = (x,) if first else ()
         kwargs = {"target": y, "losses": mb_losses} if last else {}
         acts = ActivationCounter(model.layers.values())  # what autograd keeps, at its peak
-        with CommCounter(mesh) as comm:  # the step's traffic (the last step's is returned)
+        with CommCounter(mesh) as comm, tp_loss_context(layout):  # the last step's traffic
             schedule.step(*args, **kwargs)
             acts.remove()
+            tp_grads_to_param_placements(model)
             norm = grad_norm(model.parameters(), mesh["pp"].get_group(),
                              over_pp=broken != "clip_local_stage", device=device)
             coef = torch.clamp(run.max_norm / (norm + 1e-6), max=1.0)  # clip_grad_norm_'s
@@ -250,6 +319,8 @@ def train_composed(run: Run, layout: Layout, mesh, broken: str = "none",
         state = state_bytes(model, opt)
         opt.zero_grad(set_to_none=True)
         # the global loss: the mean of the last stage's micro-batch means over dp x cp
+        # loss parallel's losses are replicated DTensors: their local value is the loss
+        mb_losses = [t.to_local() if hasattr(t, "to_local") else t for t in mb_losses]
         mine = torch.stack(mb_losses).mean().detach() if last and coords["tp"] == 0 \
             else torch.zeros((), dtype=run.dtype, device=device)
         dist.all_reduce(mine)
@@ -302,6 +373,10 @@ class Config(RunConfig):
     """Pipeline stages (1F1B): divides the layers; at most --microbatches."""
     cp: int = 1
     """Context-parallel degree (ring attention, zigzag): --seq-len divisible by 2*cp."""
+    tp_plan: str = "blocks"
+    """Tensor-parallel plan: blocks (Megatron's split of the blocks; embedding, norms, head
+    whole) or sequence (torchtitan's: sequence parallelism, embedding and head split by
+    vocabulary, loss parallel; --seq-len divisible by 2*cp*tp)."""
     microbatches: int = 2
     """Micro-batches per step on every pipeline (1F1B needs at least --pp)."""
     micro_batch_size: int = 2
@@ -322,12 +397,18 @@ class Config(RunConfig):
             raise ValueError(f"--dp must be 0 (the rest of the world) or more, not {self.dp}")
         if self.broken not in BROKEN:
             raise ValueError(f"--broken must be one of {', '.join(BROKEN)}, not {self.broken!r}")
+        if self.tp_plan not in TP_PLANS:
+            raise ValueError(f"--tp-plan must be one of {', '.join(TP_PLANS)}, "
+                             f"not {self.tp_plan!r}")
+        if self.broken == "tp_unreduced" and self.tp_plan != "blocks":
+            raise ValueError("--broken tp_unreduced is the blocks plan's control "
+                             "(it drops the all-reduce that plan's column-parallel inputs do)")
 
 
 def resolve(cfg: Config, world: int) -> tuple[Layout, Run]:
     others = cfg.tp * cfg.pp * cfg.cp
     dp = cfg.dp or max(1, world // others)
-    layout = Layout(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp)
+    layout = Layout(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, tp_plan=cfg.tp_plan)
     run = Run(cfg=Cfg(layers=cfg.layers), steps=cfg.steps, seq_len=cfg.seq_len,
               global_batch=dp * cfg.microbatches * cfg.micro_batch_size,
               microbatches=cfg.microbatches, seed=cfg.seed)

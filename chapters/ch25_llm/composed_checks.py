@@ -26,8 +26,8 @@ def layout_worker(run: Run, plans: list, save: str | None = None) -> list:
 
 
 def parity_worker(ckpt: str | None = None) -> dict:
-    """The chapter's 8-rank job: dp2 x tp2 x pp2 with its four controls, pp2 x tp2 x cp2 with its
-    cp control; with `ckpt`, the resharding: dp2 x tp2 x pp2 trains `Run().steps` steps and saves
+    """The chapter's 8-rank job: dp2 x tp2 x pp2 (the blocks plan) with its four controls,
+    pp2 x tp2 x cp2 (the sequence plan: sequence parallelism, loss parallel) with its cp control; with `ckpt`, the resharding: dp2 x tp2 x pp2 trains `Run().steps` steps and saves
     a DCP checkpoint there, which dp4 x tp2 (one stage: no pipeline) loads and trains one step
     on. The same folder is then resumed by one process (`resume_one_process`), in the test."""
     run = Run()
@@ -41,7 +41,9 @@ def parity_worker(ckpt: str | None = None) -> dict:
 
 PLANS = [(Layout(dp=2, tp=2, pp=2), ["none", "no_reduce:dp", "pp_unscaled", "clip_local_stage",
                                      "tp_unreduced"]),
-         (Layout(pp=2, tp=2, cp=2), ["none", "no_reduce:cp"])]
+         (Layout(pp=2, tp=2, cp=2, tp_plan="sequence"), ["none", "no_reduce:cp"])]
+# both tensor-parallel plans in one job, without another training run: dp2 x tp2 x pp2 on
+# "blocks" (Megatron's split, its controls), pp2 x tp2 x cp2 on torchtitan's "sequence" plan
 
 
 RESHARD = (PLANS[0][0], Layout(dp=4, tp=2))  # saved by, resumed on
@@ -94,7 +96,8 @@ def record(results_by_rank: list) -> dict:
             "run": {"global_batch": run.global_batch, "microbatches": run.microbatches,
                     "dtype": str(run.dtype).removeprefix("torch."),
                     "activation_checkpointing": "per block", "fsdp_reshard_after_forward": False,
-                    "schedule": "1F1B", "tp_plan": "blocks"},
-            "layouts": {layout.name(): {d: getattr(layout, d) for d in DIMS}
+                    "schedule": "1F1B", "tp_plan": "per layout"},
+            "layouts": {layout.name(): {**{d: getattr(layout, d) for d in DIMS},
+                                        "tp_plan": layout.tp_plan}
                         for layout, _ in PLANS},
             "ranks": measured_figures(results_by_rank)}

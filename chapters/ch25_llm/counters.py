@@ -61,12 +61,19 @@ class CommCounter:
             self.scalar_bytes[dim] = self.scalar_bytes.get(dim, 0) + t.element_size()
 
     def __enter__(self):
+        from torch.distributed.tensor import DTensor
         from torch.utils._python_dispatch import TorchDispatchMode
 
         counter = self
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                # A mode runs before tensor subclasses, and what it calls runs with the mode
+                # off: an op on DTensors would issue its collectives unseen (loss parallel's
+                # all-reduces inside the cross-entropy). Declining it lets DTensor desugar the
+                # op first, its collectives then reach this mode (CommDebugMode does the same).
+                if any(issubclass(t, DTensor) for t in types):
+                    return NotImplemented
                 counter.record(func, args)
                 return func(*args, **(kwargs or {}))
 
@@ -118,6 +125,8 @@ class ActivationCounter:
 
     def _pack(self, t):
         local = _local(t)
+        if hasattr(local, "elem"):  # a functional collective's result not yet waited on
+            local = local.elem      # (AsyncCollectiveTensor, under sequence parallelism)
         if local.device.type == "meta" or isinstance(t, torch.nn.Parameter) or \
                 isinstance(t._base, torch.nn.Parameter):
             return t

@@ -23,13 +23,20 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    tp_plan: str = "blocks"  # composed.apply_tp's: "blocks", or "sequence" (torchtitan's)
 
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
+    @property
+    def sp(self) -> int:
+        """The sequence-parallel degree: tp under the "sequence" plan, else 1."""
+        return self.tp if self.tp_plan == "sequence" else 1
+
     def name(self) -> str:
-        return " x ".join(f"{d}{getattr(self, d)}" for d in DIMS if getattr(self, d) > 1) or "1"
+        dims = " x ".join(f"{d}{getattr(self, d)}" for d in DIMS if getattr(self, d) > 1) or "1"
+        return dims + (" (sequence)" if self.sp > 1 else "")
 
 
 @dataclass
@@ -103,16 +110,18 @@ def resume_one_process(run: Run, path: str, start: int) -> dict:
 
 def expected_state_bytes(cfg: Cfg, layout: Layout, stage: int, elem: int = 8) -> dict:
     """The same by formula (what chapter 30's planner predicts): the stage's parameters, the
-    block matrices divided by tp, everything divided by dp x cp (FSDP2's shards; exact when
-    the sharded dimensions divide, as here); gradients as large; AdamW two moments each."""
+    block matrices divided by tp (the embedding and head too under the sequence plan: split by
+    vocabulary; the norms stay whole on every tp rank), everything divided by dp x cp (FSDP2's
+    shards; exact when the sharded dimensions divide, as here); gradients as large; AdamW two
+    moments each."""
     h, d = cfg.hidden, cfg.head_dim
     matrices = h * cfg.heads * d * 2 + 2 * h * cfg.kv_heads * d + 3 * h * cfg.ffn
     block = matrices // layout.tp + 2 * h
     n = cfg.layers // layout.pp * block
     if stage == 0:
-        n += cfg.vocab * h
+        n += cfg.vocab * h // layout.sp
     if stage == layout.pp - 1:
-        n += h + cfg.vocab * h
+        n += h + cfg.vocab * h // layout.sp
     n //= layout.dp * layout.cp
     return {"params": n * elem, "grads": n * elem, "optimizer": 2 * n * elem}
 
@@ -130,9 +139,13 @@ def expected_comm_bytes(run: Run, layout: Layout, stage: int, elem: int = 8) -> 
       down), 1 in the recomputation (activation checkpointing stops before the MLP's down
       projection: its output is not needed by backward), 5 backward (the input gradients of q,
       k, v and gate, up: each column-parallel input all-reduces its own); plus 8 (the norm).
+    - tp under the sequence plan (`tp_sequence_bytes`): reduce-scatters and all-gathers in
+      place of the all-reduces, plus the norms' and the loss's all-reduces.
+    - pp under the sequence plan: each micro-batch's activation is sequence-sharded, a/tp.
     - cp: chapter 18's ring, `ring_bytes_per_rank`, per block and micro-batch, its forward twice
       (once more in the recomputation) and its backward once; K/V heads are repeated to the
-      query heads before the ring (heads/tp of them)."""
+      query heads before the ring (heads/tp of them; attention sees its whole s/cp under both
+      tp plans, the sequence plan gathers it first)."""
     from chapters.ch18_long_context.ring import ring_bytes_per_rank
 
     cfg = run.cfg
@@ -142,17 +155,57 @@ def expected_comm_bytes(run: Run, layout: Layout, stage: int, elem: int = 8) -> 
     blocks = cfg.layers // layout.pp
     out = {}
     if layout.pp > 1:
-        out["pp"] = run.microbatches * act * (1 if stage in (0, layout.pp - 1) else 2) + 8
+        piece = act // layout.sp  # (b, s/(cp·tp), h) under sequence parallelism
+        out["pp"] = run.microbatches * piece * (1 if stage in (0, layout.pp - 1) else 2) + 8
     if layout.dp * layout.cp > 1:
         shard = expected_state_bytes(cfg, layout, stage, elem)["params"]
         out["dp_cp"] = (1 + layout.dp * layout.cp) * shard + 8 * (2 if layout.tp > 1 else 1)
-    if layout.tp > 1:
+    if layout.tp > 1 and layout.sp > 1:
+        out["tp"] = tp_sequence_bytes(run, layout, stage, elem) + 8
+    elif layout.tp > 1:
         out["tp"] = blocks * run.microbatches * (2 + 1 + 5) * act + 8
     if layout.cp > 1:
         ring = ring_bytes_per_rank(rows, cfg.heads // layout.tp, local_len, cfg.head_dim, elem,
                                    layout.cp)
         out["cp"] = blocks * run.microbatches * (2 * ring["forward"] + ring["backward"])
     return out
+
+
+def tp_sequence_bytes(run: Run, layout: Layout, stage: int, elem: int = 8) -> int:
+    """Bytes one step hands to tp's collectives under the sequence plan, by formula (the 8-byte
+    norm sum left out); a = B/(dp·m)·T/cp·h elements, the whole activation of a micro-batch,
+    which a rank holds 1/tp of between the blocks' matmuls. At the boundary an all-gather is
+    handed its piece (a/tp), a reduce-scatter the whole (a).
+    - per block and micro-batch: attention and the MLP each all-gather their input and
+      reduce-scatter their output in forward (2 + 2); backward runs each in reverse (the
+      gradient of an all-gather is a reduce-scatter: 2 + 2); the recomputation gathers both
+      inputs again and reduce-scatters o's output, not down's (it stops once the saved tensors
+      are back, as the blocks plan's recomputation skips down's all-reduce): 6 gathers, 5
+      scatters. One reduce-scatter for q, k and v together, where "blocks" all-reduced each of
+      their input gradients: the three share the one gathered input, whose gradient is summed
+      before it is scattered.
+    - first stage, per micro-batch: the embedding's partial output reduce-scattered onto the
+      sequence, its gradient all-gathered; last stage: the head's input all-gathered, its
+      gradient reduce-scattered.
+    - last stage, per micro-batch: loss parallel's three all-reduces of one number per token
+      (B/(dp·m)·T/cp): the logits' maximum, the sum of their exponentials and the target's
+      logit, each over the vocabulary shards.
+    - the norms' weight gradients (h each, 2 per block, the final norm on the last stage): each
+      tp rank saw its own tokens, so each holds a partial sum (DTensor's Partial), all-reduced
+      ONCE per step, not once per micro-batch: the micro-batches' partial gradients accumulate
+      first and FSDP2 (or `tp_grads_to_param_placements`) reduces the sum when the step's
+      gradients are complete."""
+    cfg, m = run.cfg, run.microbatches
+    rows = run.global_batch // (layout.dp * m)
+    tokens = rows * (run.seq_len // layout.cp)
+    act = tokens * cfg.hidden * elem
+    blocks = cfg.layers // layout.pp
+    first, last = stage == 0, stage == layout.pp - 1
+    gathers = m * (blocks * (4 + 2) + first + last) * (act // layout.tp)
+    scatters = m * (blocks * (4 + 1) + first + last) * act
+    loss = last * m * 3 * tokens * elem
+    norms = (2 * blocks + last) * cfg.hidden * elem
+    return gathers + scatters + loss + norms
 
 
 def differences(composed: dict, reference: dict) -> dict:
@@ -183,13 +236,15 @@ def tolerances(run: Run) -> dict:
 def expected_activation_bytes(run: Run, layout: Layout, stage: int, elem: int = 8) -> int:
     """Activations a rank's decoder layers keep for backward at the peak of a step, by formula:
     with checkpointing per block each block keeps its input, one micro-batch's (B/(dp·m), T/cp,
-    h) on every tp rank; a 1F1B stage holds min(m, pp − stage) micro-batches at once (torch's
-    Schedule1F1B warms up with that many forwards before its first backward). Chapter 30's
-    `activation_band` has this as its bottom."""
+    h) on every tp rank under the blocks plan, (B/(dp·m), T/(cp·tp), h) under the sequence plan
+    (the residual stream is sequence-sharded between blocks); a 1F1B stage holds
+    min(m, pp − stage) micro-batches at once (torch's Schedule1F1B warms up with that many
+    forwards before its first backward). Chapter 30's `activation_band` has this as its bottom."""
     rows = run.global_batch // (layout.dp * run.microbatches)
     in_flight = min(run.microbatches, layout.pp - stage)
     blocks = run.cfg.layers // layout.pp
-    return blocks * in_flight * rows * (run.seq_len // layout.cp) * run.cfg.hidden * elem
+    tokens = run.seq_len // (layout.cp * layout.sp)
+    return blocks * in_flight * rows * tokens * run.cfg.hidden * elem
 
 
 def record_checks(rec, run: Run, layout: Layout, result: dict, composed: dict, info) -> None:
