@@ -9,6 +9,7 @@ byte count loves it, the gradient check rejects it) and an offload that never co
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -356,3 +357,78 @@ def test_exercise_answers(monkeypatch):
     counts = {s: one_step(wide, x, y, lambda blk, h, s=s: recompute.run_block(blk, h, s))[0]
               for s in ("none", "selective", "full")}
     assert counts == {"none": 2_162_688, "selective": 1_114_112, "full": 65_536}
+
+
+@pytest.mark.parametrize("d, tokens, world", [(7, 5, 3), (32, 4, 2), (3, 1, 4), (5, 6, 1)])
+def test_each_rank_builds_only_its_rows_of_the_full_data(d, tokens, world):
+    """`regression_shard` (what each rank builds) equals the rows `chunk(world)[rank]` takes of
+    every step of the full `regression_data`, for every rank, with pieces small enough (40 asked, 32
+    elements) that the stream is walked in many pieces: skipped, drawn, and a tail that 16 does
+    not divide (7·45 = 315 elements)."""
+    from common.data import regression_data
+
+    steps = 3
+    n = tokens * world
+    X, Y = regression_data(steps * n, d, d, seed=5, dtype=torch.float64)
+    X, Y = X.view(steps, n, d), Y.view(steps, n, d)
+    for rank in range(world):
+        rows = train.rank_rows(steps, tokens, rank, world)
+        assert sum(b - a for a, b in rows) == steps * tokens
+        g = torch.Generator().manual_seed(5)
+        part = train.randn_rows(g, steps * n, d, rows, chunk=40)  # rounded to 32
+        assert torch.equal(part, X.view(-1, d)[torch.cat([torch.arange(a, b) for a, b in rows])])
+        xs, ys = train.regression_shard(steps * n, d, d, rows, seed=5, dtype=torch.float64, chunk=40)
+        xs, ys = xs.view(steps, tokens, d), ys.view(steps, tokens, d)
+        for step in range(steps):
+            assert torch.equal(xs[step], X[step].chunk(world)[rank])
+            assert torch.equal(ys[step], Y[step].chunk(world)[rank])
+    if world > 1:  # control: another rank's rows are other numbers (the comparison can fail)
+        other = train.regression_shard(steps * n, d, d, train.rank_rows(steps, tokens, 1, world),
+                                       seed=5, dtype=torch.float64, chunk=40)[0].view(steps, tokens, d)
+        assert not torch.equal(other[0], X[0].chunk(world)[0])
+
+
+def test_randn_rows_controls_pieces_must_be_whole_runs_of_16_and_keep_the_tail():
+    """Controls for the stream walk: pieces that 16 does not divide, or a last piece skipped
+    with uniforms (its 16 redrawn values never drawn), give other numbers, and `randn_rows`
+    leaves the generator where the full draw does (the next draw agrees)."""
+    n, d, rows = 45, 7, [(20, 30)]
+    g = torch.Generator().manual_seed(1)
+    full, after = torch.randn(n, d, generator=g, dtype=torch.float64), torch.randn(3, generator=g)
+    g = torch.Generator().manual_seed(1)
+    assert torch.equal(train.randn_rows(g, n, d, rows, chunk=32), full[20:30])
+    assert torch.equal(torch.randn(3, generator=g), after)
+    # control 1: pieces of 24 elements (Box-Muller pairs runs of 16 that then straddle pieces)
+    g = torch.Generator().manual_seed(1)
+    flat = torch.cat([torch.randn(24, generator=g, dtype=torch.float64) for _ in range(13)]
+                     + [torch.randn(n * d - 13 * 24, generator=g, dtype=torch.float64)])
+    assert not torch.equal(flat.view(n, d)[20:30], full[20:30])
+    # control 2: everything drawn, the last piece skipped with uniforms: the stream is 16 short
+    g = torch.Generator().manual_seed(1)
+    torch.randn(n * d // 16 * 16, generator=g, dtype=torch.float64)
+    torch.empty(n * d % 16, dtype=torch.float64).uniform_(generator=g)
+    assert not torch.equal(torch.randn(3, generator=g), after)
+
+
+def test_nccl_determinism_env_is_set_before_the_process_group(monkeypatch):
+    """On GPUs the script sets NCCL_NVLS_ENABLE=0 (unless the user chose) before
+    `setup_distributed`; on CPUs it sets nothing."""
+    assert train.nccl_determinism_env(train.Config(device="cpu"), {}) == {}
+    assert train.nccl_determinism_env(train.Config(device="cuda"), {}) == {"NCCL_NVLS_ENABLE": "0"}
+    assert train.nccl_determinism_env(train.Config(device="cuda"), {"NCCL_NVLS_ENABLE": "1"}) == {}
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_setup(*args, **kwargs):
+        seen["env"] = os.environ.get("NCCL_NVLS_ENABLE")
+        raise Stop
+
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    monkeypatch.setattr(train, "setup_distributed", fake_setup)
+    monkeypatch.setattr(train, "teardown_distributed", lambda: None)
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # restored after the test: no leak
+    with pytest.raises(Stop):
+        train.main(train.Config(device="cuda"))
+    assert seen["env"] == "0"

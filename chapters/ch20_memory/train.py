@@ -18,6 +18,7 @@ Run:
 """
 
 import copy
+import os
 import sys
 from dataclasses import dataclass
 
@@ -36,7 +37,6 @@ from chapters.ch20_memory.recompute import (
     saved_tensor_bytes,
 )
 from common.config import RunConfig, parse_config, require_at_least_one
-from common.data import regression_data
 from common.distributed import setup_distributed, teardown_distributed
 from common.log import log, setup_logging
 from common.results import RunRecorder
@@ -68,6 +68,70 @@ class Config(RunConfig):
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
         require_at_least_one(self, "d_model", "d_ff", "n_layers", "tokens")
+
+
+def rank_rows(steps: int, tokens: int, rank: int, world: int) -> list[tuple[int, int]]:
+    """Rows [start, stop) of the global data that this rank trains on: step s of the full data
+    is rows s·N·tokens ... (s+1)·N·tokens, and rank r takes its r-th slice of tokens rows (the
+    split `chunk(world)[rank]` makes). Adjacent ranges are merged (one range at world 1)."""
+    n, ranges = tokens * world, []
+    for s in range(steps):
+        start, stop = s * n + rank * tokens, s * n + (rank + 1) * tokens
+        if ranges and ranges[-1][1] == start:
+            ranges[-1] = (ranges[-1][0], stop)
+        else:
+            ranges.append((start, stop))
+    return ranges
+
+
+def randn_rows(g: torch.Generator, n: int, d: int, rows: list[tuple[int, int]],
+               chunk: int = 1 << 22) -> torch.Tensor:
+    """The rows `rows` (sorted [start, stop) ranges) of `torch.randn(n, d, generator=g,
+    dtype=torch.float64)`, bit for bit, without building the rest, and `g` left where that
+    call leaves it. torch's CPU normal fill (float64, 16 elements or more) draws one uniform
+    per element, turns each run of 16 into normals (Box-Muller), and when 16 does not divide
+    the size redraws the last 16 from 16 more uniforms. So the stream is walked in pieces of a
+    multiple of 16 elements: a piece holding wanted rows is drawn with randn, any other is
+    skipped by drawing its uniforms; the last piece, at least 16 long, is always drawn with
+    randn so that it redraws the same tail. Host memory: the rows kept plus one piece."""
+    total, chunk = n * d, max(16, chunk // 16 * 16)
+    if total < 16 + chunk:  # small: draw it whole (also the < 16 path, which draws differently)
+        full = torch.randn(n, d, generator=g, dtype=torch.float64)
+        return torch.cat([full[a:b] for a, b in rows]) if rows else full[:0]
+    wanted = [(a * d, b * d) for a, b in rows]
+    out, bounds = [], list(range(0, total, chunk)) + [total]
+    if bounds[-1] - bounds[-2] < 16:  # the last piece must be at least 16 long
+        del bounds[-2]
+    for c0, c1 in zip(bounds, bounds[1:]):
+        hits = [(max(a, c0), min(b, c1)) for a, b in wanted if a < c1 and b > c0]
+        if hits or c1 == total:
+            piece = torch.randn(c1 - c0, generator=g, dtype=torch.float64)
+            out += [piece[a - c0:b - c0] for a, b in hits]
+        else:
+            torch.empty(c1 - c0, dtype=torch.float64).uniform_(generator=g)
+    return torch.cat(out).view(-1, d) if out else torch.empty(0, d, dtype=torch.float64)
+
+
+def regression_shard(n: int, d_in: int, d_out: int, rows: list[tuple[int, int]], seed: int = 0,
+                     noise: float = 0.1, dtype: torch.dtype = torch.float32, chunk: int = 1 << 22):
+    """The rows `rows` of `common.data.regression_data(n, d_in, d_out, seed, noise, dtype)`,
+    drawn from the same generator stream in the same order (X, then W, then the noise) but
+    keeping only those rows: each rank builds its shard, not every rank's data."""
+    g = torch.Generator().manual_seed(seed)
+    X = randn_rows(g, n, d_in, rows, chunk)
+    W = torch.randn(d_in, d_out, generator=g, dtype=torch.float64) / d_in**0.5
+    Y = X @ W + noise * randn_rows(g, n, d_out, rows, chunk)
+    return X.to(dtype), Y.to(dtype)
+
+
+def nccl_determinism_env(cfg: Config, environ=os.environ) -> dict:
+    """Environment to set before NCCL starts so that separately run trainings add their
+    gradients in the same order (the tolerance-0 checks compare such trainings): no NVLS,
+    whose in-switch reductions (NVLink SHARP) may add in any order. As chapter 25 does; a
+    variable the user set is kept. Nothing on CPUs."""
+    on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    wanted = {"NCCL_NVLS_ENABLE": "0"} if on_gpus else {}
+    return {k: v for k, v in wanted.items() if k not in environ}
 
 
 def loss_fn(model: ResidualMLP, x: torch.Tensor, y: torch.Tensor, strategy: str) -> torch.Tensor:
@@ -141,12 +205,13 @@ def record_saved(rec: RunRecorder, results: dict, cfg: Config, elem: int) -> Non
 
 
 def train_data_parallel(model: ResidualMLP, X, Y, cfg: Config, info, strategy: str) -> list:
-    """Chapter 03's loop with recomputation inside: each rank its shard, gradients
-    all-reduced, SGD. Returns the trained parameters and rank 0's losses."""
+    """Chapter 03's loop with recomputation inside: each rank its shard (X, Y: this rank's
+    (steps, tokens, d)), gradients all-reduced, SGD. Returns the trained parameters and this
+    rank's losses."""
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     losses = []
     for step in range(cfg.steps):
-        x, y = X[step].chunk(info.world_size)[info.rank], Y[step].chunk(info.world_size)[info.rank]
+        x, y = X[step], Y[step]
         opt.zero_grad()
         loss = loss_fn(model, x, y, strategy)
         loss.backward()
@@ -183,16 +248,23 @@ def cuda_peak_bytes(model: ResidualMLP, x, y, strategy: str) -> int:
 
 
 def main(cfg: Config) -> int:
+    nccl_env = nccl_determinism_env(cfg)
+    os.environ.update(nccl_env)  # before NCCL's first communicator
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)
         seed_everything(cfg.seed)
+        if nccl_env:
+            log.info("set %s: NVLS reductions are not bitwise reproducible, and the trainings "
+                     "below are compared with tolerance 0", nccl_env)
         dtype, n = DTYPES[cfg.dtype], cfg.tokens * info.world_size
         model = ResidualMLP(cfg.d_model, cfg.d_ff, cfg.n_layers).to(info.device, dtype)
-        X, Y = regression_data(cfg.steps * n, cfg.d_model, cfg.d_model, seed=cfg.seed, dtype=dtype)
-        X, Y = X.view(cfg.steps, n, -1).to(info.device), Y.view(cfg.steps, n, -1).to(info.device)
-        x, y = X[0].chunk(info.world_size)[info.rank], Y[0].chunk(info.world_size)[info.rank]
+        rows = rank_rows(cfg.steps, cfg.tokens, info.rank, info.world_size)
+        X, Y = regression_shard(cfg.steps * n, cfg.d_model, cfg.d_model, rows, seed=cfg.seed, dtype=dtype)
+        shape = (cfg.steps, cfg.tokens, cfg.d_model)  # this rank's rows only, step by step
+        X, Y = X.view(shape).to(info.device), Y.view(shape).to(info.device)
+        x, y = X[0], Y[0]
         elem = torch.finfo(dtype).bits // 8
         log.info("world %d on %s/%s: %d blocks %dx%d, %d tokens per rank, %s",
                  info.world_size, info.device, info.backend, cfg.n_layers, cfg.d_model, cfg.d_ff,
