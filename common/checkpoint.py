@@ -408,6 +408,37 @@ def check_writable_folder(path: str | os.PathLike, what: str) -> None:
                          f"({e.strerror or e})") from None
 
 
+def require_shared_folder(path: str | os.PathLike, what: str = "--out") -> None:
+    """Every rank must see the files rank 0 writes in `path` (a DCP checkpoint's shards and its
+    `.metadata` are written by different ranks and read by all): rank 0 writes a probe file,
+    every rank looks for it, and if some rank cannot see it (two nodes, each with its own
+    local folder of that name) every rank raises `ValueError` with one sentence, before any
+    training. Collective: every rank calls it. One process: nothing to check."""
+    import secrets
+
+    import torch.distributed as dist
+
+    if not _dist_ready() or dist.get_world_size() == 1:
+        return
+    path = Path(path)
+    name = _broadcast_object(f".shared-probe-{secrets.token_hex(8)}" if _rank() == 0 else None)
+    if _rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(name)
+    dist.barrier()
+    probe, main_path = path / name, _broadcast_object(str(path))
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, probe.exists() and probe.read_text() == name)
+    dist.barrier()  # every rank has looked before the probe goes
+    if _rank() == 0:
+        probe.unlink(missing_ok=True)
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        raise ValueError(f"{what} {main_path} is not one folder for every rank: ranks "
+                         f"{', '.join(map(str, blind))} do not see rank 0's files there (another "
+                         "node's local disk?); give every node the same shared folder")
+
+
 # --- DCP, verified and safe ----------------------------------------------------------------------
 
 # What a real DCP `.metadata` holds (torch 2.4 to 2.14): its dataclasses, torch.Size, dtypes,

@@ -167,6 +167,28 @@ def test_summary_holds_every_ranks_verdict(tmp_path):
     assert checks["recorded by rank 1 only"]["rank"] == 1 and checks["recorded by rank 1 only"]["ok"]
 
 
+def _shared_folder(folders: list) -> str:
+    from common.checkpoint import require_shared_folder
+
+    try:
+        require_shared_folder(folders[dist.get_rank()], "--out")
+        return "ok"
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.timeout(60)
+def test_a_folder_some_rank_cannot_see_is_refused_on_every_rank(tmp_path):
+    """Two "nodes" with a local folder each (rank 1 given another path) are refused on both
+    ranks in one sentence; one shared folder passes and keeps no probe file."""
+    shared = str(tmp_path / "shared")
+    assert launch.run_on_ranks(_shared_folder, 2, [shared, shared]) == ["ok", "ok"]
+    assert list((tmp_path / "shared").iterdir()) == []
+    apart = launch.run_on_ranks(_shared_folder, 2, [shared, str(tmp_path / "node1")])
+    assert apart[0] == apart[1] and "ranks 1 do not see rank 0's files" in apart[0]
+    assert "\n" not in apart[0]
+
+
 def test_setup_single_process_world(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)

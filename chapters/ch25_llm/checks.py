@@ -29,9 +29,12 @@ def first_order_bound(steps: int, lr: float, world_size: int,
                       dtype: torch.dtype = torch.float32, eps: float = parity.ADAM_EPS) -> float:
     """The lesson's bound k·η·(W−1)·u/ε on FSDP2-vs-DDP weights: each step the ranks' partial
     sums are added in another order ((W−1)·u relative), and AdamW's g/(√v+ε) amplifies that by
-    at most 1/ε. u is the dtype's unit roundoff: 2^-24 in float32, 2^-53 in float64."""
+    at most 1/ε. u is the dtype's unit roundoff: 2^-24 in float32, 2^-53 in float64. At one
+    rank W−1 = 0 would make it 0, but FSDP2 and DDP are still two programs, and on CUDA a rank's
+    own sums need not repeat (torch documents SDPA's CUDA backward as nondeterministic): one
+    reordering is always allowed, max(W−1, 1)."""
     u = torch.finfo(dtype).eps / 2
-    return steps * lr * (world_size - 1) * u / eps
+    return steps * lr * max(world_size - 1, 1) * u / eps
 
 
 def param_tolerance(steps: int, lr: float, world_size: int, dtype: torch.dtype = torch.float32,
@@ -55,10 +58,15 @@ def record_tokenizer(rec: RunRecorder, tok, cfg, train_ids, val_text: str) -> No
     rec.figure("characters per token (held-out text)", round(tokenizer.chars_per_token(tok, val_text), 3))
 
 
+FLOP_PROBE_TOKENS = 256
+
+
 def record_flops(rec: RunRecorder, config, cfg, info) -> None:
     """FlopCounterMode on one forward + backward of an unsharded twin against the formula,
-    without and with activation checkpointing; 6·N·D beside them."""
-    b, t = 2, cfg.seq_len
+    without and with activation checkpointing; 6·N·D beside them. The probe is short
+    (FLOP_PROBE_TOKENS): the formula is checked at its shape, and eager attention's T x T scores
+    of an unsharded twin at the gpu preset's 2048 tokens would take every rank tens of GB."""
+    b, t = 2, min(cfg.seq_len, FLOP_PROBE_TOKENS)
     probe = torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(1))
     model = build_model(config, cfg.seed, info.device)
     plain = sum(count_flops(model, probe.to(info.device)).values())

@@ -57,6 +57,13 @@ def load_tokenizer(path: str | Path):
     return Tokenizer.from_file(str(path))
 
 
+def tokenizer_from_json(text: str):
+    """The tokenizer a `Tokenizer.to_str()` described (what rank 0 sends the other ranks)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(text)
+
+
 def encode(tok, text: str) -> torch.Tensor:
     """Token ids of `text` as a 1-D int64 tensor."""
     return torch.tensor(tok.encode(text).ids, dtype=torch.long)

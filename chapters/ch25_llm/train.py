@@ -14,8 +14,9 @@ Run:
     python chapters/ch25_llm/train.py --preset gpu                           # one H100/H200: MFU
     torchrun --standalone --nproc_per_node=8 chapters/ch25_llm/train.py --preset gpu
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
-        chapters/ch25_llm/train.py --preset gpu
-    srun --ntasks=16 --ntasks-per-node=8 python chapters/ch25_llm/train.py --preset gpu
+        chapters/ch25_llm/train.py --preset gpu --out /shared/runs/ch25   # a folder all nodes see
+    srun --ntasks=16 --ntasks-per-node=8 python chapters/ch25_llm/train.py --preset gpu \\
+        --out /shared/runs/ch25
 """
 
 import os
@@ -39,7 +40,14 @@ from chapters.ch25_llm.model import (
     lr_at,
     n_params,
 )
-from common.checkpoint import check_identity, load_dcp, save_dcp, training_shapes, verify_dcp
+from common.checkpoint import (
+    check_identity,
+    load_dcp,
+    require_shared_folder,
+    save_dcp,
+    training_shapes,
+    verify_dcp,
+)
 from common.config import RunConfig, parse_config
 from common.distributed import (
     setup_distributed,
@@ -174,16 +182,19 @@ def model_config(cfg: Config):
 
 
 def prepare_tokenizer(cfg: Config, rec: RunRecorder, info):
-    """Rank 0 trains the tokenizer and saves it; the others wait, then load the same file."""
+    """Rank 0 trains the tokenizer and saves it in --out (for export); every other rank gets it
+    from rank 0 over the process group, so that no node needs to read rank 0's disk for it."""
     train_text, val_text = tokenizer.corpus_split()
-    path = rec.out / "tokenizer.json"
+    box = [None]
     if info.is_main:
         log.info("training a byte-level BPE tokenizer, %d entries, on %d characters",
                  cfg.vocab_size, len(train_text))
         rec.out.mkdir(parents=True, exist_ok=True)
-        tokenizer.train_tokenizer(train_text, cfg.vocab_size).save(str(path))
-    dist.barrier()  # every rank reaches it: the file exists after it
-    tok = tokenizer.load_tokenizer(path)
+        tok = tokenizer.train_tokenizer(train_text, cfg.vocab_size)
+        tok.save(str(rec.out / "tokenizer.json"))
+        box = [tok.to_str()]
+    dist.broadcast_object_list(box, src=0)  # every rank reaches it
+    tok = tokenizer.tokenizer_from_json(box[0])
     return tok, tokenizer.encode(tok, train_text), tokenizer.encode(tok, val_text), val_text
 
 
@@ -305,6 +316,9 @@ def main(cfg: Config) -> int:
     try:
         setup_logging(info.rank, info.world_size)
         rec = RunRecorder(cfg, __file__, info)
+        # the DCP checkpoint's shards are written by every rank and read by all: on several
+        # nodes --out must be a shared folder; refused in one line before training if it is not
+        require_shared_folder(rec.out, "--out")
         tok, train_ids, val_ids, val_text = prepare_tokenizer(cfg, rec, info)
         checks.record_tokenizer(rec, tok, cfg, train_ids, val_text)
         config = model_config(cfg)
