@@ -485,3 +485,55 @@ def test_validate_refuses_in_one_sentence(capsys, monkeypatch):
     assert len(lines) == 1 and "divisible by 10" in lines[0]
     with pytest.raises(SystemExit):
         parse_config(train.Config, ["--train-attention", "flash"])
+
+
+def _timeline(*rows) -> ring.RingCounter:
+    counter = ring.RingCounter()
+    counter.events = [("forward", kind, hop, t) for kind, hop, t in rows]
+    return counter
+
+
+def test_hops_in_flight_and_waits_are_read_from_the_clock():
+    """A hop counts when its send's time precedes a product's start and its wait's return follows
+    the product's end; products and waits are timed from their stamps (host seconds here)."""
+    overlapped = _timeline(("send", 1, 0.0), ("begin", None, 1.0), ("compute", None, 3.0),
+                           ("wait_start", 1, 3.0), ("wait", 1, 3.5))
+    assert overlapped.overlapped_hops("forward") == 1
+    assert overlapped.seconds_in("forward") == {"products": 2.0, "waits": 0.5}
+    serial = _timeline(("send", 1, 0.0), ("wait_start", 1, 0.0), ("wait", 1, 2.5),
+                       ("begin", None, 2.5), ("compute", None, 4.5))  # control: waited first
+    assert serial.overlapped_hops("forward") == 0
+    assert serial.seconds_in("forward") == {"products": 2.0, "waits": 2.5}
+    assert isinstance(ring.stamp(torch.device("cpu")), float)
+
+
+def test_on_cuda_the_timeline_is_cuda_events_read_after_a_synchronize(monkeypatch):
+    """NCCL's wait() returns on the host at once, so on CUDA every stamp is an event recorded on
+    the current stream, and times are read (elapsed_time) only after torch.cuda.synchronize().
+    Fakes stand in for CUDA here (no GPU on the test machine)."""
+    state = {"synced": False, "clock": 0.0}
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.stream, self.at = None, None
+
+        def record(self, stream=None):
+            self.stream, state["clock"] = stream, state["clock"] + 2.0
+            self.at = state["clock"]
+
+        def elapsed_time(self, end):  # ms, valid only once both have completed
+            assert state["synced"], "elapsed_time read before torch.cuda.synchronize()"
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream", device))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: state.update(synced=True))
+    cuda = torch.device("cuda", 0)
+    counter = ring.RingCounter()
+    for kind, hop in (("send", 1), ("begin", None), ("compute", None), ("wait_start", 1), ("wait", 1)):
+        counter.mark("forward", kind, hop, cuda)
+    events = [e[3] for e in counter.events]
+    assert all(isinstance(e, FakeEvent) and e.stream == ("stream", cuda) for e in events)
+    assert counter.overlapped_hops("forward") == 1
+    assert counter.seconds_in("forward") == {"products": 2e-3, "waits": 2e-3}

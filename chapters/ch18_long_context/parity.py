@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from chapters.ch18_long_context import ring, ulysses
 from common.distributed import gather_numbers, reduce_number
+from common.log import log
 
 # (name, method, layout, causal): ring non-causal needs one layout (every block is whole).
 METHODS = [
@@ -89,10 +90,16 @@ def attention_parity(rec, cfg, info, dtype, broken: dict | None = None) -> dict:
         counter = ring.COUNTER if method == "ring" else ulysses.COUNTER
         counted[name] = {"bytes": dict(counter.bytes), "products": ring.COUNTER.products,
                          "overlapped": {phase: ring.COUNTER.overlapped_hops(phase)
-                                        for phase in ("forward", "backward")}}
+                                        for phase in ("forward", "backward")},
+                         "seconds": {phase: ring.COUNTER.seconds_in(phase)
+                                     for phase in ("forward", "backward")}}
     record_bytes(rec, counted, cfg, world, qkvw[0].element_size())
     record_products(rec, counted, world)
     hops = counted["ring zigzag, causal"]["overlapped"]
+    clock = "CUDA events on the stream" if info.device.type == "cuda" else "host clock"
+    for phase, spans in counted["ring zigzag, causal"]["seconds"].items():
+        log.info("ring zigzag %s, rank %d (%s): %.3f ms in block products, %.3f ms waiting for "
+                 "hops", phase, rank, clock, spans["products"] * 1e3, spans["waits"] * 1e3)
     rec.check("ring forward: hops in flight during a block product", "count",
               reduce_number(hops["forward"], "min"), world - 1)
     # backward: the N − 1 K/V hops, and N − 1 of the N dK/dV hops (the last has nothing to hide behind)

@@ -27,6 +27,7 @@ hide behind.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -36,12 +37,37 @@ LAYOUTS = ("contiguous", "zigzag")
 BROKEN_RING = ("none", "no_rescale", "dkv_not_returned", "wrong_layout", "serial")
 
 
+def stamp(device: torch.device):
+    """A point in time on `device`'s clock. CUDA: an event recorded on the current stream, which
+    completes when the stream reaches it (kernels and NCCL's `wait()` are asynchronous on the
+    host: `wait()` only makes the stream wait, so the host clock would say nothing there); read
+    after a synchronize. CPU (gloo): the host clock, since there `wait()` blocks until the
+    transfer is done."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+    return time.perf_counter()
+
+
+def seconds(stamps: list) -> list[float]:
+    """The stamps as seconds after the first: CUDA events' elapsed time (after a synchronize,
+    in ms on the stream), or host-clock differences."""
+    if not stamps:
+        return []
+    if isinstance(stamps[0], torch.cuda.Event):
+        torch.cuda.synchronize()
+        return [stamps[0].elapsed_time(e) / 1e3 for e in stamps]
+    return [t - stamps[0] for t in stamps]
+
+
 @dataclass
 class RingCounter:
     """Bytes each rank hands to send ops (forward and backward separately), messages, chunk
-    products computed (one product = c query rows against c key rows), and the order of the
-    events (phase, "send" | "compute" | "wait", hop id), from which `overlapped_hops` reads
-    whether each transfer was in flight while a block computed."""
+    products computed (one product = c query rows against c key rows), and the timeline of the
+    events (phase, "send" | "begin" | "compute" | "wait", hop id, `stamp`), from which
+    `overlapped_hops` reads whether each transfer was in flight while a block computed and
+    `seconds_in` how long the products and the waits took, on the device's clock."""
 
     bytes: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
     sends: int = 0
@@ -51,14 +77,39 @@ class RingCounter:
     def reset(self) -> None:
         self.bytes, self.sends, self.products, self.events = {"forward": 0, "backward": 0}, 0, 0, []
 
+    def mark(self, phase: str, kind: str, hop, device: torch.device) -> None:
+        self.events.append((phase, kind, hop, stamp(device)))
+
+    def _timeline(self, phase: str) -> list[tuple[str, object, tuple[float, int]]]:
+        """(kind, hop, (seconds, position)) of `phase`: the position breaks ties (one stream's
+        events, and the host's, complete in the order they were recorded)."""
+        log = [(kind, hop, s) for ph, kind, hop, s in self.events if ph == phase]
+        return [(kind, hop, (t, i)) for i, ((kind, hop, _), t) in
+                enumerate(zip(log, seconds([s for _, _, s in log])))]
+
     def overlapped_hops(self, phase: str = "forward") -> int:
-        """Hops of `phase` whose send was started before a block product and waited for after it."""
-        log = [(kind, hop) for ph, kind, hop in self.events if ph == phase]
-        computes = [i for i, (kind, _) in enumerate(log) if kind == "compute"]
-        sent = {hop: i for i, (kind, hop) in enumerate(log) if kind == "send"}
-        waited = {hop: i for i, (kind, hop) in enumerate(log) if kind == "wait"}
-        return sum(1 for hop, i in sent.items()
-                   if hop in waited and any(i < c < waited[hop] for c in computes))
+        """Hops of `phase` in flight during a block product: started (send) before the product
+        began and waited for after it ended, by the clock of `stamp`."""
+        log = self._timeline(phase)
+        begins = [t for kind, _, t in log if kind == "begin"]
+        products = list(zip(begins, [t for kind, _, t in log if kind == "compute"]))
+        sent = {hop: t for kind, hop, t in log if kind == "send"}
+        waited = {hop: t for kind, hop, t in log if kind == "wait"}
+        return sum(1 for hop, t in sent.items()
+                   if hop in waited and any(t < b and e < waited[hop] for b, e in products))
+
+    def seconds_in(self, phase: str = "forward") -> dict:
+        """Seconds spent in block products and in waits for hops (from the wait's call to its
+        return on the host; on CUDA, the stream's stall behind the transfer)."""
+        log = self._timeline(phase)
+        spans = {"products": 0.0, "waits": 0.0}
+        start = None
+        for kind, _, (t, _) in log:
+            if kind in ("begin", "wait_start"):
+                start = t
+            elif kind in ("compute", "wait"):
+                spans["products" if kind == "compute" else "waits"] += t - start
+        return spans
 
 
 COUNTER = RingCounter()
@@ -178,6 +229,7 @@ class Hop:
     reqs: list
     phase: str
     id: int
+    device: torch.device = torch.device("cpu")
 
 
 def ring_exchange(t: torch.Tensor, group, phase: str, tag: int = 0) -> tuple[torch.Tensor, Hop]:
@@ -192,14 +244,15 @@ def ring_exchange(t: torch.Tensor, group, phase: str, tag: int = 0) -> tuple[tor
            dist.P2POp(dist.irecv, recv, peer((rank - 1) % world), group, tag)]
     COUNTER.bytes[phase] += t.numel() * t.element_size()  # what is handed to the send
     COUNTER.sends += 1
-    COUNTER.events.append((phase, "send", COUNTER.sends))
-    return recv, Hop(dist.batch_isend_irecv(ops), phase, COUNTER.sends)
+    COUNTER.mark(phase, "send", COUNTER.sends, t.device)
+    return recv, Hop(dist.batch_isend_irecv(ops), phase, COUNTER.sends, t.device)
 
 
 def _wait(hop: Hop) -> None:
+    COUNTER.mark(hop.phase, "wait_start", hop.id, hop.device)
     for req in hop.reqs:
         req.wait()
-    COUNTER.events.append((hop.phase, "wait", hop.id))
+    COUNTER.mark(hop.phase, "wait", hop.id, hop.device)
 
 
 class RingAttention(torch.autograd.Function):
@@ -228,9 +281,10 @@ class RingAttention(torch.autograd.Function):
                 if broken == "serial":
                     _wait(hop)
             src = (rank - step) % world
+            COUNTER.mark("forward", "begin", None, q.device)
             blk_out, blk_lse, n = block_forward(q, kv[0], kv[1], q_ids,
                                                 chunk_ids(src, world, mask_layout), scale, causal)
-            COUNTER.events.append(("forward", "compute", None))
+            COUNTER.mark("forward", "compute", None, q.device)
             COUNTER.products += n
             if broken == "no_rescale":
                 out, lse = out + blk_out, torch.logaddexp(lse, blk_lse)
@@ -263,9 +317,10 @@ class RingAttention(torch.autograd.Function):
                 if broken == "serial":
                     _wait(kv_hop)
             src = (rank - step) % world
+            COUNTER.mark("backward", "begin", None, q.device)
             dq_b, dk_b, dv_b = block_backward(dout, q, kv[0], kv[1], lse, delta, q_ids,
                                               chunk_ids(src, world, mask_layout), scale, causal)
-            COUNTER.events.append(("backward", "compute", None))
+            COUNTER.mark("backward", "compute", None, q.device)
             dq += dq_b
             dkv = torch.stack([dk_b, dv_b])  # this rank's share of the held block's dK, dV
             if dkv_hop is not None:  # it travelled while the product above computed
