@@ -116,22 +116,26 @@ plt.show()
 from chapters.ch25_llm import composed, reference
 
 run = composed.Run()
-for layout in (composed.Layout(dp=2, tp=2, pp=2), composed.Layout(pp=2, tp=2, cp=2),
-               composed.Layout(dp=2, tp=4, pp=2)):
-    print(f"{layout.name():>16}:", composed.layout_error(layout, run.cfg, run.global_batch,
+sequence = composed.Layout(pp=2, tp=2, cp=2, tp_plan="sequence")  # torchtitan's plan
+for layout in (composed.Layout(dp=2, tp=2, pp=2), sequence, composed.Layout(dp=2, tp=4, pp=2)):
+    print(f"{layout.name():>27}:", composed.layout_error(layout, run.cfg, run.global_batch,
                                                          run.seq_len, run.microbatches, 8) or "ok")
 
 # %% [markdown]
 # What each rank of the two test layouts holds and sends per step, by formula (the 8-rank test
 # counts the same bytes from the tensors, from autograd's saved tensors and at the collective
-# boundary, on every rank):
+# boundary, on every rank). The second runs torchtitan's sequence-parallel plan: beside it, the
+# same layout on the blocks plan (not run by the test) shows what sequence parallelism changes:
 
 # %%
-for layout in (composed.Layout(dp=2, tp=2, pp=2), composed.Layout(pp=2, tp=2, cp=2)):
+import dataclasses
+
+for layout in (composed.Layout(dp=2, tp=2, pp=2), sequence,
+               dataclasses.replace(sequence, tp_plan="blocks")):
     for stage in range(layout.pp):
         state = sum(reference.expected_state_bytes(run.cfg, layout, stage).values())
         acts = reference.expected_activation_bytes(run, layout, stage)
-        print(f"{layout.name():>16} stage {stage}: model state {state} B, activations {acts} B,",
+        print(f"{layout.name():>27} stage {stage}: model state {state} B, activations {acts} B,",
               reference.expected_comm_bytes(run, layout, stage))
 
 # %% [markdown]
