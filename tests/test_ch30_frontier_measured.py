@@ -6,6 +6,7 @@ chapter 25's composed run recorded inside its 8-rank job (against_ch25.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -125,8 +126,14 @@ class BoundaryCount:
             counts.setdefault(group, {}).setdefault(kind, 0)
             counts[group][kind] += t.numel() * t.element_size()
 
+        from torch.distributed.tensor import DTensor
+
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                # an op on DTensors is declined: DTensor then runs it and the collectives it
+                # issues inside (loss parallel's all-reduces) reach this mode (as CommDebugMode)
+                if any(issubclass(t, DTensor) for t in types):
+                    return NotImplemented
                 name = str(func)
                 if name == "c10d._allgather_base_.default":
                     add(args[2], "all_gather", args[1])
@@ -166,6 +173,7 @@ def composed_step_bytes(llama, dp_cp: int, tp: int, recompute: bool,
         PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
+        loss_parallel,
         parallelize_module,
     )
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -246,8 +254,8 @@ def composed_step_bytes(llama, dp_cp: int, tp: int, recompute: bool,
         count = BoundaryCount()
         with count.mode:
             logits = model(tokens)
-            logits = logits.to_local() if plan == "torchtitan" else logits  # loss parallel
-            logits.float().square().mean().backward()
+            with loss_parallel() if plan == "torchtitan" else contextlib.nullcontext():
+                F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
         names = {mesh[dim].get_group().group_name: dim for dim in ("dp_cp", "tp")}
         return {names.get(g, g): kinds for g, kinds in count.counts.items()}
     finally:
@@ -282,10 +290,13 @@ def test_comm_bytes_equal_the_collectives_torch_issues(plan):
         assert got[True]["tp"]["all_reduce"] == 2 * 8 * act != 2 * (7 + 2) * act
     else:
         # 2 layers x (4 + 2 recomputed) + embedding/head a-g of half; 2 x (4 + 1) + 2 r-s;
-        # the five norms' partial gradients (h each) all-reduced; control: no early stop
+        # the five norms' partial gradients (h each) all-reduced, and loss parallel's three
+        # all-reduces of one value per position (max, sum of exponentials, target logit);
+        # controls: no early stop, a cross-entropy on vocabulary shards that reduces nothing
         assert got[True]["tp"] == {"all_gather": 14 * act // 2, "reduce_scatter": 12 * act,
-                                   "all_reduce": 5 * 64 * 4}
+                                   "all_reduce": 5 * 64 * 4 + 3 * llama.seq_len * 4}
         assert got[True]["tp"]["reduce_scatter"] != (2 * 6 + 2) * act
+        assert got[True]["tp"]["all_reduce"] != 5 * 64 * 4
 
 
 
@@ -309,9 +320,14 @@ def test_planner_against_chapter_25s_composed_run():
         *(f"bytes per step at the boundary: {d}" for d in ("dp_cp", "tp", "pp", "cp"))}
     acts = [r for r in rows if r["name"] == "activations (band)"]
     assert all(r["measured"] == r["predicted"][0] for r in acts)
-    # 1F1B: stage 0 holds both micro-batches, stage 1 one (GPipe would hold two on both)
-    assert {r["measured"] for r in acts if r["stage"] == 0} == {2 * 2 * 32 * 64 * 8}
-    assert {r["measured"] for r in acts if r["stage"] == 1} == {2 * 32 * 64 * 8}
+    # 1F1B: stage 0 holds both micro-batches, stage 1 one (GPipe would hold two on both); a block
+    # input is (b, s/cp, h) = (2, 32, 64) = (4, 16, 64) float64, cut over tp = 2 by sequence
+    # parallelism
+    for plan, tokens in (("blocks", 2 * 32), ("sequence", 4 * 16 // 2)):
+        mine = [r for r in acts if record["layouts"][r["layout"]]["tp_plan"] == plan]
+        assert len(mine) == 8
+        assert {r["measured"] for r in mine if r["stage"] == 0} == {2 * tokens * 64 * 8}
+        assert {r["measured"] for r in mine if r["stage"] == 1} == {tokens * 64 * 8}
     # controls, each rejected by the same comparison: a planner that does not shard over dp x cp,
     # FSDP2 resharding after forward (gathers per micro-batch), a ring without its dK/dV hops,
     # Megatron's fused count of tp all-reduces, a band that forgets cp's cut of the sequence

@@ -83,9 +83,13 @@ def test_comm_bytes_by_hand_with_controls():
     # tp = 2: (b, s/cp, h) = 1·32·64 fp32 = 8192 bytes per call; per layer and micro-batch 4 a-g
     # + 4 r-s, recomputation 2 a-g + 1 r-s; the embedding's r-s and its gradient's a-g
     act = 32 * 64 * 4
+    # the two norms' weight gradients, all-reduced once a step: the pipeline schedule holds
+    # FSDP2's reduction to the last micro-batch (2 x 2 without a schedule, the control)
     assert comm["tp"] == [("all_gather", 2 * 6 + 2, act), ("reduce_scatter", 2 * 5 + 2, act),
-                          ("all_reduce", 2 * 2, 64 * 4)]  # the two norms' weight gradients
-    assert tot["tp"]["wire"] == 26 * act / 2 + 4 * 64 * 4 * 2 * 1 / 2
+                          ("all_reduce", 2, 64 * 4)]
+    assert tot["tp"]["wire"] == 26 * act / 2 + 2 * 64 * 4 * 2 * 1 / 2
+    unpiped = mesh_bytes.comm_bytes(CPU_LLAMA, MESH16, FP32, pipelined=False)["tp"]
+    assert unpiped[2] == ("all_reduce", 2 * 2, 64 * 4) != comm["tp"][2]
     # pp = 2: the first stage sends each micro-batch's activation (b, s/(cp·tp), h) = 16·64·4
     assert tot["pp"]["boundary"] == 2 * 16 * 64 * 4
     # cp = 2: K and V of 2 heads x 32 tokens x 16 dims per hop: forward, recomputed forward and
@@ -104,7 +108,8 @@ def test_comm_bytes_by_hand_with_controls():
     full = 64 * 64 * 4
     ends = 4 * full * 3 / 4  # the one stage is first and last: the embedding's and head's a-g, r-s
     norms = 5 * 64 * 4 * mesh_bytes.WIRE["all_reduce"](4)  # the norms' weight gradients
-    layers_wire = sum(c * x * mesh_bytes.WIRE[k](4) for k, c, x in plain) - ends - norms
+    loss = 3 * 64 * 4 * mesh_bytes.WIRE["all_reduce"](4)  # loss parallel: 3 values a position
+    layers_wire = sum(c * x * mesh_bytes.WIRE[k](4) for k, c, x in plain) - ends - norms - loss
     assert layers_wire == 2 * 4 * mesh_bytes.WIRE["all_reduce"](4) * full == 12 * full  # 2 layers
     # controls, rejected by that comparison: the all-reduce counted 1x, a-g/r-s counted whole
     assert 2 * 4 * 1.0 * full != layers_wire

@@ -15,10 +15,12 @@ asks chapter 25 to build:
   sequence-sharded input of attention and of the MLP and reduce-scatters their outputs; the
   backward does the reverse; activation checkpointing repeats the forward's but for the MLP's
   reduce-scatter (the recomputation stops early, once every saved tensor is back). The embedding's
-  output is reduce-scattered, the head's input all-gathered (loss parallel: logits stay sharded);
-  the replicated norm weights' partial gradients are all-reduced in each backward. Chapter 25's
-  composed.py uses the "blocks" plan instead (`Mesh.plan`). Both plans' counts are measured
-  against the collectives torch issues in tests/test_ch30_frontier_measured.py.
+  output is reduce-scattered, the head's input all-gathered (loss parallel: logits stay sharded,
+  and the cross-entropy all-reduces three values per position); the replicated norm weights'
+  partial gradients are all-reduced where FSDP2 reduces gradients (once a step under a pipeline
+  schedule). Chapter 25's composed.py runs both plans ("blocks" and, as "sequence", this one;
+  `Mesh.plan`). Both plans' counts are measured against the collectives torch issues in
+  tests/test_ch30_frontier_measured.py, and against chapter 25's run (against_ch25.py).
 - cp: chapter 18's ring attention (`ring.RingAttention`): forward cp − 1 hops of K and V;
   backward cp − 1 hops of K and V and cp hops of dK, dV; its K and V have as many heads as q
   (chapter 18's ring needs q, k, v of one shape: grouped-query K/V are repeated before it).
@@ -217,9 +219,9 @@ def comm_bytes(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0, t: int = 0,
     layers = len(stage_layers(llama.layers, mesh.pp, stage))
     first, last = stage == 0, stage == mesh.pp - 1
     out: dict[str, list] = {"dp_cp": [], "tp": [], "pp": [], "cp": []}
+    piped = mesh.pp > 1 if pipelined is None else pipelined
     if mesh.dp * mesh.cp > 1:
         raf = mesh.pp == 1 if reshard_after_forward is None else reshard_after_forward
-        piped = mesh.pp > 1 if pipelined is None else pipelined
         # under a pipelining schedule torch's PipelineStage defers gradient sync to the last
         # micro-batch and keeps the parameters gathered between micro-batches
         gathers = 2 * m if raf else (1 if piped else m)
@@ -245,10 +247,15 @@ def comm_bytes(llama: Llama, mesh: Mesh, dt: Dtypes, stage: int = 0, t: int = 0,
         for kind in ("all_gather", "reduce_scatter"):
             calls[kind] += m * (first + last)  # embedding out (r-s / a-g), head in (a-g / r-s)
         out["tp"] += [(k, c, act) for k, c in calls.items()]
-        # the norms' weights are replicated over tp but see only a piece of the sequence: each
-        # micro-batch's backward all-reduces their partial gradients (h each; measured)
+        # the norms' weights are replicated over tp but see only a piece of the sequence: their
+        # partial gradients (h each) are all-reduced where FSDP2 reduces the gradients, every
+        # micro-batch, or once a step under a pipelining schedule, which holds FSDP2's reduction
+        # to the last micro-batch (measured: the fake process group below, chapter 25's run)
         norms = 2 * layers + last
-        out["tp"].append(("all_reduce", m * norms, h * dt.compute))
+        out["tp"].append(("all_reduce", (1 if piped else m) * norms, h * dt.compute))
+        if last:  # loss parallel: the cross-entropy on vocabulary shards all-reduces, for each
+            # position, the logits' maximum, the sum of exponentials and the target's logit
+            out["tp"].append(("all_reduce", 3 * m, b * s_local * dt.compute))
     if mesh.pp > 1:
         sp = mesh.tp if mesh.plan == "torchtitan" else 1  # sequence parallel: (b, s/(cp·tp), h)
         piece = b * (s_local // sp) * h * dt.compute
