@@ -106,7 +106,7 @@ def randn_rows(g: torch.Generator, n: int, d: int, rows: list[tuple[int, int]],
         hits = [(max(a, c0), min(b, c1)) for a, b in wanted if a < c1 and b > c0]
         if hits or c1 == total:
             piece = torch.randn(c1 - c0, generator=g, dtype=torch.float64)
-            out += [piece[a - c0:b - c0] for a, b in hits]
+            out += [piece[a - c0:b - c0].clone() for a, b in hits]  # not views: the piece goes
         else:
             torch.empty(c1 - c0, dtype=torch.float64).uniform_(generator=g)
     return torch.cat(out).view(-1, d) if out else torch.empty(0, d, dtype=torch.float64)
