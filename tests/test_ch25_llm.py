@@ -465,11 +465,14 @@ def composed_job(composed_ranks):
 
 @pytest.mark.timeout(200)
 def test_composed_layouts_equal_one_process_and_every_control_is_caught(composed_job):
+    """Both layouts take one process's 3 steps; each control, trained the fewest steps that show
+    its bug (`CONTROL_STEPS`), misses one process trained as many steps by 100x the tolerance."""
     run = R.Run()
-    reference = R.one_process(run)  # computed here, in this process: independent of the ranks
-    tol = R.tolerances(run)
+    # the references are computed here, in this process: independent of the ranks
+    references = {k: R.one_process(R.Run(steps=k)) for k in {run.steps, *K.CONTROL_STEPS.values()}}
     rows = {(r["layout"], r["broken"]): r for r in
-            K.compare_plans(run, K.PLANS, composed_job, reference)}
+            K.compare_plans(run, K.PLANS, composed_job, references)}
+    assert {r["steps"] for r in rows.values()} == {1, 2, 3}
     for layout in ("pp2 x dp2 x tp2", SP):
         row = rows[(layout, "none")]
         assert row["within"], row  # measured: losses, norms <= 4e-16, weights <= 3e-14
@@ -481,10 +484,12 @@ def test_composed_layouts_equal_one_process_and_every_control_is_caught(composed
                  ("pp2 x dp2 x tp2", "pp_unscaled"): "norm",
                  (SP, "no_reduce:cp"): "params"}
     for key, metric in caught_by.items():
+        tol = R.tolerances(R.Run(steps=rows[key]["steps"]))
         assert rows[key][metric] > 100 * tol[metric], (key, rows[key])
     # the unscaled pipeline loss: norm exactly twice (2 micro-batches), weights nearly unmoved
-    assert abs(rows[("pp2 x dp2 x tp2", "pp_unscaled")]["norm"] - 1.0) < 1e-9
-    assert rows[("pp2 x dp2 x tp2", "pp_unscaled")]["params"] <= tol["params"]
+    unscaled = rows[("pp2 x dp2 x tp2", "pp_unscaled")]
+    assert abs(unscaled["norm"] - 1.0) < 1e-9
+    assert unscaled["params"] <= R.tolerances(R.Run(steps=unscaled["steps"]))["params"]
 
 
 @pytest.mark.timeout(30)

@@ -7,6 +7,8 @@ figures/data.json: `python tools/figures.py --rerun ch25`).
 
 from __future__ import annotations
 
+import dataclasses
+
 from chapters.ch25_llm.composed import build_mesh, train_composed
 from chapters.ch25_llm.counters import merge_stages
 from chapters.ch25_llm.reference import DIMS, Layout, Run, differences, tolerances
@@ -19,10 +21,22 @@ def layout_worker(run: Run, plans: list, save: str | None = None) -> list:
     out = []
     for i, (layout, brokens) in enumerate(plans):
         mesh = build_mesh(layout)
-        out.append({b: train_composed(run, layout, mesh, b,
+        out.append({b: train_composed(control_run(run, b), layout, mesh, b,
                                       save=save if i == 0 and b == "none" else None)
                     for b in brokens})
     return out
+
+
+CONTROL_STEPS = {"no_reduce:dp": 1, "no_reduce:cp": 1, "tp_unreduced": 1, "pp_unscaled": 1,
+                 "clip_local_stage": 2}
+"""Steps each negative control trains: the fewest that show its bug (the job's time is the
+chapter's budget). A wrong gradient moves the weights at the first step; a doubled gradient
+doubles the first pre-clip norm; clipping by the wrong norm needs a second step, because AdamW's
+first step, g/(|g| + ε), does not see a gradient's scale."""
+
+
+def control_run(run: Run, broken: str) -> Run:
+    return dataclasses.replace(run, steps=CONTROL_STEPS.get(broken, run.steps))
 
 
 def parity_worker(ckpt: str | None = None) -> dict:
@@ -49,18 +63,20 @@ PLANS = [(Layout(dp=2, tp=2, pp=2), ["none", "no_reduce:dp", "pp_unscaled", "cli
 RESHARD = (PLANS[0][0], Layout(dp=4, tp=2))  # saved by, resumed on
 
 
-def compare_plans(run: Run, plans: list, results_by_rank: list, reference: dict) -> list[dict]:
+def compare_plans(run: Run, plans: list, results_by_rank: list, references: dict) -> list[dict]:
     """One row per (layout, run) of `layout_worker`'s results on every rank: the largest
-    differences from the one-process `reference` and whether all are within `tolerances`."""
-    tol = tolerances(run)
+    differences from one process that trained as many steps (`references[steps]`) and whether
+    all are within that many steps' `tolerances`."""
     rows = []
     for i, (layout, brokens) in enumerate(plans):
         for b in brokens:
+            steps = control_run(run, b).steps
+            tol = tolerances(dataclasses.replace(run, steps=steps))
             per_rank = [r[i][b] for r in results_by_rank]
             composed = {"losses": per_rank[0]["losses"], "norms": per_rank[0]["norms"],
                         "params": merge_stages(per_rank)}
-            d = differences(composed, reference)
-            rows.append({"layout": layout.name(), "broken": b, **d,
+            d = differences(composed, references[steps])
+            rows.append({"layout": layout.name(), "broken": b, "steps": steps, **d,
                          "within": all(d[k] <= tol[k] for k in tol)})
     return rows
 
