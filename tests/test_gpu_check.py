@@ -364,14 +364,12 @@ def test_fill_lessons_round_trip(tmp_path):
 
 
 def test_every_lesson_says_its_gpu_figures_are_not_yet_measured():
-    """One block per lesson, saying so until a report fills it. Chapter 25's lesson is being
-    rewritten elsewhere: its block is added there."""
-    pending = {"ch25_llm"}
-    for path in gpu_lessons.lessons():
+    """One block per lesson, saying so until a report fills it."""
+    lessons = gpu_lessons.lessons()
+    assert len({p.parent for p in lessons}) == 30
+    for path in lessons:
         text = path.read_text()
         n = text.count(gpu_lessons.BEGIN)
-        if path.parent.name in pending and n == 0:
-            continue
         assert n == 1 and text.count(gpu_lessons.END) == 1, path
         inner = text.split(gpu_lessons.BEGIN)[1].split(gpu_lessons.END)[0]
         assert inner.strip() and ("not yet measured" in inner or "**On a GPU** (" in inner), path
