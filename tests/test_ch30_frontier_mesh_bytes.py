@@ -64,9 +64,19 @@ def test_model_state_bytes_by_hand_with_controls():
     assert unsharded["optimizer"] != want["optimizer"]
     dp_only = mesh_bytes.model_state_bytes(CPU_LLAMA, dataclasses.replace(MESH16, cp=1), FP32)
     assert dp_only["params"] != want["params"]
-    # float64 (chapter 25's parity runs): every byte doubles, AdamW's step too
-    f64 = mesh_bytes.model_state_bytes(CPU_LLAMA, MESH16, mesh_bytes.Dtypes.of(torch.float64))
+    # float64 under a float64 default dtype: every byte doubles, AdamW's step too; a model cast
+    # to float64 under the float32 default (chapter 25's composed run) keeps float32 steps, as
+    # torch does (checked on a real AdamW step)
+    f64 = mesh_bytes.model_state_bytes(CPU_LLAMA, MESH16, mesh_bytes.Dtypes.of(torch.float64, default=torch.float64))
     assert f64["total"] == 2 * got["total"]
+    cast = mesh_bytes.model_state_bytes(CPU_LLAMA, MESH16, mesh_bytes.Dtypes.of(torch.float64, default=torch.float32))
+    tensors = len(CPU_LLAMA.stage_params(0, 2))
+    assert cast["total"] == 2 * got["total"] - 4 * tensors != f64["total"]
+    w = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    w.grad = torch.ones_like(w)
+    opt = torch.optim.AdamW([w])
+    opt.step()
+    assert torch.get_default_dtype() == torch.float32 and opt.state[w]["step"].dtype == torch.float32
 
 
 def test_comm_bytes_by_hand_with_controls():

@@ -53,7 +53,7 @@ from chapters.ch25_llm.counters import (
     merge_stages,
     state_bytes,
 )
-from chapters.ch25_llm.llama import Cfg, Llama, reference_model
+from chapters.ch25_llm.llama import Cfg, Llama, reference_model, rope_cos_sin
 from chapters.ch25_llm.reference import DIMS, Layout, Run, batch, make_optimizer, record_checks
 from common.config import RunConfig, parse_config, require_at_least_one
 
@@ -123,8 +123,9 @@ def apply_tp(model: Llama, tp_mesh, plan: str = "blocks") -> None:
     sequence parallelism. Between the blocks' matmuls the residual stream is cut along the
     sequence (Shard(1)): the norms run on their 1/tp of the tokens (`SequenceParallel`), each of
     attention and the MLP all-gathers its input (`PrepareModuleInput` Shard(1) -> Replicate) and
-    o and down reduce-scatter their output back to Shard(1) where "blocks" all-reduces it (an
-    all-reduce is a reduce-scatter then an all-gather: the same bytes, split around the norm).
+    o and down reduce-scatter their output back to Shard(1) where "blocks" all-reduces it (a
+    ring all-reduce is a reduce-scatter then an all-gather: in forward the same bytes on the
+    wire, split around the norm).
     The embedding is split by vocabulary rows and reduce-scatters its output onto the sequence;
     the head is split by vocabulary columns and keeps its logits sharded (loss parallel: the
     cross-entropy is computed on the shards, `train_composed` enters `loss_parallel`)."""
@@ -163,10 +164,16 @@ def apply_tp(model: Llama, tp_mesh, plan: str = "blocks") -> None:
         parallelize_module(model, tp_mesh, ends)
 
 
-def set_context(model: Llama, positions, cp_group, no_reduce_mesh=None) -> None:
+def set_context(model: Llama, positions, cp_group, no_reduce_mesh=None, device="cpu") -> None:
+    """What attention reads (`Attention.ctx`), once per layout: the RoPE tables at this rank's
+    global token positions (built once on the CPU as HF does, then moved once to the model's
+    device; every block shares them), the cp group and, for the tp control, the mesh."""
+    cfg = model.cfg
+    cos, sin = (t.to(device) for t in rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta,
+                                                   next(model.parameters()).dtype))
     for block in model.layers.values():
         block = getattr(block, "_checkpoint_wrapped_module", block)
-        block.self_attn.ctx = {"positions": positions, "cp_group": cp_group,
+        block.self_attn.ctx = {"rope": (cos, sin), "cp_group": cp_group,
                                "no_reduce_mesh": no_reduce_mesh}
         block.mlp.ctx = {"no_reduce_mesh": no_reduce_mesh}
 
@@ -236,18 +243,18 @@ def build_composed(run: Run, layout: Layout, mesh, broken: str = "none", device=
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     coords = {d: mesh[d].get_local_rank() for d in DIMS}
-    model = reference_model(run.cfg, run.seed, run.dtype).to(device)
-    model = split_stage(model, coords["pp"], layout.pp)                       # 1. pipeline
+    model = split_stage(reference_model(run.cfg, run.seed, run.dtype),      # 1. pipeline
+                        coords["pp"], layout.pp).to(device)  # only this stage to the device
     if layout.tp > 1:
         apply_tp(model, mesh["tp"], layout.tp_plan)                           # 2. tensor
-    positions, cp_group = None, None
+    positions, cp_group = torch.arange(run.seq_len), None  # attention sees the whole s/cp
     if layout.cp > 1:                                                        # 3. context
         from chapters.ch18_long_context.ring import positions as zigzag_positions
 
         positions = zigzag_positions(run.seq_len, coords["cp"], layout.cp, "zigzag")
         cp_group = mesh["cp"].get_group()
     set_context(model, positions, cp_group,
-                mesh["tp"] if broken == "tp_unreduced" and layout.tp > 1 else None)
+                mesh["tp"] if broken == "tp_unreduced" and layout.tp > 1 else None, device)
     apply_ac(model)                                                           # 4. recompute
     data_dims = {"none": "dp_cp", "no_reduce:dp": "cp", "no_reduce:cp": "dp"}.get(broken, "dp_cp")
     if mesh[data_dims].size() > 1:

@@ -8,9 +8,10 @@ those counts in chapters/ch25_llm/figures/data.json ("composed") and fail when a
 longer matches them. Here each rank's counts meet `mesh_bytes`'s predictions for the same rank:
 model state and bytes exactly, activations inside `activation_band`.
 
-What chapter 25 counts that the planner leaves out, and how it is set aside: AdamW's step
-counters (chapter 25 counts the two moments), the gradient norm's one-element partial sums
-(chapter 25 keeps their bytes apart, `comm_scalar_bytes`).
+What the two count differently, and how it is set aside: chapter 25 counts AdamW's two moments,
+not its step counters (the planner's "optimizer" has both; its "moments" is compared), and the
+planner leaves out the gradient norm's one-element partial sums (chapter 25 keeps their bytes
+apart, `comm_scalar_bytes`, and they are subtracted).
 """
 
 from __future__ import annotations

@@ -129,10 +129,16 @@ class Dtypes:
     step: int = 4
 
     @classmethod
-    def of(cls, param, compute=None, reduce=None) -> Dtypes:
-        """From torch dtypes: `Dtypes.of(torch.float64)`, `Dtypes.of(torch.float32, torch.bfloat16)`."""
+    def of(cls, param, compute=None, reduce=None, default=None) -> Dtypes:
+        """From torch dtypes: `Dtypes.of(torch.float64)`, `Dtypes.of(torch.float32, torch.bfloat16)`.
+        The step counter follows torch's default dtype (`default`, else the current one), not the
+        parameters': a model cast to float64 under the float32 default keeps float32 steps."""
+        import torch
+
         compute, reduce = compute or param, reduce or param
-        return cls(param.itemsize, compute.itemsize, reduce.itemsize, 8 if param.itemsize == 8 else 4)
+        default = default or torch.get_default_dtype()
+        return cls(param.itemsize, compute.itemsize, reduce.itemsize,
+                   8 if default == torch.float64 else 4)
 
 
 def layout_error(llama: Llama, mesh: Mesh) -> str | None:
