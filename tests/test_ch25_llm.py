@@ -637,3 +637,19 @@ def test_four_dimension_script_at_pp1_under_torchrun(tmp_path):
     # 2 blocks keep their input, one micro-batch in flight at pp = 1: 2 x (2, 32, 64) float64
     acts = figures["activation bytes kept for backward, peak (rank 0)"]["measured"]
     assert acts == R.expected_activation_bytes(reference, layout, 0) == 2 * 2 * 32 * 64 * 8
+
+
+@pytest.mark.timeout(30)
+def test_comm_counter_keeps_collectives_it_does_not_size():
+    """A collective the counter has no rule for (a broadcast, an all-to-all) is kept under its
+    name, so that the exact comparison with the formulas fails on it; waits and receives are
+    not collectives of their own."""
+    from chapters.ch25_llm.counters import CommCounter
+
+    counter = CommCounter.__new__(CommCounter)  # no mesh needed for ops it does not size
+    counter.bytes, counter.calls, counter.scalar_bytes = {}, {}, {}
+    for op in (torch.ops.c10d.broadcast_.default, torch.ops._c10d_functional.all_to_all_single.default,
+               torch.ops._c10d_functional.wait_tensor.default, torch.ops.c10d.recv_.default):
+        counter.record(op, ())
+    assert counter.calls == {"unknown:broadcast_": 1, "unknown:all_to_all_single": 1}
+    assert set(counter.bytes) == set(counter.calls)
