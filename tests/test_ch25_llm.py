@@ -473,7 +473,7 @@ def test_composed_layouts_equal_one_process_and_every_control_is_caught(composed
     rows = {(r["layout"], r["broken"]): r for r in
             K.compare_plans(run, K.PLANS, composed_job, references)}
     assert {r["steps"] for r in rows.values()} == {1, 2, 3}
-    for layout in ("pp2 x dp2 x tp2", SP):
+    for layout in ("pp2 x dp2 x tp2", SP, "dp2 x cp2 x tp2"):
         row = rows[(layout, "none")]
         assert row["within"], row  # measured: losses, norms <= 4e-16, weights <= 3e-14
     # each control, and the metric that must catch it by 100x the tolerance at least
@@ -482,7 +482,7 @@ def test_composed_layouts_equal_one_process_and_every_control_is_caught(composed
                  ("pp2 x dp2 x tp2", "clip_local_stage"): "params",
                  # AdamW and clipping are blind to a uniform gradient scale: the norm sees it
                  ("pp2 x dp2 x tp2", "pp_unscaled"): "norm",
-                 (SP, "no_reduce:cp"): "params"}
+                 ("dp2 x cp2 x tp2", "no_reduce:cp"): "params"}
     for key, metric in caught_by.items():
         tol = R.tolerances(R.Run(steps=rows[key]["steps"]))
         assert rows[key][metric] > 100 * tol[metric], (key, rows[key])
@@ -501,7 +501,7 @@ def test_composed_state_and_traffic_per_rank_equal_the_formulas(composed_job):
     (figures/data.json, "composed") is what this job measured."""
     run = R.Run()
     rows = K.measured_figures(composed_job)
-    assert len(rows) == 16
+    assert len(rows) == 24
     for row in rows:
         layout = next(lay for lay, _ in K.PLANS if lay.name() == row["layout"])
         stage = row["coords"]["pp"]
@@ -516,7 +516,8 @@ def test_composed_state_and_traffic_per_rank_equal_the_formulas(composed_job):
         acts[(r["layout"], r["coords"]["pp"])].add(r["activation_bytes"])
     assert acts == {("pp2 x dp2 x tp2", 0): {2 * 2 * 32 * 64 * 8},
                     ("pp2 x dp2 x tp2", 1): {2 * 32 * 64 * 8},
-                    (SP, 0): {2 * 4 * 8 * 64 * 8}, (SP, 1): {4 * 8 * 64 * 8}}
+                    (SP, 0): {2 * 4 * 8 * 64 * 8}, (SP, 1): {4 * 8 * 64 * 8},
+                    ("dp2 x cp2 x tp2", 0): {2 * 2 * 16 * 64 * 8}}  # one stage: 2 blocks, 1 in flight
     # formula controls: the sequence layout's counts are not the blocks plan's (a plan silently
     # left "blocks" would match those): state (embedding and head whole), pp (a whole (b, s/cp,
     # h) sent per micro-batch, tp x the shard), tp (all-reduces), activations (tp x); nor a
@@ -543,11 +544,11 @@ def test_composed_state_and_traffic_per_rank_equal_the_formulas(composed_job):
     recorded = json.loads((REPO_ROOT / "chapters/ch25_llm/figures/data.json").read_text())
     assert recorded["composed"]["ranks"] == json.loads(json.dumps(rows)), (
         "chapter 30's record is stale: python tools/figures.py --rerun ch25")
-    # control: the cp run without cp reduction moves fewer dp_cp bytes than the formula (FSDP2
-    # over dp = 1)
+    # control: FSDP2 handed the dp mesh alone at dp2 x cp2 moves its traffic over dp, none
+    # over dp_cp, and the formula's dp_cp bytes do not match it
     for r in composed_job:
-        assert r[1]["no_reduce:cp"]["comm_bytes"].get("dp_cp", 0) < \
-            r[1]["none"]["comm_bytes"]["dp_cp"]
+        wrong, right = r[2]["no_reduce:cp"]["comm_bytes"], r[2]["none"]["comm_bytes"]
+        assert "dp_cp" not in wrong and wrong["dp"] != right["dp_cp"]
 
 
 @pytest.mark.timeout(60)
@@ -593,9 +594,13 @@ def test_composed_checkpoint_resumes_on_another_layout_and_on_one_process(compos
     for got in (resumed, alone):
         d = R.differences(got, last)
         assert all(d[k] <= tol[k] for k in tol), d
-    # control: resuming from the start weights (the checkpoint not loaded) is caught
-    fresh = R.one_process(R.Run(steps=1))
-    assert R.differences(fresh, last)["params"] > 100 * tol["params"]
+    # controls, through the same resume path and step 4: nothing loaded (the start weights
+    # take step 4's batch), the weights alone (a fresh AdamW: zero moments, step 0)
+    for load in ((), ("model",)):
+        control = R.resume_one_process(R.Run(steps=1), str(composed_ckpt), start=run.steps,
+                                       load=load)
+        d = R.differences(control, last)
+        assert d["params"] > 100 * tol["params"], (load, d)
 
 
 @pytest.mark.timeout(30)
@@ -620,20 +625,31 @@ def test_recorded_4d_run_on_16_ranks_passed_and_matches_the_formulas():
 
 @pytest.mark.timeout(150)
 def test_four_dimension_script_at_pp1_under_torchrun(tmp_path):
-    """composed.py as a reader starts it: torchrun, 2 processes, `--dp 2` (one stage: the 1F1B
-    schedule over a single stage, FSDP2 over dp, no tp, no cp). Its own checks pass (parity with
-    the one process it runs on rank 0, every rank's counts against the formulas), and the
-    figures it prints equal the formulas computed here; the pp, tp and cp collectives are absent."""
-    run = run_torchrun(REPO_ROOT / "chapters/ch25_llm/composed.py", nproc=2, timeout=140,
-                       out_dir=tmp_path, args=["--dp", "2"])
+    """composed.py as a reader starts it: torchrun, 3 processes, `--dp 3` (one stage: the 1F1B
+    schedule over a single stage, FSDP2 over dp, no tp, no cp), uneven shards: 3 divides none of
+    the rows (64, 32, 176, 256), so torch.chunk gives rank 2 fewer than ranks 0 and 1. Its own
+    checks pass (parity with the one process it runs on rank 0, every rank's counts against the
+    formulas), and the figures it prints equal the formulas computed here; the pp, tp and cp
+    collectives are absent."""
+    run = run_torchrun(REPO_ROOT / "chapters/ch25_llm/composed.py", nproc=3, timeout=140,
+                       out_dir=tmp_path, args=["--dp", "3"])
     checks = run.summary["checks"]
     assert len(checks) >= 6 and all(c["ok"] for c in checks), checks
     assert {c["kind"] for c in checks} == {"parity", "count"}
     figures = run.summary["figures"]
-    layout, reference = R.Layout(dp=2), R.Run(global_batch=2 * 2 * 2)  # dp x micro-batches x 2
+    layout, reference = R.Layout(dp=3), R.Run(global_batch=3 * 2 * 2)  # dp x micro-batches x 2
     per_dim = {k.split(" over ")[1].split(" ")[0]: v["measured"] for k, v in figures.items()
                if k.startswith("bytes to collectives per step over ")}
     assert per_dim == R.expected_comm_bytes(reference, layout, 0) and set(per_dim) == {"dp_cp"}
+    # each count figure carries its formula value, and the shards are uneven: ranks 0 and 1
+    # keep ⌈d0/3⌉ rows of each parameter, the largest state; an even split would be smaller
+    for fig in [v for k, v in figures.items() if k.startswith("bytes to collectives")] + \
+            [figures["model-state bytes per rank (largest)"]]:
+        assert fig["expected"] is not None and fig["measured"] == fig["expected"], fig
+    shards = [sum(R.expected_state_bytes(reference.cfg, layout, 0, shard=s).values())
+              for s in range(3)]
+    assert shards[0] == shards[1] > shards[2]
+    assert figures["model-state bytes per rank (largest)"]["measured"] == shards[0]
     # 2 blocks keep their input, one micro-batch in flight at pp = 1: 2 x (2, 32, 64) float64
     acts = figures["activation bytes kept for backward, peak (rank 0)"]["measured"]
     assert acts == R.expected_activation_bytes(reference, layout, 0) == 2 * 2 * 32 * 64 * 8

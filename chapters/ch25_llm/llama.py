@@ -4,8 +4,9 @@ tables once in `LlamaModel` and returns `ModelOutput` objects; a stage here is t
 the other stages' parts set to None, mapping token ids or hidden states to hidden states or
 logits. HF's weights load into it one to one (`from_hf`; the chapter's tests check the logits).
 
-Attention reads its context (`Attention.ctx`, set by composed.set_context): the tokens' global
-positions for RoPE, the context-parallel group (then attention is chapter 18's ring attention)
+Attention reads its context (`Attention.ctx`, set by composed.set_context): the RoPE tables at
+the tokens' global positions (built once per layout, on the model's device), the context-parallel
+group (then attention is chapter 18's ring attention)
 and, for one negative control, the tensor-parallel mesh whose backward all-reduce it drops.
 """
 
@@ -96,7 +97,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * d, bias=False)
         self.o_proj = nn.Linear(cfg.heads * d, cfg.hidden, bias=False)
-        self.ctx: dict = {}  # set by `set_context`: positions, cp group, the tp control's mesh
+        self.ctx: dict = {}  # set by `set_context`: RoPE tables, cp group, the tp control's mesh
 
     def forward(self, x):
         B, T, _ = x.shape
@@ -106,10 +107,13 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, d).transpose(1, 2)  # local heads under tp
         k = self.k_proj(x).view(B, T, -1, d).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, d).transpose(1, 2)
-        pos = self.ctx.get("positions")
-        pos = torch.arange(T) if pos is None else pos
-        cos, sin = rope_cos_sin(pos, d, self.cfg.rope_theta, q.dtype)
-        q, k = rotate(q, cos.to(q.device), sin.to(q.device)), rotate(k, cos.to(q.device), sin.to(q.device))
+        if "rope" in self.ctx:  # the composed run's: built once per layout, on the device
+            cos, sin = self.ctx["rope"]
+            assert cos.shape[0] == T, (cos.shape, T)  # tables for the tokens attention sees
+        else:  # one process, positions 0..T-1
+            cos, sin = (t.to(q.device) for t in rope_cos_sin(torch.arange(T), d,
+                                                             self.cfg.rope_theta, q.dtype))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         rep = q.shape[1] // k.shape[1]  # the same ratio on every tp rank (kv heads % tp == 0)
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if self.ctx.get("cp_group") is not None:

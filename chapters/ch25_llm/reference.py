@@ -7,6 +7,7 @@ Nothing here builds a mesh: it is the expected value the composed run is measure
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -89,41 +90,91 @@ def one_process(run: Run) -> dict:
     return reference_steps(model, opt, run, range(run.steps))
 
 
-def resume_one_process(run: Run, path: str, start: int) -> dict:
+def resume_one_process(run: Run, path: str, start: int,
+                       load: tuple[str, ...] = ("model", "optim")) -> dict:
     """A different world: one process, no process group, loads the composed run's DCP
-    checkpoint into the whole model and AdamW and trains `run.steps` more steps from `start`."""
+    checkpoint into the whole model and AdamW and trains `run.steps` more steps from `start`.
+    `load` names the parts read from the checkpoint; what it leaves out starts fresh, for the
+    controls: without "model" the start weights, without "optim" a new AdamW (zero moments,
+    step 0), each then trained by the same steps from `start`."""
     import torch.distributed.checkpoint as dcp
 
+    assert set(load) <= {"model", "optim"}, load
     model = reference_model(run.cfg, run.seed, run.dtype)
     opt = make_optimizer(model.parameters(), run.lr)
-    # AdamW's state exists after a first step: make it (zero gradients), then overwrite it all
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    names = {p: n for n, p in model.named_parameters()}
-    state = {"model": model.state_dict(),
-             "optim": {"state": {names[p]: st for p, st in opt.state.items()}}}
-    dcp.load(state, checkpoint_id=path, no_dist=True)
-    model.load_state_dict(state["model"])
+    state = {}
+    if "optim" in load:
+        # AdamW's state exists after a first step: make it (zero gradients), then overwrite it
+        # all; that step's weight decay moves the weights, so they are put back when not loaded
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        model.load_state_dict(before)
+        names = {p: n for n, p in model.named_parameters()}
+        state["optim"] = {"state": {names[p]: st for p, st in opt.state.items()}}
+    if "model" in load:
+        state["model"] = model.state_dict()
+    if state:
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    if "model" in load:
+        model.load_state_dict(state["model"])
     return reference_steps(model, opt, run, range(start, start + run.steps))
 
 
-def expected_state_bytes(cfg: Cfg, layout: Layout, stage: int, elem: int = 8) -> dict:
-    """The same by formula (what chapter 30's planner predicts): the stage's parameters, the
-    block matrices divided by tp (the embedding and head too under the sequence plan: split by
-    vocabulary; the norms stay whole on every tp rank), everything divided by dp x cp (FSDP2's
-    shards; exact when the sharded dimensions divide, as here); gradients as large; AdamW two
-    moments each."""
+def chunk_rows(rows: int, n: int, i: int) -> int:
+    """Rows piece i of torch.chunk(·, n) gets: ⌈rows/n⌉ each from the front, the last piece
+    what is left, none for the pieces torch.chunk does not make (FSDP2's `_chunk_with_empty`;
+    DTensor's Shard splits the same way)."""
+    c = -(-rows // n)
+    return max(0, min(c, rows - i * c))
+
+
+def stage_param_shapes(cfg: Cfg, layout: Layout, stage: int, t: int = 0) -> list[tuple]:
+    """The tp-local shape of each parameter on `stage` (tensor-parallel rank t), in the order
+    (block by block, then the embedding, norm and head) FSDP2 does not care about: q, k, v, gate,
+    up split by rows, o and down by columns; the embedding and head by vocabulary rows under
+    the sequence plan; the norms whole."""
     h, d = cfg.hidden, cfg.head_dim
-    matrices = h * cfg.heads * d * 2 + 2 * h * cfg.kv_heads * d + 3 * h * cfg.ffn
-    block = matrices // layout.tp + 2 * h
-    n = cfg.layers // layout.pp * block
+
+    def tp_split(shape, dim):
+        return tuple(chunk_rows(n, layout.tp, t) if k == dim else n for k, n in enumerate(shape))
+
+    block = [(h,), (h,), tp_split((cfg.heads * d, h), 0), tp_split((cfg.kv_heads * d, h), 0),
+             tp_split((cfg.kv_heads * d, h), 0), tp_split((h, cfg.heads * d), 1),
+             tp_split((cfg.ffn, h), 0), tp_split((cfg.ffn, h), 0), tp_split((h, cfg.ffn), 1)]
+    shapes = block * (cfg.layers // layout.pp)
+    vocab = (lambda shape: tp_split(shape, 0)) if layout.sp > 1 else (lambda shape: shape)
     if stage == 0:
-        n += cfg.vocab * h // layout.sp
+        shapes.append(vocab((cfg.vocab, h)))
     if stage == layout.pp - 1:
-        n += h + cfg.vocab * h // layout.sp
-    n //= layout.dp * layout.cp
+        shapes += [(h,), vocab((cfg.vocab, h))]
+    return shapes
+
+
+def expected_state_bytes(cfg: Cfg, layout: Layout, stage: int, elem: int = 8, shard: int = 0,
+                         t: int = 0) -> dict:
+    """The same by formula (what chapter 30's planner predicts), for the rank at pipeline stage
+    `stage`, tensor-parallel rank t and dp x cp shard index `shard` (its coords dp·cp_size + cp):
+    each parameter's tp-local tensor (`stage_param_shapes`) cut along dim 0 with torch.chunk
+    over the n = dp·cp ranks, as FSDP2 does (FSDP2 over TP shards the tp-local tensor): this
+    rank keeps `chunk_rows(d0, n, shard)` of its d0 rows, ⌈d0/n⌉ or fewer (none, if d0 < n
+    leaves it out), so ranks differ when n does not divide d0; gradients as large; AdamW two
+    moments each."""
+    n_shards = layout.dp * layout.cp
+    n = sum(chunk_rows(s[0], n_shards, shard) * math.prod(s[1:])
+            for s in stage_param_shapes(cfg, layout, stage, t))
     return {"params": n * elem, "grads": n * elem, "optimizer": 2 * n * elem}
+
+
+def fsdp_handed_elements(cfg: Cfg, layout: Layout, stage: int, t: int = 0) -> tuple[int, int]:
+    """Elements FSDP2 hands its collectives per parameter set once: (all-gather, reduce-
+    scatter). Each is handed padded pieces: the all-gather ⌈d0/n⌉ rows of each tp-local
+    parameter (the padded shard, on every rank alike), the reduce-scatter the padded whole,
+    n·⌈d0/n⌉ rows."""
+    n = layout.dp * layout.cp
+    shard = sum(-(-s[0] // n) * math.prod(s[1:]) for s in stage_param_shapes(cfg, layout, stage, t))
+    return shard, n * shard
 
 
 def expected_comm_bytes(run: Run, layout: Layout, stage: int, elem: int = 8) -> dict:
@@ -132,9 +183,10 @@ def expected_comm_bytes(run: Run, layout: Layout, stage: int, elem: int = 8) -> 
     elements, L/pp blocks on the stage.
     - pp: each micro-batch's activation (forward, first stage) or its gradient (backward, last
       stage): m·a; plus the 8-byte gradient-norm sum.
-    - dp_cp (FSDP2, `reshard_after_forward=False`): one all-gather of this rank's shard and one
-      reduce-scatter of its whole (tp-local) gradient, dp·cp shards: (1 + dp·cp) × shard bytes;
-      plus one 8-byte norm sum per kind of sharding (1-D; 2-D when tp > 1).
+    - dp_cp (FSDP2, `reshard_after_forward=False`): one all-gather of this rank's padded shard
+      and one reduce-scatter of the padded whole (tp-local) gradient (`fsdp_handed_elements`:
+      (1 + dp·cp) × the padded shard, ⌈d0/n⌉ rows a parameter); plus one 8-byte norm sum per
+      kind of sharding (1-D; 2-D when tp > 1).
     - tp, per block and micro-batch, all-reduces of one activation a: 2 forward (after o and
       down), 1 in the recomputation (activation checkpointing stops before the MLP's down
       projection: its output is not needed by backward), 5 backward (the input gradients of q,
@@ -158,8 +210,8 @@ def expected_comm_bytes(run: Run, layout: Layout, stage: int, elem: int = 8) -> 
         piece = act // layout.sp  # (b, s/(cp·tp), h) under sequence parallelism
         out["pp"] = run.microbatches * piece * (1 if stage in (0, layout.pp - 1) else 2) + 8
     if layout.dp * layout.cp > 1:
-        shard = expected_state_bytes(cfg, layout, stage, elem)["params"]
-        out["dp_cp"] = (1 + layout.dp * layout.cp) * shard + 8 * (2 if layout.tp > 1 else 1)
+        gathered, scattered = fsdp_handed_elements(cfg, layout, stage)
+        out["dp_cp"] = (gathered + scattered) * elem + 8 * (2 if layout.tp > 1 else 1)
     if layout.tp > 1 and layout.sp > 1:
         out["tp"] = tp_sequence_bytes(run, layout, stage, elem) + 8
     elif layout.tp > 1:
@@ -263,17 +315,25 @@ def record_checks(rec, run: Run, layout: Layout, result: dict, composed: dict, i
                       ("params", "weights")):
         rec.check(f"{layout.name()}: {what} = one process", "parity", d[key], tol[key],
                   compare="<=")
-    stage = result["coords"]["pp"]
+    coords = result["coords"]
+    stage, shard = coords["pp"], coords["dp"] * layout.cp + coords["cp"]  # its dp x cp shard
     mine = sum(result["state_bytes"].values())
-    ok = gather_numbers(int(mine == sum(expected_state_bytes(run.cfg, layout, stage).values())))
+    formula = sum(expected_state_bytes(run.cfg, layout, stage, shard=shard,
+                                       t=coords["tp"]).values())
+    ok = gather_numbers(int(mine == formula))
     rec.check("model-state bytes per rank = formula (every rank)", "count", sum(ok),
               info.world_size)
-    rec.figure("model-state bytes per rank (largest)", max(gather_numbers(mine)), unit="B")
-    traffic = result["comm_bytes"] == expected_comm_bytes(run, layout, stage)
+    # the largest rank's count beside the largest rank's formula (ranks differ when dp x cp
+    # does not divide a parameter's rows)
+    rec.figure("model-state bytes per rank (largest)", max(gather_numbers(mine)),
+               expected=max(gather_numbers(formula)), unit="B")
+    expected = expected_comm_bytes(run, layout, stage)
+    traffic = result["comm_bytes"] == expected
     rec.check("bytes to collectives per step, by mesh dimension = formula (every rank)",
               "count", sum(gather_numbers(int(traffic))), info.world_size)
-    for dim, n in sorted(result["comm_bytes"].items()):
-        rec.figure(f"bytes to collectives per step over {dim} (rank 0)", n, unit="B")
+    for dim in sorted(set(result["comm_bytes"]) | set(expected)):
+        rec.figure(f"bytes to collectives per step over {dim} (rank 0)",
+                   result["comm_bytes"].get(dim, 0), expected=expected.get(dim, 0), unit="B")
     acts = result["activation_bytes"] == expected_activation_bytes(run, layout, stage)
     rec.check("activation bytes kept for backward, at the peak = formula (every rank)",
               "count", sum(gather_numbers(int(acts))), info.world_size)
