@@ -473,7 +473,7 @@ def test_composed_layouts_equal_one_process_and_every_control_is_caught(composed
     rows = {(r["layout"], r["broken"]): r for r in
             K.compare_plans(run, K.PLANS, composed_job, references)}
     assert {r["steps"] for r in rows.values()} == {1, 2, 3}
-    for layout in ("pp2 x dp2 x tp2", SP):
+    for layout in ("pp2 x dp2 x tp2", SP, "dp2 x cp2 x tp2"):
         row = rows[(layout, "none")]
         assert row["within"], row  # measured: losses, norms <= 4e-16, weights <= 3e-14
     # each control, and the metric that must catch it by 100x the tolerance at least
@@ -482,7 +482,7 @@ def test_composed_layouts_equal_one_process_and_every_control_is_caught(composed
                  ("pp2 x dp2 x tp2", "clip_local_stage"): "params",
                  # AdamW and clipping are blind to a uniform gradient scale: the norm sees it
                  ("pp2 x dp2 x tp2", "pp_unscaled"): "norm",
-                 (SP, "no_reduce:cp"): "params"}
+                 ("dp2 x cp2 x tp2", "no_reduce:cp"): "params"}
     for key, metric in caught_by.items():
         tol = R.tolerances(R.Run(steps=rows[key]["steps"]))
         assert rows[key][metric] > 100 * tol[metric], (key, rows[key])
@@ -501,7 +501,7 @@ def test_composed_state_and_traffic_per_rank_equal_the_formulas(composed_job):
     (figures/data.json, "composed") is what this job measured."""
     run = R.Run()
     rows = K.measured_figures(composed_job)
-    assert len(rows) == 16
+    assert len(rows) == 24
     for row in rows:
         layout = next(lay for lay, _ in K.PLANS if lay.name() == row["layout"])
         stage = row["coords"]["pp"]
@@ -516,7 +516,8 @@ def test_composed_state_and_traffic_per_rank_equal_the_formulas(composed_job):
         acts[(r["layout"], r["coords"]["pp"])].add(r["activation_bytes"])
     assert acts == {("pp2 x dp2 x tp2", 0): {2 * 2 * 32 * 64 * 8},
                     ("pp2 x dp2 x tp2", 1): {2 * 32 * 64 * 8},
-                    (SP, 0): {2 * 4 * 8 * 64 * 8}, (SP, 1): {4 * 8 * 64 * 8}}
+                    (SP, 0): {2 * 4 * 8 * 64 * 8}, (SP, 1): {4 * 8 * 64 * 8},
+                    ("dp2 x cp2 x tp2", 0): {2 * 2 * 16 * 64 * 8}}  # one stage: 2 blocks, 1 in flight
     # formula controls: the sequence layout's counts are not the blocks plan's (a plan silently
     # left "blocks" would match those): state (embedding and head whole), pp (a whole (b, s/cp,
     # h) sent per micro-batch, tp x the shard), tp (all-reduces), activations (tp x); nor a
@@ -543,11 +544,11 @@ def test_composed_state_and_traffic_per_rank_equal_the_formulas(composed_job):
     recorded = json.loads((REPO_ROOT / "chapters/ch25_llm/figures/data.json").read_text())
     assert recorded["composed"]["ranks"] == json.loads(json.dumps(rows)), (
         "chapter 30's record is stale: python tools/figures.py --rerun ch25")
-    # control: the cp run without cp reduction moves fewer dp_cp bytes than the formula (FSDP2
-    # over dp = 1)
+    # control: FSDP2 handed the dp mesh alone at dp2 x cp2 moves its traffic over dp, none
+    # over dp_cp, and the formula's dp_cp bytes do not match it
     for r in composed_job:
-        assert r[1]["no_reduce:cp"]["comm_bytes"].get("dp_cp", 0) < \
-            r[1]["none"]["comm_bytes"]["dp_cp"]
+        wrong, right = r[2]["no_reduce:cp"]["comm_bytes"], r[2]["none"]["comm_bytes"]
+        assert "dp_cp" not in wrong and wrong["dp"] != right["dp_cp"]
 
 
 @pytest.mark.timeout(60)

@@ -312,7 +312,7 @@ def test_planner_against_chapter_25s_composed_run():
     from chapters.ch30_frontier import against_ch25
 
     record = against_ch25.load()
-    assert len(record["ranks"]) == 16
+    assert len(record["ranks"]) == 24
     rows = against_ch25.rows(record)
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
     assert {r["name"] for r in rows} == {
@@ -323,11 +323,13 @@ def test_planner_against_chapter_25s_composed_run():
     # 1F1B: stage 0 holds both micro-batches, stage 1 one (GPipe would hold two on both); a block
     # input is (b, s/cp, h) = (2, 32, 64) = (4, 16, 64) float64, cut over tp = 2 by sequence
     # parallelism
-    for plan, tokens in (("blocks", 2 * 32), ("sequence", 4 * 16 // 2)):
-        mine = [r for r in acts if record["layouts"][r["layout"]]["tp_plan"] == plan]
+    for name, tokens in (("pp2 x dp2 x tp2", 2 * 32), ("pp2 x cp2 x tp2 (sequence)", 4 * 16 // 2)):
+        mine = [r for r in acts if r["layout"] == name]
         assert len(mine) == 8
         assert {r["measured"] for r in mine if r["stage"] == 0} == {2 * tokens * 64 * 8}
         assert {r["measured"] for r in mine if r["stage"] == 1} == {tokens * 64 * 8}
+    # one stage (dp2 x cp2 x tp2, still 1F1B): one micro-batch at a time, 2 blocks of 2 x 16 tokens
+    assert {r["measured"] for r in acts if r["layout"] == "dp2 x cp2 x tp2"} == {2 * 2 * 16 * 64 * 8}
     # controls, each rejected by the same comparison: a planner that does not shard over dp x cp,
     # FSDP2 resharding after forward (gathers per micro-batch), a ring without its dK/dV hops,
     # Megatron's fused count of tp all-reduces, a band that forgets cp's cut of the sequence

@@ -41,9 +41,10 @@ def control_run(run: Run, broken: str) -> Run:
 
 def parity_worker(ckpt: str | None = None) -> dict:
     """The chapter's 8-rank job: dp2 x tp2 x pp2 (the blocks plan) with its four controls,
-    pp2 x tp2 x cp2 (the sequence plan: sequence parallelism, loss parallel) with its cp control; with `ckpt`, the resharding: dp2 x tp2 x pp2 trains `Run().steps` steps and saves
-    a DCP checkpoint there, which dp4 x tp2 (one stage: no pipeline) loads and trains one step
-    on. The same folder is then resumed by one process (`resume_one_process`), in the test."""
+    pp2 x tp2 x cp2 (the sequence plan: sequence parallelism, loss parallel), dp2 x cp2 x tp2
+    with its cp control; with `ckpt`, the resharding: dp2 x tp2 x pp2 trains `Run().steps`
+    steps and saves a DCP checkpoint there, which dp4 x tp2 (one stage: no pipeline) loads and
+    trains one step on. The same folder is then resumed by one process (`resume_one_process`), in the test."""
     run = Run()
     out = {"plans": layout_worker(run, PLANS, save=ckpt)}
     if ckpt:
@@ -55,9 +56,12 @@ def parity_worker(ckpt: str | None = None) -> dict:
 
 PLANS = [(Layout(dp=2, tp=2, pp=2), ["none", "no_reduce:dp", "pp_unscaled", "clip_local_stage",
                                      "tp_unreduced"]),
-         (Layout(pp=2, tp=2, cp=2, tp_plan="sequence"), ["none", "no_reduce:cp"])]
-# both tensor-parallel plans in one job, without another training run: dp2 x tp2 x pp2 on
-# "blocks" (Megatron's split, its controls), pp2 x tp2 x cp2 on torchtitan's "sequence" plan
+         (Layout(pp=2, tp=2, cp=2, tp_plan="sequence"), ["none"]),
+         (Layout(dp=2, cp=2, tp=2), ["none", "no_reduce:cp"])]
+# both tensor-parallel plans in one job: dp2 x tp2 x pp2 on "blocks" (Megatron's split, its
+# controls), pp2 x tp2 x cp2 on torchtitan's "sequence" plan, and dp2 x cp2 x tp2, where FSDP2's
+# mesh is the flattened dp x cp with two real factors: its control hands FSDP2 the dp mesh alone
+# (the realistic slip: cp's ranks then hold different tokens' gradients, never averaged)
 
 
 RESHARD = (PLANS[0][0], Layout(dp=4, tp=2))  # saved by, resumed on
