@@ -304,8 +304,9 @@ def test_comm_bytes_equal_the_collectives_torch_issues(plan):
 
 @pytest.mark.timeout(60)
 def test_planner_against_chapter_25s_composed_run():
-    """Every rank of chapter 25's two layouts (dp2 x tp2 x pp2, pp2 x cp2 x tp2; float64, 1F1B,
-    FSDP2 without resharding, checkpointing per block), as its job counted them inside the run
+    """Every rank of chapter 25's three layouts (dp2 x tp2 x pp2, pp2 x cp2 x tp2 with sequence
+    parallelism, dp2 x cp2 x tp2; float64, 1F1B, FSDP2 without resharding, checkpointing per
+    block), as its job counted them inside the run
     (chapter 25's tests fail when a fresh job no longer matches the record): model state and the
     bytes each dimension's collectives were handed in one step equal `mesh_bytes` exactly, the
     activations lie in `activation_band`, at its bottom (each block's input)."""

@@ -1,6 +1,6 @@
 """The planner's bytes set beside chapter 25's composed run, as that run measured them.
 
-Chapter 25's 8-rank job trains its Llama on two layouts of one `DeviceMesh` and counts, on every
+Chapter 25's 8-rank job trains its Llama on three layouts of one `DeviceMesh` and counts, on every
 rank, inside the run: the model state from its tensors, the bytes each mesh dimension's
 collectives were handed in one step (a `TorchDispatchMode` at the collective boundary) and the
 activations autograd kept for backward at the step's peak (saved-tensor hooks). Its tests keep
