@@ -596,6 +596,36 @@ def test_loss_tolerance_separates_the_methods_at_every_world():
     assert seen == {w: {0, 1, 2, 3} for w in (1, 2, 3, 4, 8, 16)}
 
 
+# The defaults figures/calibration.json was recorded with (`plots.calibrate`, train.py at d9f9add):
+# a change to any of them leaves the tolerance calibrated for a run the script no longer makes.
+CALIBRATED = {"steps": 80, "global_batch_size": 48, "lr": 0.05, "momentum": 0.0, "density": 0.01,
+              "levels": 16, "chunk": 256, "rank": 1, "loss_tolerance": 0.4, "d_hidden": 64}
+
+
+def test_defaults_give_every_rank_the_calibrated_samples_at_every_world():
+    """No launch: at each world of calibration.json (1, 2, 3, 4, 8, 16) the defaults are the
+    calibrated ones, the script accepts the world, and at every step each rank trains on
+    48/W distinct samples (3 at 16 ranks, the fewest the tolerance was calibrated with), the
+    ranks' shards disjoint and together the same 48-sample draw as one process's."""
+    cfg = train.Config()
+    assert {f: getattr(cfg, f) for f in CALIBRATED} == CALIBRATED
+    data = json.loads((SCRIPT.parent / "figures" / "calibration.json").read_text())
+    worlds = sorted({int(key.split()[1]) for key in data["ratios"]})
+    assert worlds == [1, 2, 3, 4, 8, 16]
+    X = torch.arange(512.0).view(-1, 1)  # row i holds i: a shard names its rows
+    batch = CALIBRATED["global_batch_size"]
+    for world in worlds:
+        train.validate(cfg, world)
+        for step in range(cfg.steps):
+            shards = [train.step_batch(step, X, X, cfg, r, world)[0].flatten().long().tolist()
+                      for r in range(world)]
+            assert [len(set(s)) for s in shards] == [batch // world] * world, (world, step)
+            rows = sorted(sum(shards, []))
+            assert rows == sorted(train.step_batch(step, X, X, cfg, 0, 1)[0].flatten().long().tolist())
+            assert len(set(rows)) == batch, (world, step)
+    assert batch // max(worlds) == 3
+
+
 def test_qsgd_code_length_is_the_papers_elias_coding():
     """Elias omega lengths written out (1 -> 0, 2 -> 10 0, 4 -> 10 100 0, 20 -> 10 100 10100 0),
     and a QSGD code counted by hand: 32 bits of norm per chunk, then per non-zero level the gap's
