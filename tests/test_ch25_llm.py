@@ -605,7 +605,7 @@ def test_composed_checkpoint_resumes_on_another_layout_and_on_one_process(compos
 
 @pytest.mark.timeout(30)
 def test_recorded_4d_run_on_16_ranks_passed_and_matches_the_formulas():
-    """The full dp2 x tp2 x pp2 x cp2 run needs 16 ranks (83 s and ~5.4 GB here): recorded, not
+    """The full dp2 x tp2 x pp2 x cp2 run needs 16 ranks (85 s and ~6 GB here): recorded, not
     rerun in CI (`torchrun --nproc_per_node=16 composed.py --pp 2 --dp 2 --cp 2 --tp 2`). Its
     checks passed on every rank, and its rank-0 figures equal this code's formulas."""
     record = json.loads((REPO_ROOT / "chapters/ch25_llm/figures/composed_4d_16ranks.json").read_text())
