@@ -174,7 +174,7 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _direct_imports(path: Path) -> tuple[frozenset[str], tuple[Path, ...]]:
     """(packages, this course's module files) that `path` imports at module level, outside `try`."""
     packages, own = set(), []
@@ -558,7 +558,7 @@ def write_report(runs: list[Run], out_root: Path, seconds: float, mach: dict | N
     lines = [f"# GPU check: {gpu}, torch {mach['torch']}, CUDA {mach.get('cuda', '-')}, "
              f"NCCL {mach.get('nccl', '-')}", "",
              f"{len(runs)} runs in {seconds:.0f} s: " + ", ".join(f"{v} {k}" for k, v in counts.items()),
-             f"chapters: " + ", ".join(f"{v} {k}" for k, v in per.items()), "",
+             "chapters: " + ", ".join(f"{v} {k}" for k, v in per.items()), "",
              "## Chapters", "", "| chapter | status | why |", "|---|---|---|"]
     for name, c in chapters.items():
         lines.append(f"| {name} | {c['status']} | {c['why'].replace('|', '/')[:200]} |")
