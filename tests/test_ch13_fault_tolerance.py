@@ -506,6 +506,12 @@ def _full_disk(disk: Path, pristine: Path, rank: int) -> dict:
         except CheckpointError as e:
             return {"error": str(e), "collective": e.collective}
 
+    if rank == 1:
+        # the tmpfs is shared: rank 1's 1 MB write fills it, and a file rank 0 writes at the same
+        # moment would meet it full too (a CI run saw rank 0's rng0.pt named). Rank 1 starts
+        # once rank 0's small files are written (they take milliseconds); save_state's
+        # collective agreement then waits for both.
+        time.sleep(2.0)
     out = save(10, rng)
     # Phase 2: the data files of step 15 fit, then the disk fills up (a file takes what is left)
     # just before rank 0 writes the manifest.
