@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chapters.ch07_communication import broadcast_test, collectives, cost_model, train
+from chapters.ch07_communication import broadcast_test, checks, collectives, cost_model, train
 from common.launch import run_on_ranks, run_python, run_torchrun
 from common.testing import Verdicts
 
@@ -34,7 +34,7 @@ def float_tolerance(inputs: list[torch.Tensor]) -> float:
 
 
 def inputs(numel: int, dtype: torch.dtype, n: int) -> list[torch.Tensor]:
-    return [train.rank_data(numel, dtype, q, 0, "cpu") for q in range(n)]
+    return [checks.rank_data(numel, dtype, q, 0, "cpu") for q in range(n)]
 
 
 def equal(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, tol: float) -> bool:
@@ -133,7 +133,7 @@ def _on_ranks(g: int) -> dict:
     for algorithm in ("ring", "tree", "naive"):
         for numel in (12 * 64, 12 * 64 + 1):
             comm = collectives.P2P()
-            fns = train.hand_all_reduces(comm, levels)
+            fns = collectives.hand_all_reduces(comm, levels)
             fns[algorithm](torch.ones(numel))
             out[(algorithm, numel)] = (comm.bytes_sent, comm.messages, dict(comm.bytes_to))
     for numel in (12 * 64, 12 * 64 + 1):
@@ -150,7 +150,7 @@ def _on_ranks(g: int) -> dict:
         out["doubling_sent"] = (comm.bytes_sent, comm.messages)
 
     # Negative controls: the same equality checks must reject broken collectives.
-    x = train.rank_data(1001, torch.int64, r, 0, "cpu")
+    x = checks.rank_data(1001, torch.int64, r, 0, "cpu")
     ref = sum(inputs(1001, torch.int64, n))
     saved_ag, saved_rs = collectives.ring_all_gather_, collectives.ring_reduce_scatter_
     try:
@@ -168,8 +168,8 @@ def _on_ranks(g: int) -> dict:
         verdicts = Verdicts()
         try:
             collectives.ring_all_gather_ = ring_all_gather_skipping_last_step_
-            train.check_parity(verdicts, collectives.P2P(), levels, train.Config(), "cpu")
-            train.check_bytes(verdicts, collectives.P2P(), levels, "cpu")
+            checks.check_parity(verdicts, collectives.P2P(), levels, train.Config(), "cpu")
+            checks.check_bytes(verdicts, collectives.P2P(), levels, "cpu")
         finally:
             collectives.ring_all_gather_ = saved_ag
         out["exercise2_failed"] = verdicts.failed()

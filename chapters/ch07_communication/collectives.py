@@ -214,6 +214,13 @@ def hierarchical_all_reduce(x: torch.Tensor, levels: Levels) -> torch.Tensor:
     return flat.view_as(x)
 
 
+def hand_all_reduces(comm: P2P, levels: Levels) -> dict:
+    """{name: x -> sum of x over the ranks} for every hand-written all-reduce."""
+    return {"ring": lambda x: ring_all_reduce(x, comm), "tree": lambda x: tree_all_reduce(x, comm),
+            "naive": lambda x: naive_all_reduce(x, comm),
+            "hier": lambda x: hierarchical_all_reduce(x, levels)}
+
+
 def chunk_sizes(numel: int, n: int) -> list[int]:
     """Sizes `tensor_split` gives: the first numel % n chunks one element longer."""
     return [numel // n + (1 if i < numel % n else 0) for i in range(n)]

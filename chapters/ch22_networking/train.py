@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from chapters.ch07_communication.checks import max_abs_diff, rank_data, sum_tolerance
 from chapters.ch07_communication.collectives import (
     P2P,
     expected_bytes_sent,
     off_node_bytes,
     ring_all_reduce,
 )
-from chapters.ch07_communication.train import max_abs_diff, rank_data, sum_tolerance
 from chapters.ch09_compression.wire import WireTap
 from chapters.ch22_networking.calculator import bus_bandwidth, bytes_leaving_node, shaped_time
 from chapters.ch22_networking.hierarchical import inter_node_bytes, leader_all_reduce, make_nodes
