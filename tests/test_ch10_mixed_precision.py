@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from chapters.ch10_mixed_precision import formats, loss_scaler, train
+from chapters.ch10_mixed_precision import checks, formats, loss_scaler, train
 from common.checkpoint import load_checkpoint
 from common.data import regression_data
 from common.launch import run_on_ranks, run_torchrun
@@ -69,9 +69,9 @@ def test_two_rank_run_checks_and_matches_an_independent_reference(tmp_path):
     assert torch.allclose(saved["losses"]["fp32"], torch.tensor(losses), rtol=1e-5)
     # FSDP2 with the bf16 policy ends within the lesson's bf16 tolerance of the fp32 run ...
     gap = max(((saved["fsdp_bf16"][n] - v).norm() / v.norm()).item() for n, v in expected.items())
-    assert 0 < gap < train.LOSS_TOL["bf16"], gap
+    assert 0 < gap < checks.LOSS_TOL["bf16"], gap
     final = saved["fsdp_losses"]["bf16"][-1].item()
-    assert abs(final - losses[-1]) / losses[-1] < train.LOSS_TOL["bf16"]
+    assert abs(final - losses[-1]) / losses[-1] < checks.LOSS_TOL["bf16"]
     # ... all-gathering bf16, computing in bf16, reducing and storing fp32 (read off the tensors).
     assert res.summary["figures"]["FSDP2 bf16 policy: dtypes (gather, weight, output, reduce, stored)"][
         "measured"] == "bf16 bf16 bf16 fp32 fp32"
@@ -83,7 +83,7 @@ def test_two_rank_run_checks_and_matches_an_independent_reference(tmp_path):
         low = res.check(f"DDP {p}: forward in {p} (step-0 output gap to fp32 >= u/10)")
         assert low["expected"] == pytest.approx(u / 10) and low["measured"] >= u / 10
         curve = res.check(f"DDP {p} loss curve == fp32 (max rel. gap)")
-        assert curve["measured"] <= curve["tolerance"] == train.LOSS_TOL[p]
+        assert curve["measured"] <= curve["tolerance"] == checks.LOSS_TOL[p]
         assert res.check(f"DDP {p}: all-reduce dtype")["measured"] == p
     n_params = sum(v.numel() for v in expected.values())
     assert res.check("DDP bf16: bytes all-reduced = steps x params x 2")["measured"] == cfg.steps * n_params * 2
@@ -117,13 +117,13 @@ def _controls_on_ranks() -> dict:
     fp32 = train.train_ddp(copy.deepcopy(model), X, Y, cfg, info, "fp32")
     bf16 = train.train_ddp(copy.deepcopy(model), X, Y, cfg, info, "bf16")
     off = train.train_ddp(copy.deepcopy(model), X, Y, cfg, info, "bf16", autocast_enabled=False)
-    out["gap_on"], out["gap_off"] = train.output_gap(bf16, fp32), train.output_gap(off, fp32)
+    out["gap_on"], out["gap_off"] = checks.output_gap(bf16, fp32), checks.output_gap(off, fp32)
     out["dtypes_off"] = off["dtypes"]  # the all-reduce still ran in bf16: dtype checks miss it
     fsdp = {}
     for name, param, reduce in (("policy", torch.bfloat16, torch.float32), ("none", None, None),
                                 ("bf16 reduce", torch.bfloat16, torch.bfloat16)):
         r = train.train_fsdp(copy.deepcopy(model), X, Y, cfg, info, param, reduce)
-        fsdp[name] = (train.policy_text(r["dtypes"]), train.policy_mismatches(r["dtypes"], info.world_size),
+        fsdp[name] = (checks.policy_text(r["dtypes"]), checks.policy_mismatches(r["dtypes"], info.world_size),
                       sum(r["reduced"]))
     out["fsdp"] = fsdp
     return out
@@ -133,7 +133,7 @@ def _controls_on_ranks() -> dict:
 def test_negative_controls_on_two_ranks():
     u = torch.finfo(torch.bfloat16).eps / 2
     cfg = train.Config(steps=6)
-    padded = train.padded_numel([(64, 16), (64,), (64, 64), (64,), (1, 64), (1,)], 2)
+    padded = checks.padded_numel([(64, 16), (64,), (64, 64), (64,), (1, 64), (1,)], 2)
     for r in run_on_ranks(_controls_on_ranks, 2, timeout=80):
         # autocast silently off: the forward is fp32, the step-0 outputs equal fp32's ...
         assert r["gap_on"] >= u / 10 and r["gap_off"] < u / 10

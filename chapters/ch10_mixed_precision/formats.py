@@ -2,7 +2,7 @@
 scaling, the fp16 gradient underflow that loss scaling exists to prevent, the updates a
 low-precision weight cannot take (why master weights), and the error of a low-precision sum.
 
-Helper module of chapter 10 (no main guard); `train.py` and the tests import it.
+Helper module of chapter 10 (no main guard); `train.py`, `checks.py` and the tests import it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ FORMATS = {
     "fp8 e5m2": (torch.float8_e5m2, 5, 2),
     "fp8 e4m3": (torch.float8_e4m3fn, 4, 3),
 }
+# The compute dtypes a run trains in, by name (fp32: no autocast, no low dtype).
+LOW = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def format_formula(exp_bits: int, man_bits: int, ieee: bool = True) -> dict:

@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-from chapters.ch10_mixed_precision import formats, loss_scaler, train
+from chapters.ch10_mixed_precision import checks, formats, loss_scaler, train
 from common.data import regression_data
 from common.launch import run_torchrun
 from common.models import MLP
@@ -84,8 +84,8 @@ print(inspect.getsource(loss_scaler.DynamicLossScaler))
 # %%
 cfg = train.Config()  # the script's data and model; the trace uses its first 30 steps
 X, Y = regression_data(cfg.steps * cfg.global_batch_size, cfg.d_in, 1, seed=0)
-X = X.view(cfg.steps, -1, cfg.d_in)[:train.TRACE_STEPS]
-Y = Y.view(cfg.steps, -1, 1)[:train.TRACE_STEPS]
+X = X.view(cfg.steps, -1, cfg.d_in)[:checks.TRACE_STEPS]
+Y = Y.view(cfg.steps, -1, 1)[:checks.TRACE_STEPS]
 torch.manual_seed(0)
 model = MLP(cfg.d_in, cfg.d_hidden, 1)
 inf_steps = {5, 6, 12}

@@ -1,7 +1,7 @@
 """A dynamic loss scaler written by hand, and a trace of its decisions beside
 `torch.amp.GradScaler`'s on the same sequence of overflows.
 
-Helper module of chapter 10 (no main guard); `train.py` and the tests import it.
+Helper module of chapter 10 (no main guard); `train.py`, `checks.py` and the tests import it.
 """
 
 from __future__ import annotations

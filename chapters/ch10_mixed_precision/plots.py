@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from chapters.ch10_mixed_precision import loss_scaler, train
+from chapters.ch10_mixed_precision import checks, loss_scaler, train
 from common.data import regression_data
 from common.distributed import setup_distributed, teardown_distributed
 from common.models import MLP
@@ -44,8 +44,8 @@ def scale_traces(cfg: train.Config) -> dict[str, dict]:
     """Loss scale per step and steps skipped of each scaler on the script's data and model
     (seed 0), its first TRACE_STEPS steps, with an inf injected at INF_STEPS."""
     X, Y = regression_data(cfg.steps * cfg.global_batch_size, cfg.d_in, 1, seed=cfg.seed)
-    X = X.view(cfg.steps, -1, cfg.d_in)[:train.TRACE_STEPS]
-    Y = Y.view(cfg.steps, -1, 1)[:train.TRACE_STEPS]
+    X = X.view(cfg.steps, -1, cfg.d_in)[:checks.TRACE_STEPS]
+    Y = Y.view(cfg.steps, -1, 1)[:checks.TRACE_STEPS]
     torch.manual_seed(cfg.seed)
     model = MLP(cfg.d_in, cfg.d_hidden, 1)
     scalers = {"GradScaler": torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3),
@@ -76,7 +76,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
         if name != "fp32":
             gap.semilogy([abs(a - b) / b + 1e-9 for a, b in zip(losses, curves["fp32"])],
                          label=name, color=f"C{i}")
-    gap.axhline(train.LOSS_TOL["bf16"], color="grey", ls=":", label="bf16 tolerance")
+    gap.axhline(checks.LOSS_TOL["bf16"], color="grey", ls=":", label="bf16 tolerance")
     ax.set(xlabel="step", ylabel="training loss", title="Same model, same data, four precisions")
     gap.set(xlabel="step", ylabel="|loss − fp32 loss| / fp32 loss", title="Gap to fp32")
     ax.legend(fontsize=8)
