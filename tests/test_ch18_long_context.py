@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from chapters.ch18_long_context import parity, ring, train, ulysses
+from chapters.ch18_long_context import layouts, parity, ring, timeline, train, ulysses
 from common.checkpoint import load_checkpoint
 from common.config import parse_config
 from common.launch import run_on_ranks, run_torchrun
@@ -114,7 +114,7 @@ def _smallest_and_refused(rank: int, world: int) -> dict:
         counter = ring.COUNTER if method == "ring" else ulysses.COUNTER
         out["cases"][(method, layout, causal)] = {"res": res, "bytes": dict(counter.bytes)}
     q = qkvw[0]
-    for attempt in (lambda: ring.shard_sequence(torch.zeros(1, 1, 2 * world + 2, 1), rank, world, "zigzag", 2),
+    for attempt in (lambda: layouts.shard_sequence(torch.zeros(1, 1, 2 * world + 2, 1), rank, world, "zigzag", 2),
                     lambda: ring.ring_attention(q[..., :3, :], q[..., :3, :], q[..., :3, :]),
                     lambda: ulysses.ulysses_attention(*(q[:, :world // 2 or 1, :2] for _ in range(3)))):
         try:
@@ -130,7 +130,7 @@ def _transient_blocks(rank: int, world: int) -> dict:
     units of one score block B·H·c·2c·e (c = T/2N): what the lesson's memory budget assumes."""
     T = 512 * world
     g = torch.Generator().manual_seed(3)
-    q, k, v = (ring.shard_sequence(torch.randn(1, 2, T, 4, generator=g, dtype=torch.float64), rank, world,
+    q, k, v = (layouts.shard_sequence(torch.randn(1, 2, T, 4, generator=g, dtype=torch.float64), rank, world,
                                    "zigzag", dim=2).requires_grad_() for _ in range(3))
     block = ring.score_block_bytes(1, 2, T, world, 8)
     with LiveBytes() as fwd:
@@ -172,7 +172,7 @@ def _deepspeed_uneven_controls(cfg, info, dtype) -> dict:
 
     assert dist.get_backend() == "gloo", "these controls read gloo's failure modes"
     rank, world = info.rank, info.world_size
-    q, k, v = (ring.shard_sequence(t, rank, world, "contiguous", dim=2)
+    q, k, v = (layouts.shard_sequence(t, rank, world, "contiguous", dim=2)
                for t in parity.make_qkv(cfg, info.device, dtype)[:3])
     dist.barrier()  # both ranks build the short-timeout group together
     short = dist.new_group(timeout=timedelta(seconds=5))
@@ -241,8 +241,8 @@ def _ranks(train_too: bool) -> dict:
     sp.attention, gathered = "allgather", Verdicts()  # whole K/V on every rank: must fail
     train.record_activations(gathered, sp, X, Y, cfg, info)
     out["activations allgather"] = gathered.ok
-    x, y = (ring.shard_sequence(t[0], rank, world, "zigzag", dim=1) for t in (X, Y))
-    out["allgather loss"] = sp(x, ring.positions(cfg.seq_len, rank, world, "zigzag"), y, Y[0].numel())
+    x, y = (layouts.shard_sequence(t[0], rank, world, "zigzag", dim=1) for t in (X, Y))
+    out["allgather loss"] = sp(x, layouts.positions(cfg.seq_len, rank, world, "zigzag"), y, Y[0].numel())
     out["saved"] = train.saved_bytes(sp, X, Y, cfg, rank, world, None)
     return out
 
@@ -429,7 +429,7 @@ def test_online_softmax_merge_in_one_process():
 
 def test_formulas_against_enumeration():
     for world in range(1, 9):
-        for layout in ring.LAYOUTS:
+        for layout in layouts.LAYOUTS:
             assert ring.causal_products_per_rank(world, layout) == products_by_enumeration(world, layout)
         block = 2 * 3 * (96 // world) * 5 * 8
         b = ring.ring_bytes_per_rank(2, 3, 96 // world, 5, 8, world)
@@ -441,16 +441,16 @@ def test_formulas_against_enumeration():
 
 def test_sharding_round_trip_and_positions():
     x = torch.arange(2 * 24).view(2, 1, 24, 1)
-    for layout in ring.LAYOUTS:
-        parts = [ring.shard_sequence(x, r, 4, layout, dim=2) for r in range(4)]
-        assert torch.equal(ring.unshard_sequence(parts, layout, dim=2), x)
+    for layout in layouts.LAYOUTS:
+        parts = [layouts.shard_sequence(x, r, 4, layout, dim=2) for r in range(4)]
+        assert torch.equal(layouts.unshard_sequence(parts, layout, dim=2), x)
         assert torch.equal(reassemble(parts, layout), x)
-    assert ring.positions(16, 1, 4, "zigzag").tolist() == [2, 3, 12, 13]
-    assert ring.positions(16, 1, 4, "contiguous").tolist() == [4, 5, 6, 7]
+    assert layouts.positions(16, 1, 4, "zigzag").tolist() == [2, 3, 12, 13]
+    assert layouts.positions(16, 1, 4, "contiguous").tolist() == [4, 5, 6, 7]
     # fewer tokens than 2N chunks, or a length 2N does not divide: refused, not split unevenly
     for length, world in ((6, 4), (10, 4), (26, 4)):
         with pytest.raises(ValueError, match=f"^ring attention cuts a sequence into 2N chunks: {world} ranks"):
-            ring.shard_sequence(torch.zeros(1, 1, length, 1), 0, world, "zigzag", dim=2)
+            layouts.shard_sequence(torch.zeros(1, 1, length, 1), 0, world, "zigzag", dim=2)
 
 
 def test_validate_refuses_in_one_sentence(capsys, monkeypatch):
@@ -487,8 +487,8 @@ def test_validate_refuses_in_one_sentence(capsys, monkeypatch):
         parse_config(train.Config, ["--train-attention", "flash"])
 
 
-def _timeline(*rows) -> ring.RingCounter:
-    counter = ring.RingCounter()
+def _timeline(*rows) -> timeline.RingCounter:
+    counter = timeline.RingCounter()
     counter.events = [("forward", kind, hop, t) for kind, hop, t in rows]
     return counter
 
@@ -504,7 +504,7 @@ def test_hops_in_flight_and_waits_are_read_from_the_clock():
                        ("begin", None, 2.5), ("compute", None, 4.5))  # control: waited first
     assert serial.overlapped_hops("forward") == 0
     assert serial.seconds_in("forward") == {"products": 2.0, "waits": 2.5}
-    assert isinstance(ring.stamp(torch.device("cpu")), float)
+    assert isinstance(timeline.stamp(torch.device("cpu")), float)
 
 
 def test_on_cuda_the_timeline_is_cuda_events_read_after_a_synchronize(monkeypatch):
@@ -530,7 +530,7 @@ def test_on_cuda_the_timeline_is_cuda_events_read_after_a_synchronize(monkeypatc
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream", device))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: state.update(synced=True))
     cuda = torch.device("cuda", 0)
-    counter = ring.RingCounter()
+    counter = timeline.RingCounter()
     for kind, hop in (("send", 1), ("begin", None), ("compute", None), ("wait_start", 1), ("wait", 1)):
         counter.mark("forward", kind, hop, cuda)
     events = [e[3] for e in counter.events]

@@ -27,7 +27,7 @@ import json
 import matplotlib.pyplot as plt
 import torch
 
-from chapters.ch18_long_context import ring, ulysses
+from chapters.ch18_long_context import layouts, ring, ulysses
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
 
@@ -64,7 +64,7 @@ print(inspect.getsource(ring.RingAttention.forward))
 
 # %%
 for world in (2, 4, 8):
-    for layout in ring.LAYOUTS:
+    for layout in layouts.LAYOUTS:
         counts = ring.causal_products_per_rank(world, layout)
         print(f"N={world} {layout:10s} {counts}  max/mean = {max(counts) * world / sum(counts):.2f}")
 

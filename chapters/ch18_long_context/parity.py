@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chapters.ch18_long_context import ring, ulysses
+from chapters.ch18_long_context import layouts, ring, ulysses
 from common.distributed import gather_numbers, reduce_number
 from common.log import log
 
@@ -51,7 +51,7 @@ def full_reference(q, k, v, w, causal: bool) -> dict:
 def run_method(method: str, layout: str, causal: bool, qkvw, rank: int, world: int,
                broken: str = "none", group=None) -> dict:
     """This rank's shard through ring attention or Ulysses, forward and backward."""
-    q, k, v, w = (ring.shard_sequence(t, rank, world, layout, dim=2) for t in qkvw)
+    q, k, v, w = (layouts.shard_sequence(t, rank, world, layout, dim=2) for t in qkvw)
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     if method == "ring":
         out = ring.ring_attention(q, k, v, layout, causal, group, broken)
@@ -82,7 +82,7 @@ def attention_parity(rec, cfg, info, dtype, broken: dict | None = None) -> dict:
         ring.COUNTER.reset()
         ulysses.COUNTER.reset()
         mine = run_method(method, layout, causal, qkvw, rank, world, broken.get(name, "none"))
-        shard = {key: ring.shard_sequence(t, rank, world, layout, dim=2) for key, t in ref.items()}
+        shard = {key: layouts.shard_sequence(t, rank, world, layout, dim=2) for key, t in ref.items()}
         out_err = reduce_number(relative_error(mine["out"], shard["out"]), "max")
         grad_err = reduce_number(max(relative_error(mine[g], shard[g]) for g in ("dq", "dk", "dv")), "max")
         rec.check(f"{name}: output = SDPA", "parity", out_err, tol, compare="<=")
@@ -119,12 +119,12 @@ def deepspeed_parity(rec, cfg, info, dtype, broken: str = "none") -> dict:
     results = {}
     for causal in (False, True):
         ref = full_reference(*qkvw, causal)
-        q, k, v, w = (ring.shard_sequence(t, rank, world, "contiguous", dim=2) for t in qkvw)
+        q, k, v, w = (layouts.shard_sequence(t, rank, world, "contiguous", dim=2) for t in qkvw)
         q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
         out = deepspeed_ulysses_attention(q, k, v, causal, broken=broken)
         (out * w.reshape(out.shape) if out.numel() == w.numel() else out).sum().backward()
         mine = results[causal] = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
-        err = max(relative_error(mine[key], ring.shard_sequence(t, rank, world, "contiguous", dim=2))
+        err = max(relative_error(mine[key], layouts.shard_sequence(t, rank, world, "contiguous", dim=2))
                   for key, t in ref.items())
         rec.check(f"DeepSpeed Ulysses{', causal' if causal else ''}: output, grads = SDPA", "parity",
                   reduce_number(err, "max"), tol, compare="<=")

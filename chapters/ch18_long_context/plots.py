@@ -6,7 +6,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from chapters.ch18_long_context.ring import TRANSIENT_BLOCKS, chunk_ids, ring_bytes_per_rank
+from chapters.ch18_long_context.layouts import chunk_ids
+from chapters.ch18_long_context.ring import TRANSIENT_BLOCKS, ring_bytes_per_rank
 from chapters.ch18_long_context.ulysses import ulysses_bytes_per_rank
 from common.results import save_figure
 

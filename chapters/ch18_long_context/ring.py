@@ -2,15 +2,9 @@
 passed around a ring of ranks, and the backward written by hand (autograd cannot pass
 through send/recv).
 
-Every rank holds one shard of the sequence for q, k and v, shaped (B, H, T/N, D). The
-sequence is cut into 2N chunks of c = T/(2N) tokens; a *layout* says which two chunks a rank
-holds:
-
-- "contiguous": rank r holds chunks 2r and 2r+1 (the plain split: positions rT/N … (r+1)T/N−1);
-- "zigzag": rank r holds chunks r and 2N−1−r, so under a causal mask every rank has one early
-  and one late chunk and does the same number of chunk products (the zigzag split of
-  ring-flash-attention and torch's context_parallel "head-tail" balancer; Brandon et al. 2023,
-  "Striped Attention", balance the same work with a token-by-token stripe instead).
+Every rank holds one shard of the sequence for q, k and v, shaped (B, H, T/N, D): two of the
+sequence's 2N chunks of c = T/(2N) tokens, chosen by a *layout* ("contiguous" or "zigzag",
+see layouts.py, which balances the causal work).
 
 In N steps each rank meets every K/V block: at step s it holds the block of rank (r − s) mod N,
 computes its queries against it while the next block is already travelling (`batch_isend_irecv`),
@@ -27,133 +21,18 @@ hide behind.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-LAYOUTS = ("contiguous", "zigzag")
+# positions and shard_sequence are re-exported for chapter 25 (composed.py imports them from here)
+from chapters.ch18_long_context.layouts import chunk_ids, positions, shard_sequence  # noqa: F401
+from chapters.ch18_long_context.timeline import RingCounter
+
 BROKEN_RING = ("none", "no_rescale", "dkv_not_returned", "wrong_layout", "serial")
 
-
-def stamp(device: torch.device):
-    """A point in time on `device`'s clock. CUDA: an event recorded on the current stream, which
-    completes when the stream reaches it (kernels and NCCL's `wait()` are asynchronous on the
-    host: `wait()` only makes the stream wait, so the host clock would say nothing there); read
-    after a synchronize. CPU (gloo): the host clock, since there `wait()` blocks until the
-    transfer is done."""
-    if device.type == "cuda":
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(device))
-        return event
-    return time.perf_counter()
-
-
-def seconds(stamps: list) -> list[float]:
-    """The stamps as seconds after the first: CUDA events' elapsed time (after a synchronize,
-    in ms on the stream), or host-clock differences."""
-    if not stamps:
-        return []
-    if isinstance(stamps[0], torch.cuda.Event):
-        torch.cuda.synchronize()
-        return [stamps[0].elapsed_time(e) / 1e3 for e in stamps]
-    return [t - stamps[0] for t in stamps]
-
-
-@dataclass
-class RingCounter:
-    """Bytes each rank hands to send ops (forward and backward separately), messages, chunk
-    products computed (one product = c query rows against c key rows), and the timeline of the
-    events (phase, "send" | "begin" | "compute" | "wait", hop id, `stamp`), from which
-    `overlapped_hops` reads whether each transfer was in flight while a block computed and
-    `seconds_in` how long the products and the waits took, on the device's clock."""
-
-    bytes: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
-    sends: int = 0
-    products: int = 0
-    events: list = field(default_factory=list)
-
-    def reset(self) -> None:
-        self.bytes, self.sends, self.products, self.events = {"forward": 0, "backward": 0}, 0, 0, []
-
-    def mark(self, phase: str, kind: str, hop, device: torch.device) -> None:
-        self.events.append((phase, kind, hop, stamp(device)))
-
-    def _timeline(self, phase: str) -> list[tuple[str, object, tuple[float, int]]]:
-        """(kind, hop, (seconds, position)) of `phase`: the position breaks ties (one stream's
-        events, and the host's, complete in the order they were recorded)."""
-        log = [(kind, hop, s) for ph, kind, hop, s in self.events if ph == phase]
-        return [(kind, hop, (t, i)) for i, ((kind, hop, _), t) in
-                enumerate(zip(log, seconds([s for _, _, s in log])))]
-
-    def overlapped_hops(self, phase: str = "forward") -> int:
-        """Hops of `phase` in flight during a block product: started (send) before the product
-        began and waited for after it ended, by the clock of `stamp`."""
-        log = self._timeline(phase)
-        begins = [t for kind, _, t in log if kind == "begin"]
-        products = list(zip(begins, [t for kind, _, t in log if kind == "compute"]))
-        sent = {hop: t for kind, hop, t in log if kind == "send"}
-        waited = {hop: t for kind, hop, t in log if kind == "wait"}
-        return sum(1 for hop, t in sent.items()
-                   if hop in waited and any(t < b and e < waited[hop] for b, e in products))
-
-    def seconds_in(self, phase: str = "forward") -> dict:
-        """Seconds spent in block products and in waits for hops (from the wait's call to its
-        return on the host; on CUDA, the stream's stall behind the transfer)."""
-        log = self._timeline(phase)
-        spans = {"products": 0.0, "waits": 0.0}
-        start = None
-        for kind, _, (t, _) in log:
-            if kind in ("begin", "wait_start"):
-                start = t
-            elif kind in ("compute", "wait"):
-                spans["products" if kind == "compute" else "waits"] += t - start
-        return spans
-
-
 COUNTER = RingCounter()
-
-
-def chunk_ids(rank: int, world: int, layout: str) -> list[int]:
-    """The two global chunk indices (of 2·world) that `rank` holds, in the order it holds them."""
-    if layout == "contiguous":
-        return [2 * rank, 2 * rank + 1]
-    if layout == "zigzag":
-        return [rank, 2 * world - 1 - rank]
-    raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
-
-
-def length_error(length: int, world: int) -> str | None:
-    """One sentence if a sequence of `length` cannot be cut into 2·world equal chunks, else None.
-    (Fewer tokens than chunks would leave a rank with nothing; unequal chunks, wrong masks.)"""
-    if length % (2 * world):
-        return (f"ring attention cuts a sequence into 2N chunks: {world} ranks need sequence "
-                f"lengths divisible by {2 * world}, not {length}")
-    return None
-
-
-def shard_sequence(x: torch.Tensor, rank: int, world: int, layout: str, dim: int) -> torch.Tensor:
-    """This rank's part of the whole-sequence tensor `x` (its two chunks along `dim`)."""
-    if error := length_error(x.shape[dim], world):
-        raise ValueError(error)
-    chunks = x.chunk(2 * world, dim=dim)
-    return torch.cat([chunks[i] for i in chunk_ids(rank, world, layout)], dim=dim)
-
-
-def unshard_sequence(parts: list[torch.Tensor], layout: str, dim: int) -> torch.Tensor:
-    """The whole sequence from every rank's part (the inverse of `shard_sequence`)."""
-    world = len(parts)
-    chunks: list = [None] * (2 * world)
-    for rank, part in enumerate(parts):
-        for i, piece in zip(chunk_ids(rank, world, layout), part.chunk(2, dim=dim)):
-            chunks[i] = piece
-    return torch.cat(chunks, dim=dim)
-
-
-def positions(seq_len: int, rank: int, world: int, layout: str) -> torch.Tensor:
-    """The global positions of this rank's tokens (what the position embedding must see)."""
-    return shard_sequence(torch.arange(seq_len), rank, world, layout, dim=0)
 
 
 def _causal_mask(q_id: int, k_ids: list[int], c: int, device) -> torch.Tensor | None:
@@ -387,40 +266,3 @@ def causal_products_per_rank(world: int, layout: str) -> list[int]:
     if layout == "contiguous":
         return [4 * r + 3 for r in range(world)]
     return [2 * world + 1] * world
-
-
-class _AllGatherSeq(torch.autograd.Function):
-    """Every rank's shard stacked on a new dim 0; backward sums the gradients over the ranks (an
-    all-reduce) and keeps this rank's piece."""
-
-    @staticmethod
-    def forward(ctx, t, group):
-        from common.distributed import all_gather_single
-
-        ctx.group = group
-        world = dist.get_world_size(group)
-        out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        all_gather_single(out, t.contiguous(), group=group)
-        return out.view(world, *t.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[dist.get_rank(ctx.group)], None
-
-
-def allgather_attention(q, k, v, layout: str = "zigzag", causal: bool = True, group=None) -> torch.Tensor:
-    """The simple alternative to the ring: all-gather K and V, attend locally. The output is
-    right, but every rank holds, and saves for backward, the whole K and V: its activations do
-    not fall as 1/N (the activation check's negative control)."""
-    import torch.nn.functional as F
-
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    k_all, v_all = (unshard_sequence(list(_AllGatherSeq.apply(t, group)), layout, dim=2) for t in (k, v))
-    T = k_all.shape[-2]
-    mask = None
-    if causal:
-        q_pos = positions(T, rank, world, layout).to(q.device)
-        mask = torch.arange(T, device=q.device)[None, :] <= q_pos[:, None]
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)

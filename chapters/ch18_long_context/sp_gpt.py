@@ -12,11 +12,50 @@ count, so the ranks' losses add up to the one-process mean.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from chapters.ch18_long_context.ring import allgather_attention, ring_attention
+from chapters.ch18_long_context.layouts import positions, unshard_sequence
+from chapters.ch18_long_context.ring import ring_attention
 from chapters.ch18_long_context.ulysses import ulysses_attention
 from common.models import TinyGPT
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """Every rank's shard stacked on a new dim 0; backward sums the gradients over the ranks (an
+    all-reduce) and keeps this rank's piece."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        from common.distributed import all_gather_single
+
+        ctx.group = group
+        world = dist.get_world_size(group)
+        out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        all_gather_single(out, t.contiguous(), group=group)
+        return out.view(world, *t.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+def allgather_attention(q, k, v, layout: str = "zigzag", causal: bool = True, group=None) -> torch.Tensor:
+    """The simple alternative to the ring: all-gather K and V, attend locally. The output is
+    right, but every rank holds, and saves for backward, the whole K and V: its activations do
+    not fall as 1/N (the activation check's negative control)."""
+    import torch.nn.functional as F
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    k_all, v_all = (unshard_sequence(list(_AllGatherSeq.apply(t, group)), layout, dim=2) for t in (k, v))
+    T = k_all.shape[-2]
+    mask = None
+    if causal:
+        q_pos = positions(T, rank, world, layout).to(q.device)
+        mask = torch.arange(T, device=q.device)[None, :] <= q_pos[:, None]
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
 
 class SequenceParallelGPT(TinyGPT):

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from chapters.ch05_tensor_parallel.activations import SavedTensors
-from chapters.ch18_long_context import parity, ring, ulysses
+from chapters.ch18_long_context import layouts, parity, ring, ulysses
 from chapters.ch18_long_context.sp_gpt import SequenceParallelGPT
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, parse_config, require_at_least_one
@@ -93,7 +93,7 @@ class Config(RunConfig):
 def validate(cfg: Config, world_size: int) -> None:
     """The sequence splits into 2N chunks; Ulysses splits whole heads; gloo cannot send CUDA tensors."""
     for length in [cfg.seq_len, *cfg.sweep_lengths]:
-        if error := ring.length_error(length, world_size):
+        if error := layouts.length_error(length, world_size):
             raise ValueError(error)
     for heads in [cfg.heads] + ([cfg.n_head] if cfg.train_attention == "ulysses" else []):
         if error := ulysses.heads_error(heads, world_size):
@@ -147,13 +147,13 @@ def train_sequence_parallel(model: SequenceParallelGPT, X, Y, cfg: Config, info,
     broken: "local_positions" (positions counted from 0 on every rank), "no_grad_sync"."""
     rank, world, layout = info.rank, info.world_size, model.layout
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    pos = ring.positions(cfg.seq_len, rank, world, layout).to(info.device)
+    pos = layouts.positions(cfg.seq_len, rank, world, layout).to(info.device)
     if broken == "local_positions":
         pos = torch.arange(cfg.seq_len // world, device=info.device)
     losses = []
     for step in progress(range(cfg.steps), total=cfg.steps, desc="sequence-parallel step",
                          enabled=info.is_main, every=max(1, cfg.log_every)):
-        x, y = (ring.shard_sequence(t[step], rank, world, layout, dim=1) for t in (X, Y))
+        x, y = (layouts.shard_sequence(t[step], rank, world, layout, dim=1) for t in (X, Y))
         loss = model(x, pos, y, n_tokens=Y[step].numel())
         loss.backward()
         if broken != "no_grad_sync":
@@ -189,8 +189,8 @@ def saved_bytes(model: SequenceParallelGPT, X, Y, cfg: Config, rank: int, world:
     """Bytes autograd keeps for backward in one forward of this rank's shard (chapter 05's
     `SavedTensors`, as chapter 20 counts them), parameters and scalars excluded."""
     model.group = group
-    x, y = (ring.shard_sequence(t[0], rank, world, model.layout, dim=1) for t in (X, Y))
-    pos = ring.positions(cfg.seq_len, rank, world, model.layout).to(X.device)
+    x, y = (layouts.shard_sequence(t[0], rank, world, model.layout, dim=1) for t in (X, Y))
+    pos = layouts.positions(cfg.seq_len, rank, world, model.layout).to(X.device)
     with SequenceSavedTensors(exclude=model.parameters()) as saved:
         model(x, pos, y, n_tokens=Y[0].numel())
     model.group = None
