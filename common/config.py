@@ -27,7 +27,9 @@ process group exists, so an impossible layout is refused in one line by rank 0, 
 
 `./course run` calls the same two functions in one plain process before it starts any rank
 (`tools/precheck.py`), and a test calls `validate` on every script's defaults at worlds 1, 2,
-3, 4, 8 and 16.
+3, 4, 8 and 16. On a script's own command line (a real run, not a test passing `argv`),
+`parse_config` then prepares the run before any process group exists: device, folders, their
+locks, the library log, one-line errors (`common.preflight`).
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import os
 import sys
 import textwrap
 import types
 import typing
 from dataclasses import dataclass
 from typing import Literal
+
+from common.preflight import launch_world_size, prepare_run
 
 
 @dataclass
@@ -158,15 +161,6 @@ def build_parser(cls: type, description: str | None = None, prog: str | None = N
     return parser
 
 
-def launch_world_size() -> tuple[int, int]:
-    """(world size, rank) of the launch this process belongs to, read from torchrun's or
-    Slurm's environment before any process group exists; (1, 0) for a plain `python` start."""
-    from common.distributed import read_launch_env
-
-    launch = read_launch_env()
-    return launch["world_size"], launch["rank"]
-
-
 def parse_config(cls: type, argv: list[str] | None = None, description: str | None = None,
                  validate=None, world_size: int | None = None, prog: str | None = None):
     """Parse `argv` (default: the command line) into an instance of the dataclass `cls`.
@@ -193,116 +187,8 @@ def parse_config(cls: type, argv: list[str] | None = None, description: str | No
                 print(f"{parser.prog}: error: {e} (world size {world_size})", file=sys.stderr)
             sys.exit(2)
     if argv is None:  # a script's own command line, not a test or a precheck: a real run
-        _check_device(cfg, parser.prog)
-        _check_folders(cfg, parser.prog)
-        _lock_folders(cfg, parser.prog)
-        _start_library_log(cfg)
-        from common.log import one_line_errors
-
-        one_line_errors(parser.prog)
+        prepare_run(cfg, parser.prog)  # device, folders, locks, library log (common.preflight)
     return cfg
-
-
-# The config fields that name a folder a run writes (`ckpt_url` when it is a local path)
-FOLDER_OPTIONS = ("out", "ckpt_dir", "ckpt_url")
-
-
-def local_folder(value: str) -> str | None:
-    """The local path a folder option names: a path, or a file:// URL; None for another URL
-    (an object store: s3://, gs://, memory://), which no local check or lock applies to."""
-    if value.startswith("file://"):
-        return value[len("file://"):]
-    return None if "://" in value else value
-
-
-def _check_folders(cfg, prog: str) -> None:
-    """`--out` and a checkpoint folder must be folders this rank can write: a file, a read-only
-    place or a full path under a file ends the run in one line on every rank, before any process
-    group exists (one line a node: local rank 0 says it)."""
-    from common.checkpoint import check_writable_folder
-
-    for name in FOLDER_OPTIONS:
-        value = local_folder(getattr(cfg, name, ""))
-        if not value:
-            continue
-        try:
-            check_writable_folder(value, "--" + name.replace("_", "-"))
-        except ValueError as e:
-            if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
-                print(f"{prog}: error: {e}", file=sys.stderr)
-            sys.exit(2)
-
-
-def _check_device(cfg, prog: str) -> None:
-    """A device or backend this machine cannot give the launch's processes (`--device cuda`
-    without a GPU, `--backend nccl` on a CPU) ends the run in one line, as an option error does,
-    before any process group exists (`./course run` asks the same question before launching)."""
-    if not hasattr(cfg, "device"):
-        return
-    from common.distributed import DistributedSetupError, choose_device_and_backend, read_launch_env
-
-    try:
-        launch = read_launch_env()
-        choose_device_and_backend(launch["local_rank"], launch["local_world_size"], cfg.device,
-                                  getattr(cfg, "backend", "auto"))
-    except DistributedSetupError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-LOCKED_ENV = "COURSE_LOCKED_FOLDERS"  # the folders this launch's global rank 0 holds
-
-
-def _lock_folders(cfg, prog: str) -> None:
-    """One run per folder: global rank 0 locks `--out` (default or given) and `--ckpt-dir`
-    (`common.checkpoint.lock_folder`) before any process group exists and before anything in
-    them is touched (the library log of the run that holds them stays). A folder held by another
-    run ends this one in one line naming the holder; the other ranks, waiting for rank 0 in
-    `init_process_group`, are stopped by their launcher. Processes this one starts itself
-    (`mp.spawn`, a launcher script's torchrun) inherit the list in COURSE_LOCKED_FOLDERS and do
-    not lock those again."""
-    if launch_world_size()[1] != 0:
-        return
-    from pathlib import Path
-
-    import __main__
-    from common.checkpoint import FolderInUseError, lock_folder
-
-    script = getattr(__main__, "__file__", None)
-    folders = []
-    if getattr(cfg, "out", "") or script:
-        from common.results import default_out_dir
-
-        folders.append(("--out", cfg.out or default_out_dir(script)))
-    for name in FOLDER_OPTIONS[1:]:
-        folder = local_folder(getattr(cfg, name, ""))
-        if folder:
-            folders.append(("--" + name.replace("_", "-"), folder))
-    held = [p for p in os.environ.get(LOCKED_ENV, "").split(os.pathsep) if p]
-    for what, folder in folders:
-        if str(Path(folder).resolve()) in held:
-            continue  # a process of this launch holds it: this one was started by it
-        try:
-            held.append(str(lock_folder(folder, what)))
-        except FolderInUseError as e:
-            print(f"{prog}: error: {e}", file=sys.stderr)
-            sys.exit(1)
-    os.environ[LOCKED_ENV] = os.pathsep.join(held)
-
-
-def _start_library_log(cfg) -> None:
-    """Route library warnings and logs of this run to its output folder (see `common.log`),
-    from the start: the imports and setup that follow warn before any `RunRecorder` exists."""
-    import __main__
-    from common.log import library_log
-
-    script = getattr(__main__, "__file__", None)
-    if getattr(cfg, "out", "") or script:
-        from common.results import default_out_dir
-
-        out = cfg.out or default_out_dir(script)
-        library_log(out, launch_world_size()[1])
 
 
 def config_dict(cfg) -> dict:

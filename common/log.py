@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
 import logging
 import os
 import sys
@@ -27,6 +26,10 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+# `parse_config` installs it; it lives with the errors it says in one line (re-exported here, where
+# it was first written)
+from common.errors import one_line_errors  # noqa: F401
 
 log = logging.getLogger("course")
 
@@ -236,8 +239,6 @@ def extension_folder(name: str) -> Path:
     """Where torch builds the C++ extension `name` for this interpreter and torch build:
     TORCH_EXTENSIONS_DIR/NAME, else <cache>/torch_extensions/py<XY>_<cuZZZ|rocmZZZ|cpu>/NAME
     (torch.utils.cpp_extension._get_build_directory, without creating it)."""
-    import sys
-
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
@@ -274,42 +275,3 @@ def init_deepspeed(info):
 
         deepspeed.init_distributed(dist_backend=info.backend)  # reuses our process group
     return deepspeed
-
-
-def one_line_errors(prog: str) -> None:
-    """Make the faults a learner can meet in a run's files end as one line, not a traceback:
-    a checkpoint that is missing, damaged or another run's, a folder another run holds, a full
-    disk or a read-only folder (naming the path), DCP's `CheckpointException` (whose message is
-    every failing rank's traceback: its first exception, in one line). A `collective` error,
-    raised on every rank from one agreed verdict, is said by global rank 0 alone. Anything else
-    keeps Python's traceback: it is a bug to read. `parse_config` installs this for a real run."""
-    default = sys.excepthook
-
-    def hook(kind, error, tb) -> None:
-        from common.checkpoint import CheckpointError, FolderInUseError, error_line
-
-        try:
-            from torch.distributed.checkpoint.api import CheckpointException
-        except ImportError:  # pragma: no cover - torch without distributed
-            CheckpointException = CheckpointError
-        if isinstance(error, (CheckpointError, FolderInUseError)):
-            line = str(error)
-        elif isinstance(error, CheckpointException) or (
-                isinstance(error, OSError) and error.strerror and error.errno in _FILE_ERRNOS):
-            line = error_line(error)
-        else:
-            return default(kind, error, tb)
-        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))  # torchrun's, or srun's
-        # DCP gathers its failures to every rank: its exception is one verdict, like `collective`
-        collective = getattr(error, "collective", False) or isinstance(error, CheckpointException)
-        if collective and rank not in (None, "0"):
-            return
-        who = f" (rank {rank})" if rank not in (None, "0") else ""
-        print(f"{prog}: error{who}: {line}", file=sys.stderr, flush=True)
-
-    sys.excepthook = hook
-
-
-# what a disk or a path does to a run
-_FILE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO, errno.ENOTDIR,
-                errno.EISDIR}

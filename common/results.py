@@ -18,7 +18,8 @@ file. Timing checks are reported, never fatal: wall clocks on a shared machine a
 
 Every rank records; at `finish()` the ranks exchange their verdicts, so a check that failed on
 any rank fails in rank 0's summary (with `failed_on_ranks`) and every rank exits with the same
-status. Only rank 0 writes.
+status. Only rank 0 writes. How a check is decided and how the table is laid out live in
+`common.check_table`; the default output folder in `common.paths` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -34,19 +35,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.checkpoint import atomic_write, lock_folder, unlock_folder
-from common.config import LOCKED_ENV, config_dict
+# check_ok, expected_text, the table's widths and the default folder are imported from here by
+# chapters and tests: re-exported from the modules they live in
+from common.check_table import (  # noqa: F401
+    CELL_WIDTH,
+    CHECK_KINDS,
+    COMPARES,
+    TABLE_WIDTH,
+    check_ok,
+    expected_text,
+    fmt,
+    short,
+    table_lines,
+)
+from common.config import config_dict
+from common.files import LOCKED_ENV, atomic_write, lock_folder, unlock_folder
 from common.log import library_log, library_output, log, name_library_log, shown_path
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CHECK_KINDS = ("parity", "formula", "count", "timing")
-COMPARES = ("==", "<", "<=", ">", ">=", "between")
-
-
-def default_out_dir(script_file: str) -> Path:
-    """runs/<chapter>/<script>/ under the repository root."""
-    script = Path(script_file).resolve()
-    return REPO_ROOT / "runs" / script.parent.name / script.stem
+from common.paths import REPO_ROOT, default_out_dir  # noqa: F401
 
 
 def versions() -> dict:
@@ -70,85 +75,6 @@ def _plain(x):
     if isinstance(x, dict):
         return {k: _plain(v) for k, v in x.items()}
     return x
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def check_ok(measured, expected, tolerance: float = 0.0, relative: bool = False,
-             compare: str = "==") -> bool:
-    """Decide a check. "==": |measured − expected| ≤ tolerance (× |expected| when relative), or
-    equality for non-numbers; "<", "<=", ">", ">=": measured against the bound `expected`;
-    "between": low ≤ measured ≤ high for `expected = [low, high]`. Non-finite numbers fail."""
-    if compare not in COMPARES:
-        raise ValueError(f"compare must be one of {COMPARES}, not {compare!r}")
-    if compare == "==" and not (_is_number(measured) and _is_number(expected)):
-        return measured == expected
-    bounds = expected if compare == "between" else [expected]
-    if compare == "between" and (not isinstance(expected, (list, tuple)) or len(expected) != 2):
-        raise ValueError("compare='between' needs expected=[low, high]")
-    if not all(_is_number(b) for b in [measured, *bounds]):
-        raise ValueError(f"compare={compare!r} needs numbers, got {measured!r} and {expected!r}")
-    if not all(math.isfinite(b) for b in [measured, *bounds]):
-        return False
-    if compare == "==":
-        bound = tolerance * abs(expected) if relative else tolerance
-        return abs(measured - expected) <= bound
-    if compare == "between":
-        return bounds[0] <= measured <= bounds[1]
-    return {"<": measured < expected, "<=": measured <= expected,
-            ">": measured > expected, ">=": measured >= expected}[compare]
-
-
-def expected_text(check: dict) -> str:
-    """How a check's expectation reads in the table: "0", "> 0.01", "in [0.1, 0.5]"."""
-    compare, expected = check.get("compare", "=="), check["expected"]
-    if compare == "between":
-        return f"in [{_fmt(expected[0])}, {_fmt(expected[1])}]"
-    return _fmt(expected) if compare == "==" else f"{compare} {_fmt(expected)}"
-
-
-def _fmt(x) -> str:
-    if isinstance(x, float):
-        if x.is_integer() and abs(x) < 1e15:
-            return str(int(x))
-        return f"{x:.4g}" if 1e-3 <= abs(x) < 1e6 else f"{x:.3e}"
-    if isinstance(x, (list, tuple)):
-        return "[" + ", ".join(_fmt(i) for i in x) + "]"
-    return str(x)
-
-
-def _short(x) -> str:
-    """Three significant digits: the ends of a spread."""
-    return f"{x:.3g}" if isinstance(x, float) else _fmt(x)
-
-
-TABLE_WIDTH = 100  # the console rule: the table fits 100 columns
-CELL_WIDTH = 20  # a value longer than this is cut in the table (summary.json keeps it whole)
-
-
-def _cell(text: str, width: int = CELL_WIDTH) -> str:
-    return text if len(text) <= width else text[:width - 1] + "…"
-
-
-def _table_lines(rows: list[tuple], width: int = TABLE_WIDTH) -> list[str]:
-    """Rows of (name, *values) as aligned lines no wider than `width`: values are cut to
-    CELL_WIDTH, names wrap onto continuation lines."""
-    import textwrap
-
-    rows = [(str(r[0]), *(_cell(str(v)) for v in r[1:])) for r in rows]
-    value_widths = [max(len(r[i]) for r in rows) for i in range(1, len(rows[0]))]
-    room = width - sum(value_widths) - 2 * len(value_widths)
-    name_width = max(16, min(max(len(r[0]) for r in rows), room))
-    lines = []
-    for r in rows:
-        names = textwrap.wrap(r[0], name_width) or [""]
-        first = "  ".join([names[0].ljust(name_width),
-                           *(v.ljust(w) for v, w in zip(r[1:], value_widths))])
-        lines.append(first.rstrip())
-        lines += ["  " + n for n in names[1:]]
-    return lines
 
 
 def is_main_script(script_file: str) -> bool:
@@ -177,7 +103,7 @@ class RunRecorder:
         self._locked = False
         if self.is_main:
             # One run per folder: a second run on this --out is refused before it touches the
-            # first one's files (common.checkpoint.lock_folder; released by `finish` or when the
+            # first one's files (common.files.lock_folder; released by `finish` or when the
             # process ends). `parse_config` has usually taken it already, before any process
             # group (COURSE_LOCKED_FOLDERS). A test or notebook calling a script's main in its own
             # process takes no lock: the process outlives the run.
@@ -291,13 +217,13 @@ class RunRecorder:
 
     def print_table(self) -> None:
         rows = [("figure", "unit", "expected", "measured", "range", "")]
-        rows += [(n, f["unit"], _fmt(f["expected"]) if f["expected"] is not None else "-",
-                  _fmt(f["measured"]),
-                  f"{_short(f['spread'][0])}–{_short(f['spread'][1])}" if "spread" in f else "", "")
+        rows += [(n, f["unit"], fmt(f["expected"]) if f["expected"] is not None else "-",
+                  fmt(f["measured"]),
+                  f"{short(f['spread'][0])}–{short(f['spread'][1])}" if "spread" in f else "", "")
                  for n, f in self.figures.items() if n not in self._untabled]
         rows += [("check", "kind", "expected", "measured", "tolerance", "ok")]
-        rows += [(c["name"], c["kind"], expected_text(c), _fmt(c["measured"]),
-                  (_fmt(c["tolerance"]) + (" rel" if c["relative"] else ""))
+        rows += [(c["name"], c["kind"], expected_text(c), fmt(c["measured"]),
+                  (fmt(c["tolerance"]) + (" rel" if c["relative"] else ""))
                   if c.get("compare", "==") == "==" else "",
                   "ok" if c["ok"] else ("FAIL" if c["kind"] != "timing" else "slow"))
                  for c in self.checks]
@@ -306,7 +232,7 @@ class RunRecorder:
             if len(part) == 1 and part is rows[:split] and self._untabled:
                 continue  # every figure is shown by a check
             log.info("")
-            for line in _table_lines(part):
+            for line in table_lines(part):
                 log.info(line)
 
     def finish(self) -> int:
