@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import assert_quiet_console
 
+from chapters.ch25_llm import checks, parity, resume, tokenizer
 from chapters.ch25_llm import model as M
-from chapters.ch25_llm import parity, tokenizer
 from chapters.ch25_llm import train as T
 from chapters.ch25_llm.checks import LOSS_TOL, PARAM_TOL, first_order_bound, param_tolerance
 from common.launch import REPO_ROOT, run_on_ranks, run_torchrun
@@ -372,19 +372,19 @@ def test_throughput_counts_are_checked_against_the_meter():
 @pytest.mark.timeout(30)
 def test_cuda_only_settings_decided_without_a_gpu():
     # on CPUs nothing changes: no variables, no deterministic mode, timed to the end
-    plan = T.cuda_determinism(False, {})
+    plan = resume.cuda_determinism(False, {})
     assert plan == {"env": {}, "deterministic_from_save": False}
     cpu = T.Config()
-    assert T.timed_steps(cpu, False) == (3, 80)
+    assert checks.timed_steps(cpu, False) == (3, 80)
     # on CUDA: cuBLAS's workspace and no NVLS before CUDA starts; the user's values are kept
-    plan = T.cuda_determinism(True, {"NCCL_NVLS_ENABLE": "1"})
+    plan = resume.cuda_determinism(True, {"NCCL_NVLS_ENABLE": "1"})
     assert plan == {"env": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, "deterministic_from_save": True}
     gpu = T.Config(preset="gpu")
-    assert gpu.save_step() == 56 and T.timed_steps(gpu, True) == (20, 56)
+    assert gpu.save_step() == 56 and checks.timed_steps(gpu, True) == (20, 56)
     # the gpu preset reads its ~93 000 training tokens about 10.6 times on one GPU: its held-out
     # loss is a figure; the default cpu run reads 0.57 of its 143 520 tokens: a check
-    assert round(T.training_passes(gpu, 1, 93_000), 1) == 10.6
-    assert round(T.training_passes(cpu, 2, 143_520), 2) == 0.57
+    assert round(checks.training_passes(gpu, 1, 93_000), 1) == 10.6
+    assert round(checks.training_passes(cpu, 2, 143_520), 2) == 0.57
     # a timed window that would start after the checkpoint is refused on GPUs only
     late = T.Config(preset="gpu", timed_from=57)
     late.device = "cpu"
@@ -397,6 +397,7 @@ def test_cuda_only_settings_decided_without_a_gpu():
 # --------------------------------------------------------------------------- composed (issue 21)
 from chapters.ch25_llm import composed as C  # noqa: E402
 from chapters.ch25_llm import composed_checks as K  # noqa: E402
+from chapters.ch25_llm import formulas as F  # noqa: E402
 from chapters.ch25_llm import llama as L  # noqa: E402
 from chapters.ch25_llm import reference as R  # noqa: E402
 
@@ -505,9 +506,9 @@ def test_composed_state_and_traffic_per_rank_equal_the_formulas(composed_job):
     for row in rows:
         layout = next(lay for lay, _ in K.PLANS if lay.name() == row["layout"])
         stage = row["coords"]["pp"]
-        assert row["state_bytes"] == R.expected_state_bytes(run.cfg, layout, stage), row
-        assert row["comm_bytes"] == R.expected_comm_bytes(run, layout, stage), row
-        assert row["activation_bytes"] == R.expected_activation_bytes(run, layout, stage), row
+        assert row["state_bytes"] == F.expected_state_bytes(run.cfg, layout, stage), row
+        assert row["comm_bytes"] == F.expected_comm_bytes(run, layout, stage), row
+        assert row["activation_bytes"] == F.expected_activation_bytes(run, layout, stage), row
     # 1F1B: the first stage holds both micro-batches' block inputs, the last stage one at a time
     # (B/dp x T/cp = 2 x 32 = 4 x 16 tokens a micro-batch, h = 64, float64; the sequence plan
     # keeps 1/tp of each block's input: 4 x 8 tokens)
@@ -530,17 +531,17 @@ def test_composed_state_and_traffic_per_rank_equal_the_formulas(composed_job):
         if row["layout"] != SP:
             continue
         stage = row["coords"]["pp"]
-        assert row["state_bytes"] != R.expected_state_bytes(run.cfg, blocks, stage)
-        old = R.expected_comm_bytes(run, blocks, stage)
+        assert row["state_bytes"] != F.expected_state_bytes(run.cfg, blocks, stage)
+        old = F.expected_comm_bytes(run, blocks, stage)
         assert row["comm_bytes"]["pp"] - 8 == (old["pp"] - 8) // 2
         assert row["comm_bytes"]["tp"] != old["tp"]
-        assert row["activation_bytes"] * 2 == R.expected_activation_bytes(run, blocks, stage)
+        assert row["activation_bytes"] * 2 == F.expected_activation_bytes(run, blocks, stage)
         norms = (2 + stage) * h * 8  # 1 block a stage, the final norm on the last
-        assert row["comm_bytes"]["tp"] != R.expected_comm_bytes(run, sp_layout, stage)["tp"] + \
+        assert row["comm_bytes"]["tp"] != F.expected_comm_bytes(run, sp_layout, stage)["tp"] + \
             (m - 1) * norms
         if stage == 1:
             assert row["comm_bytes"]["tp"] != \
-                R.expected_comm_bytes(run, sp_layout, stage)["tp"] - 3 * m * tokens * 8
+                F.expected_comm_bytes(run, sp_layout, stage)["tp"] - 3 * m * tokens * 8
     recorded = json.loads((REPO_ROOT / "chapters/ch25_llm/figures/data.json").read_text())
     assert recorded["composed"]["ranks"] == json.loads(json.dumps(rows)), (
         "chapter 30's record is stale: python tools/figures.py --rerun ch25")
@@ -613,14 +614,14 @@ def test_recorded_4d_run_on_16_ranks_passed_and_matches_the_formulas():
     assert {k: record["config"][k] for k in ("dp", "tp", "pp", "cp")} == dict(dp=2, tp=2, pp=2, cp=2)
     assert len(record["checks"]) == 6 and all(c["ok"] for c in record["checks"])
     run, layout = R.Run(), R.Layout(dp=2, tp=2, pp=2, cp=2)
-    expected = R.expected_comm_bytes(run, layout, 0)
+    expected = F.expected_comm_bytes(run, layout, 0)
     assert set(expected) == {"pp", "dp_cp", "tp", "cp"}
     for dim, n in expected.items():
         assert record["figures"][f"bytes to collectives per step over {dim} (rank 0)"]["measured"] == n
-    largest = max(sum(R.expected_state_bytes(run.cfg, layout, s).values()) for s in (0, 1))
+    largest = max(sum(F.expected_state_bytes(run.cfg, layout, s).values()) for s in (0, 1))
     assert record["figures"]["model-state bytes per rank (largest)"]["measured"] == largest
     acts = record["figures"]["activation bytes kept for backward, peak (rank 0)"]["measured"]
-    assert acts == R.expected_activation_bytes(run, layout, 0) == 2 * 2 * 16 * 64 * 8
+    assert acts == F.expected_activation_bytes(run, layout, 0) == 2 * 2 * 16 * 64 * 8
 
 
 @pytest.mark.timeout(150)
@@ -640,19 +641,19 @@ def test_four_dimension_script_at_pp1_under_torchrun(tmp_path):
     layout, reference = R.Layout(dp=3), R.Run(global_batch=3 * 2 * 2)  # dp x micro-batches x 2
     per_dim = {k.split(" over ")[1].split(" ")[0]: v["measured"] for k, v in figures.items()
                if k.startswith("bytes to collectives per step over ")}
-    assert per_dim == R.expected_comm_bytes(reference, layout, 0) and set(per_dim) == {"dp_cp"}
+    assert per_dim == F.expected_comm_bytes(reference, layout, 0) and set(per_dim) == {"dp_cp"}
     # each count figure carries its formula value, and the shards are uneven: ranks 0 and 1
     # keep ⌈d0/3⌉ rows of each parameter, the largest state; an even split would be smaller
     for fig in [v for k, v in figures.items() if k.startswith("bytes to collectives")] + \
             [figures["model-state bytes per rank (largest)"]]:
         assert fig["expected"] is not None and fig["measured"] == fig["expected"], fig
-    shards = [sum(R.expected_state_bytes(reference.cfg, layout, 0, shard=s).values())
+    shards = [sum(F.expected_state_bytes(reference.cfg, layout, 0, shard=s).values())
               for s in range(3)]
     assert shards[0] == shards[1] > shards[2]
     assert figures["model-state bytes per rank (largest)"]["measured"] == shards[0]
     # 2 blocks keep their input, one micro-batch in flight at pp = 1: 2 x (2, 32, 64) float64
     acts = figures["activation bytes kept for backward, peak (rank 0)"]["measured"]
-    assert acts == R.expected_activation_bytes(reference, layout, 0) == 2 * 2 * 32 * 64 * 8
+    assert acts == F.expected_activation_bytes(reference, layout, 0) == 2 * 2 * 32 * 64 * 8
 
 
 @pytest.mark.timeout(30)

@@ -143,6 +143,32 @@ def record_seen_fraction(rec: RunRecorder, n_ids: int, steps: int, global_size: 
     return counted
 
 
+def training_passes(cfg, world_size: int, n_train_tokens: int) -> float:
+    """How many times the run reads its training tokens (steps × global batch ÷ corpus)."""
+    return cfg.steps * cfg.micro_batch_size * world_size * cfg.seq_len / n_train_tokens
+
+
+def record_losses(rec: RunRecorder, cfg, losses: list[float], val: float, entropy: float,
+                  passes: float, n_train_tokens: int, world_size: int) -> None:
+    """The losses against what a model that learnt nothing would score: the first against ln V
+    (a uniform guess), the trained and the held-out ones against the unigram entropy."""
+    final = statistics.mean(losses[-5:])
+    rec.figure("loss at step 0 (ln V for a uniform guess)", round(losses[0], 4),
+               expected=round(float(torch.tensor(float(cfg.vocab_size)).log()), 4), unit="nats")
+    rec.check("training loss (mean of last 5 steps) < unigram entropy", "formula", final,
+              round(entropy, 6), compare="<")
+    # the training loss is no held-out estimate: windows start anywhere, with replacement,
+    # so part of each batch was trained on before (counted, against its closed form)
+    record_seen_fraction(rec, n_train_tokens, cfg.steps, cfg.micro_batch_size * world_size,
+                         cfg.seq_len, cfg.seed)
+    if passes <= 1:  # under one pass over the training tokens (the gpu preset makes ~10)
+        rec.check("held-out loss < unigram entropy", "formula", val, round(entropy, 6),
+                  compare="<")
+    else:  # it may have memorised the training text: reported, not checked
+        rec.figure(f"held-out loss after {passes:.1f} passes (not checked)", round(val, 4),
+                   expected=f"< {entropy:.4f}", unit="nats")
+
+
 def throughput_meter(config, cfg, info) -> dict:
     """What turns a step time into tokens/s and MFU: tokens per step (all ranks), model FLOPs
     per device per step (the formula: 3 x forward, recomputation not counted) and the peak
@@ -157,6 +183,12 @@ RATE_BAND = (0.5, 1.1)
 """tokens/s from the wall clock over tokens/s from the median step: at most 1 (the wall clock also
 holds the batch slicing, the loss all-reduce, the logging, and steps slower than the median), by
 1.1 allowing for a few fast steps; below 0.5 the machine was busy elsewhere (a timing check)."""
+
+
+def timed_steps(cfg, deterministic_from_save: bool) -> tuple[int, int]:
+    """The steps whose times give tokens/s and MFU: from --timed-from to the end, or to the
+    checkpoint when the steps after it run under deterministic algorithms (slower kernels)."""
+    return cfg.timed_from, cfg.save_step() if deterministic_from_save else cfg.steps
 
 
 def record_throughput(rec: RunRecorder, run: dict, meter: dict, window: tuple[int, int]) -> None:
@@ -184,6 +216,16 @@ def record_throughput(rec: RunRecorder, run: dict, meter: dict, window: tuple[in
     rec.check("tokens/s: wall clock (counted tokens) / median step (meter)", "timing",
               round((counted / wall) / (meter["tokens"] / step_s), 4), list(RATE_BAND),
               compare="between")
+
+
+def record_resume(rec: RunRecorder, save_step: int, good: dict, bad: dict) -> None:
+    """The resumed run (`train.resume_and_compare`) against the first, and the control that
+    resumes without the optimizer state."""
+    rec.check(f"DCP resume at step {save_step}: losses (same machine)", "parity",
+              good["loss_diff"], 0.0)
+    rec.check("DCP resume: final weights", "parity", good["param_diff"], 0.0)
+    rec.check("control: resume without the optimizer state differs", "parity",
+              bad["param_diff"], 0.0, compare=">")
 
 
 def record_export(rec: RunRecorder, hf: dict, trained_params: dict, sample_tokens: int) -> None:

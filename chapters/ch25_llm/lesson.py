@@ -113,7 +113,7 @@ plt.show()
 # refused in one line, before any rank starts:
 
 # %%
-from chapters.ch25_llm import composed, reference
+from chapters.ch25_llm import composed, formulas, reference
 
 run = composed.Run()
 sequence = composed.Layout(pp=2, tp=2, cp=2, tp_plan="sequence")  # torchtitan's plan
@@ -133,10 +133,10 @@ import dataclasses
 for layout in (composed.Layout(dp=2, tp=2, pp=2), sequence,
                dataclasses.replace(sequence, tp_plan="blocks")):
     for stage in range(layout.pp):
-        state = sum(reference.expected_state_bytes(run.cfg, layout, stage).values())
-        acts = reference.expected_activation_bytes(run, layout, stage)
+        state = sum(formulas.expected_state_bytes(run.cfg, layout, stage).values())
+        acts = formulas.expected_activation_bytes(run, layout, stage)
         print(f"{layout.name():>27} stage {stage}: model state {state} B, activations {acts} B,",
-              reference.expected_comm_bytes(run, layout, stage))
+              formulas.expected_comm_bytes(run, layout, stage))
 
 # %% [markdown]
 # The reference every layout is checked against: one process, the whole global batch, float64.

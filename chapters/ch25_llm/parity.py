@@ -94,6 +94,17 @@ def lm_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
+@torch.no_grad()
+def eval_loss(model, ids, micro_batch_size: int, seq_len: int, seed: int, device,
+              batches: int = 4) -> float:
+    """Mean loss on held-out windows (the last tenth of the corpus), the same on every rank."""
+    total = 0.0
+    for b in range(batches):
+        x, y = global_batch(ids, 10_000 + b, micro_batch_size, seq_len, seed)
+        total += lm_loss(model, x.to(device), y.to(device)).item()
+    return total / batches
+
+
 def full_params(model) -> dict[str, torch.Tensor]:
     """Every parameter whole, on the CPU (FSDP2's are DTensor shards: gathered)."""
     out = {}

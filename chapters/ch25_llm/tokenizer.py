@@ -84,3 +84,25 @@ def unigram_entropy(ids: torch.Tensor) -> float:
 
 def chars_per_token(tok, text: str) -> float:
     return len(text) / len(tok.encode(text).ids)
+
+
+def shared_tokenizer(vocab_size: int, out: Path, is_main: bool):
+    """Rank 0 trains the tokenizer and saves it in `out` (for export); every other rank gets it
+    from rank 0 over the process group, so that no node needs to read rank 0's disk for it.
+    Returns the tokenizer, the encoded training and held-out text, and the held-out text."""
+    import torch.distributed as dist
+
+    from common.log import log
+
+    train_text, val_text = corpus_split()
+    box = [None]
+    if is_main:
+        log.info("training a byte-level BPE tokenizer, %d entries, on %d characters",
+                 vocab_size, len(train_text))
+        out.mkdir(parents=True, exist_ok=True)
+        tok = train_tokenizer(train_text, vocab_size)
+        tok.save(str(out / "tokenizer.json"))
+        box = [tok.to_str()]
+    dist.broadcast_object_list(box, src=0)  # every rank reaches it
+    tok = tokenizer_from_json(box[0])
+    return tok, encode(tok, train_text), encode(tok, val_text), val_text

@@ -20,7 +20,6 @@ Run:
 """
 
 import os
-import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -40,14 +39,13 @@ from chapters.ch25_llm.model import (
     lr_at,
     n_params,
 )
-from common.checkpoint import (
-    check_identity,
-    load_dcp,
-    require_shared_folder,
-    save_dcp,
-    training_shapes,
-    verify_dcp,
+from chapters.ch25_llm.resume import (
+    cuda_determinism,
+    enter_deterministic_mode,
+    load_checkpoint,
+    save_checkpoint,
 )
+from common.checkpoint import require_shared_folder
 from common.config import RunConfig, parse_config
 from common.distributed import (
     setup_distributed,
@@ -145,57 +143,9 @@ def validate(cfg: Config, world_size: int) -> None:
                          f"checkpoint at step {cfg.save_step()} (later steps are deterministic)")
 
 
-def cuda_determinism(on_gpus: bool, environ=os.environ) -> dict:
-    """What makes the resume check bitwise on CUDA: the environment to set before CUDA and NCCL
-    start (cuBLAS's fixed workspace, which `torch.use_deterministic_algorithms` requires; no
-    NVLS, whose in-switch reductions may add in any order), and whether to switch on
-    deterministic algorithms (flash/memory-efficient attention backward without atomics) from
-    the checkpoint on. Variables the user set are kept. On CPUs: nothing (already bitwise)."""
-    if not on_gpus:
-        return {"env": {}, "deterministic_from_save": False}
-    wanted = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_NVLS_ENABLE": "0"}
-    return {"env": {k: v for k, v in wanted.items() if k not in environ},
-            "deterministic_from_save": True}
-
-
-def timed_steps(cfg: Config, deterministic_from_save: bool) -> tuple[int, int]:
-    """The steps whose times give tokens/s and MFU: from --timed-from to the end, or to the
-    checkpoint when the steps after it run under deterministic algorithms (slower kernels)."""
-    return cfg.timed_from, cfg.save_step() if deterministic_from_save else cfg.steps
-
-
-def training_passes(cfg: Config, world_size: int, n_train_tokens: int) -> float:
-    """How many times the run reads its training tokens (steps × global batch ÷ corpus)."""
-    return cfg.steps * cfg.micro_batch_size * world_size * cfg.seq_len / n_train_tokens
-
-
-def enter_deterministic_mode() -> None:
-    """Deterministic algorithms from here on; compiled code is dropped so that the layers are
-    recompiled under them, as the resumed runs' will be (inductor fuses differently then)."""
-    torch.use_deterministic_algorithms(True)
-    torch._dynamo.reset()
-
-
 def model_config(cfg: Config):
     return llama_config(cfg.vocab_size, cfg.hidden_size, cfg.n_layers, cfg.n_heads,
                         cfg.n_kv_heads, cfg.ffn_size, cfg.seq_len)
-
-
-def prepare_tokenizer(cfg: Config, rec: RunRecorder, info):
-    """Rank 0 trains the tokenizer and saves it in --out (for export); every other rank gets it
-    from rank 0 over the process group, so that no node needs to read rank 0's disk for it."""
-    train_text, val_text = tokenizer.corpus_split()
-    box = [None]
-    if info.is_main:
-        log.info("training a byte-level BPE tokenizer, %d entries, on %d characters",
-                 cfg.vocab_size, len(train_text))
-        rec.out.mkdir(parents=True, exist_ok=True)
-        tok = tokenizer.train_tokenizer(train_text, cfg.vocab_size)
-        tok.save(str(rec.out / "tokenizer.json"))
-        box = [tok.to_str()]
-    dist.broadcast_object_list(box, src=0)  # every rank reaches it
-    tok = tokenizer.tokenizer_from_json(box[0])
-    return tok, tokenizer.encode(tok, train_text), tokenizer.encode(tok, val_text), val_text
 
 
 def build_fsdp_model(cfg: Config, config, info, seed: int):
@@ -261,30 +211,6 @@ def train_steps(model, opt, cfg: Config, ids, info, first: int, last: int, rec=N
             "outside_s": outside[0]}
 
 
-def save_checkpoint(model, opt, path) -> None:
-    """DCP: every rank writes its own shards of the model and the optimizer, in parallel; then
-    the ranks hash what they wrote and rank 0 writes the folder's manifest last (chapter 12)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, opt)
-    save_dcp({"model": model_sd, "optim": optim_sd}, path, shapes=training_shapes(model, opt))
-
-
-def load_checkpoint(model, opt, path, with_optimizer: bool = True) -> None:
-    """DCP load into an already-sharded model (and optimizer): each rank reads its shards, after
-    the folder verified against its manifest, through DCP's reader restricted to what its
-    metadata may hold (common.checkpoint, chapter 12: nothing in the folder can run code)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    manifest = verify_dcp(path)  # written inside this run's --out: no run id, the shapes must match
-    check_identity(manifest, None, training_shapes(model, opt), path)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd} if with_optimizer else {"model": model_sd}
-    load_dcp(state, path)
-    set_state_dict(model, opt, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"] if with_optimizer else optim_sd)
-
-
 def resume_and_compare(cfg, config, ids, info, path, reference: dict, with_optimizer: bool) -> dict:
     """A fresh model (another seed: the load must overwrite everything) loads the checkpoint
     and trains the remaining steps; its losses and final weights against the first run's."""
@@ -298,16 +224,6 @@ def resume_and_compare(cfg, config, ids, info, path, reference: dict, with_optim
     return {"loss_diff": loss_diff, "param_diff": param_diff}
 
 
-@torch.no_grad()
-def eval_loss(model, ids, cfg: Config, info, batches: int = 4) -> float:
-    """Mean loss on held-out windows (the last tenth of the corpus), the same on every rank."""
-    total = 0.0
-    for b in range(batches):
-        x, y = parity.global_batch(ids, 10_000 + b, cfg.micro_batch_size, cfg.seq_len, cfg.seed)
-        total += parity.lm_loss(model, x.to(info.device), y.to(info.device)).item()
-    return total / batches
-
-
 def main(cfg: Config) -> int:
     on_gpus = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     determinism = cuda_determinism(on_gpus)
@@ -319,7 +235,7 @@ def main(cfg: Config) -> int:
         # the DCP checkpoint's shards are written by every rank and read by all: on several
         # nodes --out must be a shared folder; refused in one line before training if it is not
         require_shared_folder(rec.out, "--out")
-        tok, train_ids, val_ids, val_text = prepare_tokenizer(cfg, rec, info)
+        tok, train_ids, val_ids, val_text = tokenizer.shared_tokenizer(cfg.vocab_size, rec.out, info.is_main)
         checks.record_tokenizer(rec, tok, cfg, train_ids, val_text)
         config = model_config(cfg)
         log.info("Llama: %.2fM parameters, L=%d h=%d heads=%d/%d kv, T=%d, %d x %d sequences "
@@ -345,34 +261,17 @@ def main(cfg: Config) -> int:
         meter = checks.throughput_meter(config, cfg, info)
         run = train_steps(model, opt, cfg, train_ids, info, 0, cfg.steps, rec, maybe_save, meter)
         run["params"] = parity.full_params(model)
-        val = eval_loss(model, val_ids, cfg, info)
+        val = parity.eval_loss(model, val_ids, cfg.micro_batch_size, cfg.seq_len, cfg.seed, info.device)
         entropy = tokenizer.unigram_entropy(train_ids)
-        final = statistics.mean(run["losses"][-5:])
-        rec.figure("loss at step 0 (ln V for a uniform guess)", round(run["losses"][0], 4),
-                   expected=round(float(torch.tensor(float(cfg.vocab_size)).log()), 4), unit="nats")
-        rec.check("training loss (mean of last 5 steps) < unigram entropy", "formula", final,
-                  round(entropy, 6), compare="<")
-        passes = training_passes(cfg, info.world_size, len(train_ids))
-        # the training loss is no held-out estimate: windows start anywhere, with replacement,
-        # so part of each batch was trained on before (counted, against its closed form)
-        checks.record_seen_fraction(rec, len(train_ids), cfg.steps,
-                                    cfg.micro_batch_size * info.world_size, cfg.seq_len, cfg.seed)
-        if passes <= 1:  # under one pass over the training tokens (the gpu preset makes ~10)
-            rec.check("held-out loss < unigram entropy", "formula", val, round(entropy, 6),
-                      compare="<")
-        else:  # it may have memorised the training text: reported, not checked
-            rec.figure(f"held-out loss after {passes:.1f} passes (not checked)", round(val, 4),
-                       expected=f"< {entropy:.4f}", unit="nats")
+        passes = checks.training_passes(cfg, info.world_size, len(train_ids))
+        checks.record_losses(rec, cfg, run["losses"], val, entropy, passes, len(train_ids),
+                             info.world_size)
         checks.record_throughput(rec, run, meter,
-                                 timed_steps(cfg, determinism["deterministic_from_save"]))
+                                 checks.timed_steps(cfg, determinism["deterministic_from_save"]))
 
         good = resume_and_compare(cfg, config, train_ids, info, ckpt, run, with_optimizer=True)
-        rec.check(f"DCP resume at step {cfg.save_step()}: losses (same machine)", "parity",
-                  good["loss_diff"], 0.0)
-        rec.check("DCP resume: final weights", "parity", good["param_diff"], 0.0)
         bad = resume_and_compare(cfg, config, train_ids, info, ckpt, run, with_optimizer=False)
-        rec.check("control: resume without the optimizer state differs", "parity",
-                  bad["param_diff"], 0.0, compare=">")
+        checks.record_resume(rec, cfg.save_step(), good, bad)
 
         probe = parity.global_batch(val_ids, 20_000, 2, cfg.seq_len, cfg.seed)[0]
         with library_output():  # the library's progress bars
