@@ -22,12 +22,18 @@ import torch
 import torch.distributed as dist
 
 from chapters.ch27_rlhf import rl, sync, train
+from chapters.ch27_rlhf.checks import (
+    EXAMPLE_TOLERANCE,
+    MISLABEL_FLOOR,
+    RECOMPUTE_TOLERANCE,
+    uniform_policy_reward,
+)
 from common.distributed import DistInfo, setup_distributed
 from common.launch import run_on_ranks, run_python, run_torchrun
 from common.results import RunRecorder
 
 SCRIPT = Path(train.__file__)
-TOL = train.EXAMPLE_TOLERANCE
+TOL = EXAMPLE_TOLERANCE
 
 
 def reference_gae(rewards: list, values: list, gamma: float, lam: float) -> list:
@@ -87,7 +93,7 @@ def test_reward_uniform_level_kl_and_bradley_terry():
     length = 3
     combos = torch.tensor(list(itertools.product(range(10), repeat=length)))
     levels = [rl.reward(torch.full((len(combos),), t), combos).double().mean().item() for t in range(28)]
-    assert abs(sum(levels) / 28 - train.uniform_policy_reward(length)) <= 1e-6
+    assert abs(sum(levels) / 28 - uniform_policy_reward(length)) <= 1e-6
     assert rl.reward(torch.tensor([6]), torch.tensor([[1, 2, 3]])).item() == 1.0
     logp = torch.tensor([-1.0, -2.0])
     assert torch.equal(rl.kl_to_reference(logp, logp), torch.zeros(2))
@@ -369,7 +375,7 @@ def test_lockstep_control_has_no_generation_beside_training(synced):
     assert checks[LOCKSTEP_BETWEEN]["measured"] == 0 and checks[LOCKSTEP_BETWEEN]["ok"]
     assert checks[LOCKSTEP_CLOCK]["measured"] == 0 and checks[LOCKSTEP_CLOCK]["ok"]
     assert checks["max staleness (updates) == the bound"]["measured"] == 0
-    assert checks[RECOMPUTED]["ok"] and checks[RECOMPUTED]["measured"] <= train.RECOMPUTE_TOLERANCE
+    assert checks[RECOMPUTED]["ok"] and checks[RECOMPUTED]["measured"] <= RECOMPUTE_TOLERANCE
     assert checks["mislabelled-version controls run (every step but the first)"]["measured"] == 4
     assert all(c["ok"] for c in checks.values() if c["kind"] != "timing"), checks
 
@@ -398,7 +404,7 @@ def test_mislabelled_generator_is_caught(synced):
     the recomputation under the carried version no longer matches."""
     checks = synced[0]["mislabelled"]
     assert not checks[RECOMPUTED]["ok"]
-    assert checks[RECOMPUTED]["measured"] > train.MISLABEL_FLOOR
+    assert checks[RECOMPUTED]["measured"] > MISLABEL_FLOOR
 
 
 @pytest.mark.timeout(120)
@@ -415,9 +421,9 @@ def test_script_two_ranks_asynchronous_delta():
     assert res.check("schedule: generations of batch t+1 between gather t and push t+1")[
         "measured"] == 59
     assert res.check(CLOCK.format(k=1))["ok"]  # concurrency: at least one on the clock
-    assert res.check(RECOMPUTED)["measured"] <= train.RECOMPUTE_TOLERANCE
+    assert res.check(RECOMPUTED)["measured"] <= RECOMPUTE_TOLERANCE
     assert res.check("control: under a mislabelled version, min over steps of max |Δ| >= 0.001")[
-        "measured"] >= train.MISLABEL_FLOOR
+        "measured"] >= MISLABEL_FLOOR
     for name in ("initial weights: every rank == the trainer's after the broadcast (bitwise)",
                  "control: before the broadcast the ranks' own initial weights differ"):
         assert res.check(name)["measured"] == 1
@@ -445,7 +451,7 @@ def test_script_three_ranks_ppo_reward_model_staleness_two():
     assert res.check("schedule: generations of batch t+2 between gather t and push t+1")[
         "measured"] == 2 * 58
     assert res.check(CLOCK.format(k=2))["ok"]
-    assert res.check(RECOMPUTED)["measured"] <= train.RECOMPUTE_TOLERANCE
+    assert res.check(RECOMPUTED)["measured"] <= RECOMPUTE_TOLERANCE
     n = int(res.summary["figures"]["bytes per full push in training"]["expected"])
     assert res.summary["figures"]["bytes per full push in training"]["measured"] == n
     assert res.summary["figures"]["reward model's score: last 5 − first 5"]["measured"] > 0

@@ -26,7 +26,7 @@ import json
 import matplotlib.pyplot as plt
 import torch
 
-from chapters.ch27_rlhf import rl, sync, train
+from chapters.ch27_rlhf import checks, rl, sync
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
 
@@ -35,7 +35,7 @@ from common.results import REPO_ROOT
 # Reward 1 − |sum − T| / 27: exact, cheap, no judge. A policy of uniform random digits scores:
 
 # %%
-print(f"uniform random digits: expected reward {train.uniform_policy_reward(3):.4f}")
+print(f"uniform random digits: expected reward {checks.uniform_policy_reward(3):.4f}")
 targets = torch.tensor([6, 6, 20])
 digits = torch.tensor([[1, 2, 3], [9, 9, 9], [9, 9, 2]])
 print("rewards:", rl.reward(targets, digits).tolist())
@@ -79,7 +79,7 @@ print(result.output[result.output.index("figure"):])
 steps = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3))
 ax1.plot([s["step"] for s in steps], [s["reward"] for s in steps])
-ax1.axhline(train.uniform_policy_reward(3), color="k", ls=":")
+ax1.axhline(checks.uniform_policy_reward(3), color="k", ls=":")
 ax1.set_xlabel("update")
 ax1.set_ylabel("mean reward")
 ax2.plot([s["step"] for s in steps], [s["kl"] for s in steps])

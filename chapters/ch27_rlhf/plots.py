@@ -16,7 +16,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from chapters.ch27_rlhf import train
+from chapters.ch27_rlhf import checks
 from common.launch import run_python, run_torchrun
 from common.results import save_figure
 
@@ -61,7 +61,7 @@ def _rewards(path: Path, runs: dict) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.8))
     for name, run in runs.items():
         ax.plot(range(len(run["reward"])), run["reward"], label=name, lw=1.1)
-    level = train.uniform_policy_reward(3)
+    level = checks.uniform_policy_reward(3)
     ax.axhline(level, color="k", ls=":", label=f"uniform random digits ({level:.3f})")
     ax.axhline(level + 0.1, color="C3", ls="-.", lw=0.8, label="+ the check's margin 0.1")
     ax.set_xlabel("update")
