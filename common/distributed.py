@@ -1,7 +1,10 @@
 """Distributed setup and teardown: who am I, which device, which backend.
 
-Chapters 01 and 02 write this inline, as the lesson; from chapter 03 on every chapter calls
-`setup_distributed` / `teardown_distributed` here (same names, same behaviour).
+Taught in chapter 01: its `hello.py` writes the core inline (read `RANK`/`WORLD_SIZE`/`LOCAL_RANK`,
+set the device, create the group, destroy it in `finally`), and its `train.py` calls the full
+version here, which the lesson walks through. Chapter 02 writes torchrun's and mp.spawn's setup
+inline with `choose_device_and_backend` and `teardown_distributed` from here; from chapter 03 on
+every chapter calls `setup_distributed` / `teardown_distributed`.
 
 Where the ranks come from, in order:
 1. torchrun (or a Kubernetes PyTorchJob or Volcano Job, or srun with enroot's pyxis hook):
@@ -140,7 +143,8 @@ def choose_device_and_backend(
     local_rank: int, local_world_size: int, device: str = "auto", backend: str = "auto",
     gpu_count: int | None = None, env: dict[str, str] | None = None,
 ) -> tuple[torch.device, str]:
-    """CUDA + NCCL when each local rank has a GPU, else CPU + gloo; explicit choices win.
+    """CUDA + NCCL when each local rank has a GPU, else CPU + gloo; explicit choices win
+    (taught in chapter 01).
 
     - One GPU per local rank: rank r uses `cuda:r`.
     - `srun` with one GPU bound to each task (`--gpus-per-task=1`): every task sees one GPU,
@@ -330,10 +334,12 @@ def broadcast_from_rank0(module: torch.nn.Module, group=None) -> None:
 def teardown_distributed() -> None:
     """Destroy the default group if there is one (call it in `finally`).
 
-    gloo's worker threads outlive `destroy_process_group` while DDP or FSDP2 still reference the
-    group, and may still be releasing the last collective's tensors; a process that exits at
-    that moment aborts ("terminate called without an active exception") after every check has
-    passed. Collecting reference cycles and giving the workers 50 ms to go idle avoids it."""
+    `destroy_process_group` does not always free the group: while DDP or FSDP2 still reference it,
+    or once `torch._dynamo` is imported (optimizers, DDP and FlopCounterMode import it), gloo's
+    worker threads live on, and one may still be releasing the last collective's tensors. A
+    process that exits at that moment aborts after all its work is done ("terminate called
+    without an active exception", pytorch/pytorch#190489; chapter 01's pitfalls). Collecting
+    reference cycles and giving the workers 50 ms to go idle avoids it."""
     if dist.is_available() and dist.is_initialized():
         backend = dist.get_backend()
         dist.destroy_process_group()

@@ -1,10 +1,12 @@
-"""Chapter 01 (why distributed training): the hello-distributed run, its all-reduce and rank
-views, the FLOP-counting formula, the memory/FLOPs/time calculators, and the inline setup."""
+"""Chapter 01 (why distributed training): the first program (hello.py) and the full run, its
+all-reduce and rank views, the FLOP-counting formula, the memory/FLOPs/time calculators, and the
+launch setup the chapter teaches (common.distributed's, which train.py calls)."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -13,14 +15,21 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from chapters.ch01_overview import calculators as calc
-from chapters.ch01_overview import train
+from chapters.ch01_overview import flops, hello, train
 from common.config import parse_config
-from common.distributed import DistributedSetupError
-from common.launch import run_on_ranks, run_torchrun
+from common.distributed import (
+    DistributedSetupError,
+    choose_device_and_backend,
+    read_launch_env,
+    setup_distributed,
+    teardown_distributed,
+)
+from common.launch import run_on_ranks, run_python, run_torchrun
 from common.models import MLP, count_params
 from common.results import check_ok
 
 SCRIPT = Path(train.__file__)
+HELLO = Path(hello.__file__)
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_NTASKS",
                "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NODELIST",
@@ -43,6 +52,42 @@ def no_launcher(monkeypatch):
     for var in LAUNCH_VARS:
         monkeypatch.delenv(var, raising=False)
     assert not dist.is_initialized()
+
+
+# --- the first program: hello.py --------------------------------------------------------------
+
+def hello_lines(output: str) -> list[str]:
+    """Every rank's line, sorted (two ranks writing to one pipe may run their lines together:
+    with PYTHONUNBUFFERED, print writes the text and its newline separately)."""
+    return sorted(re.findall(r"rank \d+ of \d+ .*?: (?:ok|WRONG)", output))
+
+
+@pytest.mark.timeout(150)
+def test_hello_all_reduces_the_ranks_under_torchrun(tmp_path):
+    """Two processes: each prints its rank and the all-reduced sum of the ranks, 0 + 1 = 1."""
+    run = run_torchrun(HELLO, nproc=2, timeout=120, out_dir=tmp_path)
+    assert run.returncode == 0
+    assert hello_lines(run.output) == [
+        f"rank {r} of 2 (cpu, gloo): sum of ranks 1, world_size*(world_size-1)/2 = 1: ok"
+        for r in (0, 1)]
+
+
+@pytest.mark.timeout(90)
+def test_hello_runs_as_a_world_of_one_without_torchrun(no_launcher, tmp_path):
+    run = run_python(HELLO, timeout=60, out_dir=tmp_path)
+    assert hello_lines(run.output) == [
+        "rank 0 of 1 (cpu, gloo): sum of ranks 0, world_size*(world_size-1)/2 = 0: ok"]
+
+
+def test_hello_is_short_and_the_lesson_shows_its_code():
+    """The first program stays short (docstring, imports and all), and the lesson's walk-through
+    shows its code as it is: the README's block is a verbatim excerpt of hello.py."""
+    source = HELLO.read_text()
+    assert len(source.splitlines()) <= 50
+    readme = (HELLO.parent / "README.md").read_text()
+    block = readme.split("<!-- hello.py -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "dist.all_reduce(total" in block and "dist.destroy_process_group()" in block
+    assert block in source, "the README's hello.py block differs from hello.py"
 
 
 # --- the real two-process run --------------------------------------------------------------
@@ -146,18 +191,18 @@ def test_flop_counter_matches_the_formula_exactly(dims, batch):
     # Layer by layer: forward 2·B·a·b; backward 2·B·a·b for the weight gradient and, except
     # for the first layer (its input needs no gradient), 2·B·a·b for the input gradient.
     by_hand = sum((4 if i == 0 else 6) * batch * a * b for i, (a, b) in enumerate(zip(dims, dims[1:])))
-    assert counted == by_hand == train.mlp_step_flops(dims, batch)
+    assert counted == by_hand == flops.mlp_step_flops(dims, batch)
     # Negative control: the textbook 6·N·B (N with biases) is close but not exact.
     assert counted != 6 * n_params * batch
     assert 0.5 < counted / (6 * n_params * batch) < 1
     # The first-layer exception is real: an input that needs a gradient adds 2·B·in₀·out₀.
     with_input_grad, _ = counted_step_flops(dims, batch, input_requires_grad=True)
-    assert with_input_grad == by_hand + 2 * batch * dims[0] * dims[1] != train.mlp_step_flops(dims, batch)
+    assert with_input_grad == by_hand + 2 * batch * dims[0] * dims[1] != flops.mlp_step_flops(dims, batch)
 
 
 def test_count_flops_counts_a_function():
     a, b = torch.randn(5, 7), torch.randn(7, 3)
-    assert train.count_flops(lambda: a @ b) == 2 * 5 * 7 * 3
+    assert flops.count_flops(lambda: a @ b) == 2 * 5 * 7 * 3
 
 
 # --- calculators against hand-worked numbers ----------------------------------------------
@@ -220,14 +265,14 @@ def test_calculators_reject_impossible_inputs(call, message):
 # --- the inline setup and the command line -------------------------------------------------
 
 def test_setup_falls_back_to_a_world_of_one(no_launcher):
-    info = train.setup_distributed("cpu", "auto", timeout_s=30)
+    info = setup_distributed("cpu", "auto", timeout_s=30)
     try:
         assert (info.rank, info.world_size, info.launcher) == (0, 1, "single")
         assert (info.device, info.backend) == (torch.device("cpu"), "gloo")
         assert dist.is_initialized() and dist.get_world_size() == 1
         assert train.all_reduce_sum(info.device) == (1.0, 1.0, 1.0)  # a real collective works
     finally:
-        train.teardown_distributed()
+        teardown_distributed()
     assert not dist.is_initialized()
 
 
@@ -245,16 +290,16 @@ def test_main_runs_as_one_process(no_launcher, tmp_path):
 def test_nccl_is_refused_on_a_cpu_only_machine(no_launcher, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # a CPU-only machine
     with pytest.raises(DistributedSetupError, match="nccl backend needs CUDA"):
-        train.setup_distributed("auto", "nccl", timeout_s=10)
+        setup_distributed("auto", "nccl", timeout_s=10)
     with pytest.raises(DistributedSetupError, match="--device cuda, but torch sees no CUDA GPU"):
-        train.setup_distributed("cuda", "auto", timeout_s=10)
+        setup_distributed("cuda", "auto", timeout_s=10)
     assert not dist.is_initialized()
     assert train.main(train.Config(out=str(tmp_path), backend="nccl")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["train.py: error: the nccl backend needs CUDA devices: use --backend gloo on CPU"]
 
 
-# --- the inline setup agrees with common.distributed (chapters 03+ use that one) ------------
+# --- the launch setup train.py calls (common.distributed), against rules written here ----------
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8",
             "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
@@ -268,18 +313,25 @@ ENVS = {
     "srun, GPUs per node": {**SRUN, "SLURM_NTASKS_PER_NODE": "8", "SLURM_GPUS_ON_NODE": "8"},
     "srun torchrun": {**SRUN, **TORCHRUN, "SLURM_GPUS_ON_NODE": "8"},
 }
+# (rank, local_rank, world_size, local_world_size, launcher), read off each environment by hand
+# (Slurm's "8(x2)" tasks per node: 8 on this node)
+LAUNCHES = {
+    "plain python": (0, 0, 1, 1, "single"),
+    "torchrun": (3, 3, 16, 8, "torchrun"),
+    "srun, no GPUs": (9, 1, 16, 8, "slurm"),
+    "srun, one GPU per task": (9, 1, 16, 8, "slurm"),
+    "srun, GPUs per node": (9, 1, 16, 8, "slurm"),
+    "srun torchrun": (3, 3, 16, 8, "torchrun"),
+}
 
 
 @pytest.mark.parametrize("name", list(ENVS))
-def test_inline_launch_reading_agrees_with_common(name):
-    from common.distributed import read_launch_env
-
-    env = ENVS[name]
-    theirs = read_launch_env(env)
-    mine = train.read_launch(env)
-    assert mine == {k: theirs[k] for k in mine}, name
-    assert mine["launcher"] == {"plain python": "single", "torchrun": "torchrun",
-                                "srun torchrun": "torchrun"}.get(name, "slurm")
+def test_launch_reading_of_every_launcher(name):
+    got = read_launch_env(ENVS[name])
+    keys = ("rank", "local_rank", "world_size", "local_world_size", "launcher")
+    assert tuple(got[k] for k in keys) == LAUNCHES[name], name
+    assert got["launcher"] == {"plain python": "single", "torchrun": "torchrun",
+                               "srun torchrun": "torchrun"}.get(name, "slurm")
 
 
 def _decide(fn, *args, **kwargs):
@@ -289,21 +341,54 @@ def _decide(fn, *args, **kwargs):
         return f"refused: {e}"
 
 
-@pytest.mark.parametrize("name", list(ENVS))
-def test_inline_device_choice_agrees_with_common(name):
-    """Every combination of GPUs visible, local layout and overrides: the same device and
-    backend, or the same refusal, as common.distributed.choose_device_and_backend."""
-    from common.distributed import choose_device_and_backend
+def _rule(local_rank, local_world, device="auto", backend="auto", gpu_count=0, env=None):
+    """The device choice the lesson states, written here from its sentences: CUDA when every
+    local rank has a GPU; cuda:0 when srun bound one GPU to each task; GPUs asked for (--device
+    cuda, or Slurm allocated some) but none visible: refused; fewer GPUs than local ranks:
+    refused unless --device cuda --backend gloo shares them; else the CPU. The backend follows
+    the device, and nccl without CUDA is refused."""
+    env = env or {}
+    slurm_gpus = any(env.get(k, "") not in ("", "0") for k in (
+        "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_PER_TASK"))
+    srun_task = "SLURM_PROCID" in env and "LOCAL_WORLD_SIZE" not in env
+    if device != "cpu" and gpu_count == 0 and (device == "cuda" or slurm_gpus):
+        return "refused: sees no GPU"
+    if device == "cpu" or (device == "auto" and gpu_count == 0):
+        dev = torch.device("cpu")
+    elif gpu_count >= local_world:
+        dev = torch.device("cuda", local_rank)
+    elif gpu_count == 1 and srun_task:
+        dev = torch.device("cuda", 0)
+    elif device == "cuda" and backend == "gloo":
+        dev = torch.device("cuda", local_rank % gpu_count)
+    else:
+        return "refused: too few GPUs"
+    if backend == "nccl" and dev.type != "cuda":
+        return "refused: nccl needs CUDA"
+    return dev, (("nccl" if dev.type == "cuda" else "gloo") if backend == "auto" else backend)
 
+
+REFUSALS = {"refused: sees no GPU": "but torch sees no CUDA GPU",
+            "refused: too few GPUs": "processes on this node but",
+            "refused: nccl needs CUDA": "the nccl backend needs CUDA devices"}
+
+
+@pytest.mark.parametrize("name", list(ENVS))
+def test_device_choice_follows_the_lessons_rules(name):
+    """Every combination of GPUs visible, local layout and overrides: the same device and
+    backend as the rules written here, or a refusal for the same reason."""
     env, seen = ENVS[name], set()
     for gpus in (0, 1, 2, 8):
         for local_rank, local_world in ((0, 1), (1, 2), (3, 8), (7, 8)):
             for device in ("auto", "cpu", "cuda"):
                 for backend in ("auto", "gloo", "nccl"):
                     args = (local_rank, local_world, device, backend)
-                    mine = _decide(train.choose_device, *args, gpu_count=gpus, env=env)
+                    mine = _rule(*args, gpu_count=gpus, env=env)
                     theirs = _decide(choose_device_and_backend, *args, gpu_count=gpus, env=env)
-                    assert mine == theirs, (name, gpus, args)
+                    if isinstance(mine, str):
+                        assert isinstance(theirs, str) and REFUSALS[mine] in theirs, (name, gpus, args)
+                    else:
+                        assert mine == theirs, (name, gpus, args)
                     seen.add(str(mine))
     assert any(s.startswith("refused") for s in seen) and any("cuda" in s for s in seen)
 
@@ -318,38 +403,36 @@ def _old_choice(local_rank, local_world, device="auto", backend="auto", gpu_coun
 
 def test_the_agreement_check_rejects_the_old_rule():
     """Negative control: the old rule silently ran srun's one-GPU-per-task ranks on the CPU,
-    and the comparison with common's choice catches it."""
-    from common.distributed import choose_device_and_backend
-
+    and the comparison with the choice the setup makes catches it."""
     env = ENVS["srun, one GPU per task"]
     assert _old_choice(5, 8, gpu_count=1, env=env) == (torch.device("cpu"), "gloo")
     assert _old_choice(5, 8, gpu_count=1, env=env) != choose_device_and_backend(5, 8, gpu_count=1, env=env)
+    assert _old_choice(5, 8, gpu_count=1, env=env) != _rule(5, 8, gpu_count=1, env=env)
 
 
 def test_srun_with_one_gpu_per_task_and_missing_gpus():
+    choose_device = choose_device_and_backend
     one_per_task = ENVS["srun, one GPU per task"]
     # Slurm bound one GPU to each of 8 tasks on the node: each task's cuda:0 is its own.
-    assert train.choose_device(5, 8, gpu_count=1, env=one_per_task) == (torch.device("cuda", 0), "nccl")
+    assert choose_device(5, 8, gpu_count=1, env=one_per_task) == (torch.device("cuda", 0), "nccl")
     # ... and the same 8 local ranks under torchrun with one GPU would collide: refused.
     with pytest.raises(DistributedSetupError, match="8 processes on this node but 1 GPU"):
-        train.choose_device(5, 8, gpu_count=1, env=TORCHRUN)
+        choose_device(5, 8, gpu_count=1, env=TORCHRUN)
     # Slurm allocated GPUs but torch sees none (a CPU-only torch): loud, not a silent CPU run.
     with pytest.raises(DistributedSetupError, match="Slurm allocated GPUs to this job, but torch sees no"):
-        train.choose_device(0, 8, gpu_count=0, env=one_per_task)
-    assert train.choose_device(0, 8, "cpu", gpu_count=0, env=one_per_task) == (torch.device("cpu"), "gloo")
+        choose_device(0, 8, gpu_count=0, env=one_per_task)
+    assert choose_device(0, 8, "cpu", gpu_count=0, env=one_per_task) == (torch.device("cpu"), "gloo")
     # Two ranks sharing one GPU: only gloo allows it.
-    assert train.choose_device(1, 2, "cuda", "gloo", gpu_count=1, env={}) == (torch.device("cuda", 0), "gloo")
+    assert choose_device(1, 2, "cuda", "gloo", gpu_count=1, env={}) == (torch.device("cuda", 0), "gloo")
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
-def test_inline_teardown_does_what_commons_does(no_launcher, monkeypatch, backend):
-    """Chapter 01's teardown copies common.distributed's: destroy the group, collect reference
-    cycles, and under gloo give its worker threads 50 ms. Both are run and their steps compared
-    (a copy that dropped the collection or the wait, or waited under NCCL, would differ)."""
+def test_teardown_collects_and_lets_gloo_go_idle(no_launcher, monkeypatch, backend):
+    """The teardown train.py calls: destroy the group, collect reference cycles, and under gloo
+    give its worker threads 50 ms (a teardown that dropped the collection or the wait, or waited
+    under NCCL, would differ); without a group it does nothing."""
     import gc
     import time
-
-    import common.distributed as common_dist
 
     steps = []
     destroy = dist.destroy_process_group
@@ -357,16 +440,13 @@ def test_inline_teardown_does_what_commons_does(no_launcher, monkeypatch, backen
     monkeypatch.setattr(dist, "get_backend", lambda *a: backend)  # the group's backend, as reported
     monkeypatch.setattr(gc, "collect", lambda *a: steps.append("gc") or 0)
     monkeypatch.setattr(time, "sleep", lambda s: steps.append(f"sleep {s}"))
-    seen = {}
-    for name, teardown in (("inline", train.teardown_distributed), ("common", common_dist.teardown_distributed)):
-        steps.clear()
-        train.setup_distributed("cpu", "gloo", timeout_s=30)
-        teardown()
-        assert not dist.is_initialized()
-        teardown()  # without a group: nothing to do
-        seen[name] = list(steps)
+    assert train.teardown_distributed is teardown_distributed  # one implementation
+    setup_distributed("cpu", "gloo", timeout_s=30)
+    teardown_distributed()
+    assert not dist.is_initialized()
+    teardown_distributed()  # without a group: nothing to do
     expected = ["destroy", "gc"] + (["sleep 0.05"] if backend == "gloo" else [])
-    assert seen["inline"] == seen["common"] == expected
+    assert steps == expected
 
 
 def test_setup_reads_an_srun_launch_of_one_task(monkeypatch):
@@ -379,12 +459,12 @@ def test_setup_reads_an_srun_launch_of_one_task(monkeypatch):
                  "SLURM_TASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": "localhost",
                  "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(k, v)
-    info = train.setup_distributed("cpu", "auto", timeout_s=30)
+    info = setup_distributed("cpu", "auto", timeout_s=30)
     try:
         assert (info.launcher, info.rank, info.world_size, info.device) == ("slurm", 0, 1, torch.device("cpu"))
         assert train.all_reduce_sum(info.device) == (1.0, 1.0, 1.0)
     finally:
-        train.teardown_distributed()
+        teardown_distributed()
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -17,7 +17,7 @@
 # memory**, and **can one device do its FLOPs in a reasonable time**. This notebook answers
 # both with the chapter's calculators (`chapters/ch01_overview/calculators.py`), counts the
 # FLOPs of a real training step with PyTorch's `FlopCounterMode`, and launches the chapter's
-# "hello distributed" script on two CPU processes with `torchrun`.
+# first program (`hello.py`) and its full script (`train.py`) on two CPU processes with `torchrun`.
 #
 # Units: GB means decimal gigabytes (1e9 bytes, as on datasheets); GiB is 2**30 bytes, the
 # binary unit of memory tools (`nvidia-smi` prints MiB, 2**20 bytes).
@@ -25,13 +25,15 @@
 # %%
 import inspect
 import json
+import re
 
 import matplotlib.pyplot as plt
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from chapters.ch01_overview import calculators as calc
-from chapters.ch01_overview import plots, train
+from chapters.ch01_overview import flops, hello, plots, train
+from common.distributed import choose_device_and_backend
 from common.launch import run_torchrun
 from common.models import MLP, count_params
 from common.results import REPO_ROOT
@@ -68,8 +70,8 @@ fig.tight_layout()
 # 989 TFLOP/s (H100, bf16 dense) and a model FLOPs utilisation (MFU) of 0.4:
 
 # %%
-flops = calc.training_flops(7e9, 1e12)
-print(f"7B parameters, 1T tokens: {flops:.2e} FLOPs")
+total_flops = calc.training_flops(7e9, 1e12)
+print(f"7B parameters, 1T tokens: {total_flops:.2e} FLOPs")
 for n in (1, 8, 64, 1024):
     t = calc.time_to_train_s(7e9, 1e12, n, 989e12, 0.4)
     print(f"{n:5d} H100s: {calc.days(t):8.1f} days")
@@ -89,7 +91,7 @@ fig.tight_layout()
 # equal to the textbook 6·N·B (N also counts biases, which cost no matmul).
 
 # %%
-print(inspect.getsource(train.mlp_step_flops))
+print(inspect.getsource(flops.mlp_step_flops))
 
 # %%
 torch.manual_seed(0)
@@ -102,7 +104,7 @@ with FlopCounterMode(display=False) as counter:
 counted = counter.get_total_flops()
 N = count_params(model)
 print(f"counted by FlopCounterMode   {counted:>12,d}")
-print(f"6·B·Σ in·out − 2·B·in₀·out₀  {train.mlp_step_flops(dims, B):>12,d}")
+print(f"6·B·Σ in·out − 2·B·in₀·out₀  {flops.mlp_step_flops(dims, B):>12,d}")
 print(f"plain 6·N·B (N = {N:,d})  {6 * N * B:>12,d}   ratio {counted / (6 * N * B):.3f}")
 for module, ops in counter.get_flop_counts().items():
     if module.startswith("MLP."):
@@ -111,32 +113,41 @@ for module, ops in counter.get_flop_counts().items():
 # %% [markdown]
 # ## 4. Hello, distributed
 #
-# The script writes the distributed setup inline, as the lesson. The device is chosen and set
-# before the process group exists, the backend follows from the device, and without torchrun
-# it falls back to a real group of one process:
+# The first program writes the distributed setup inline: it reads its rank from torchrun's
+# environment, chooses and sets the device before the process group exists, lets the backend
+# follow the device, all-reduces one number and leaves the group in `finally`:
 
 # %%
-print(inspect.getsource(train.setup_distributed))
+print(inspect.getsource(hello.main))
 
 # %% [markdown]
-# Which device each rank takes depends on the launcher and on the GPUs it can see. Here the
-# decision for 8 local ranks on machines with 0, 1 and 8 GPUs, under torchrun and under
-# `srun --gpus-per-task=1` (each task sees one GPU, its own):
+# Two processes started by `torchrun` (as a subprocess: worker code never lives in a notebook
+# cell), each printing the all-reduced sum of the ranks, 0 + 1:
+
+# %%
+hello_run = run_torchrun(REPO_ROOT / "chapters/ch01_overview/hello.py", nproc=2, timeout=120)
+print("\n".join(re.findall(r"rank \d+ of \d+ .*?: (?:ok|WRONG)", hello_run.output)))
+
+# %% [markdown]
+# The chapter's full script, `train.py`, calls the course's setup in `common/distributed.py`
+# instead, which also reads Slurm's `srun` and checks the GPU layout. Which device each rank
+# takes depends on the launcher and on the GPUs it can see. Here the decision for 8 local ranks
+# on machines with 0, 1 and 8 GPUs, under torchrun and under `srun --gpus-per-task=1` (each task
+# sees one GPU, its own):
 
 # %%
 srun_one_gpu = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_GPUS_PER_TASK": "1"}
 for launcher, env in (("torchrun", {"RANK": "5"}), ("srun", srun_one_gpu)):
     for gpus in (0, 1, 8):
         try:
-            decision = train.choose_device(5, 8, gpu_count=gpus, env=env)
+            decision = choose_device_and_backend(5, 8, gpu_count=gpus, env=env)
         except Exception as e:
             decision = f"refused: {e}"[:90]
         print(f"{launcher:8s} {gpus} GPU(s) visible: local rank 5 -> {decision}")
 
 # %% [markdown]
-# Now the real thing: two processes started by `torchrun` (as a subprocess; worker code never
-# lives in a notebook cell). Each rank reports its view, they all-reduce rank+1, count and
-# time a training step, and project the 7B run. On a CPU the MFU is against a measured matmul
+# Now the full script: two processes started by `torchrun` again. Each rank reports its view,
+# they all-reduce rank+1, count and time a training step, and project the 7B run. On a CPU the MFU is against a measured matmul
 # (noisy, not a peak); on a known GPU against its datasheet peak.
 
 # %%

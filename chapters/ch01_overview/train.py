@@ -1,6 +1,6 @@
-"""Hello, distributed: every rank reports who it is, the ranks add up one number together, and
-one timed training step of a small model is turned into a projection of how long a real model
-would take to train (6·N·D FLOPs at a measured or an assumed rate).
+"""Chapter 01's full run, after hello.py: every rank reports who it is, the ranks add up one
+number together, and one timed training step of a small model is turned into a projection of how
+long a real model would take to train (6·N·D FLOPs at a measured or an assumed rate).
 
     python chapters/ch01_overview/train.py                                   # one process
     torchrun --standalone --nproc_per_node=2 chapters/ch01_overview/train.py # 2 processes, CPU
@@ -19,27 +19,29 @@ Project another run: --project-params 70e9 --project-tokens 2e12 --project-devic
 
 from __future__ import annotations
 
-import datetime
-import gc
 import json
 import os
-import re
 import socket
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
 from chapters.ch01_overview import calculators as calc
+from chapters.ch01_overview.flops import count_flops, mlp_step_flops
 from common.checkpoint import atomic_write
 from common.config import RunConfig, parse_config
 from common.data import regression_data
-from common.distributed import DistInfo, DistributedSetupError, first_slurm_host, reduce_number
+from common.distributed import (  # hello.py's setup in full: torchrun, srun or one process
+    DistInfo,
+    DistributedSetupError,
+    reduce_number,
+    setup_distributed,
+    teardown_distributed,
+)
 from common.log import log, setup_logging
 from common.models import MLP, count_params
 from common.results import RunRecorder
@@ -93,123 +95,6 @@ class Config(RunConfig):
             raise ValueError(f"--mfu is a fraction of peak in (0, 1], got {self.mfu}")
 
 
-def read_launch(env=None) -> dict:
-    """Who started this process, read from the launcher's environment variables (`env`
-    defaults to `os.environ`; a test passes its own):
-    torchrun (or a Kubernetes PyTorchJob) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
-    and MASTER_ADDR/PORT; Slurm's `srun` starting every rank itself sets SLURM_PROCID,
-    SLURM_NTASKS, SLURM_LOCALID and the node list; neither means a world of one."""
-    env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world_size = int(env["WORLD_SIZE"])
-        return dict(rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)),
-                    world_size=world_size,
-                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
-                    launcher="torchrun")
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        world_size = int(env["SLURM_NTASKS"])
-        # SLURM_TASKS_PER_NODE reads like "8(x2)": the first number is this node's count.
-        per_node = re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE")
-                            or env.get("SLURM_TASKS_PER_NODE", "") or str(world_size))
-        return dict(rank=int(env["SLURM_PROCID"]), local_rank=int(env.get("SLURM_LOCALID", 0)),
-                    world_size=world_size,
-                    local_world_size=int(per_node.group()) if per_node else world_size,
-                    launcher="slurm")
-    return dict(rank=0, local_rank=0, world_size=1, local_world_size=1, launcher="single")
-
-
-def choose_device(local_rank: int, local_world_size: int, device: str = "auto",
-                  backend: str = "auto", gpu_count: int | None = None, env=None):
-    """CUDA + NCCL when every local rank has a GPU of its own, else CPU + gloo; overrides win.
-
-    - as many GPUs as local ranks (or more): local rank r uses cuda:r;
-    - `srun` bound one GPU to each task (`--gpus-per-task=1`): each task sees one GPU, cuda:0;
-    - GPUs asked for (`--device cuda`, or Slurm allocated some) but none visible: an error, never
-      a silent run on the CPU;
-    - fewer GPUs than local ranks: an error, unless `--device cuda --backend gloo` shares them
-      (by torch's source, gloo stages CUDA tensors through host memory for all-reduce,
-      broadcast, all-gather and reduce-scatter, the last as an all-reduce of the whole input;
-      send/recv have no CUDA path; NCCL refuses two ranks on one GPU).
-    From chapter 03 on, `common.distributed.choose_device_and_backend` decides the same way
-    (a test checks that the two agree)."""
-    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
-    env = os.environ if env is None else env
-    if device not in ("auto", "cpu", "cuda"):
-        raise DistributedSetupError(f"unknown device {device!r}: use auto, cpu or cuda")
-    if backend not in ("auto", "gloo", "nccl", "mpi", "ucc", "xccl"):
-        raise DistributedSetupError(f"unknown backend {backend!r}: use auto, gloo or nccl")
-    slurm_gpus = any(env.get(k, "") not in ("", "0") for k in (
-        "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_GPUS_PER_TASK"))
-    if device != "cpu" and gpus == 0 and (device == "cuda" or slurm_gpus):
-        asked = "--device cuda" if device == "cuda" else "Slurm allocated GPUs to this job"
-        raise DistributedSetupError(
-            f"{asked}, but torch sees no CUDA GPU (a CPU-only build of torch, or "
-            f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '')!r}); use --device cpu to run on the CPU")
-    srun_task = "SLURM_PROCID" in env and "RANK" not in env  # srun started this rank itself
-    if device == "cpu" or (device == "auto" and gpus == 0):
-        dev = torch.device("cpu")
-    elif gpus >= local_world_size:
-        dev = torch.device("cuda", local_rank)
-    elif gpus == 1 and srun_task:
-        dev = torch.device("cuda", 0)  # one GPU bound to each task: its cuda:0 is its own
-    elif device == "cuda" and backend == "gloo":
-        dev = torch.device("cuda", local_rank % gpus)  # ranks share GPUs, which gloo allows
-    else:
-        raise DistributedSetupError(
-            f"{local_world_size} processes on this node but {gpus} GPU(s): start one process per "
-            f"GPU (--nproc_per_node={gpus}), or share them with --device cuda --backend gloo "
-            f"(collectives only, no send/recv), or run on the CPU with --device cpu")
-    if backend == "auto":
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-    if backend == "nccl" and dev.type != "cuda":
-        raise DistributedSetupError("the nccl backend needs CUDA devices: use --backend gloo on CPU")
-    return dev, backend
-
-
-def setup_distributed(device: str = "auto", backend: str = "auto", timeout_s: float = 300.0) -> DistInfo:
-    """Join the job torchrun or srun started, or make a world of one; return this rank's view."""
-    launch = read_launch()
-    rank, world_size = launch["rank"], launch["world_size"]
-    dev, backend = choose_device(launch["local_rank"], launch["local_world_size"], device, backend)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)  # BEFORE init: barrier, object collectives use this device
-    timeout = datetime.timedelta(seconds=timeout_s)  # a dead peer becomes an error, not a hang
-    if not dist.is_initialized():
-        if launch["launcher"] == "torchrun":  # env://: MASTER_ADDR/PORT name torchrun's store
-            dist.init_process_group(backend, init_method="env://", rank=rank,
-                                    world_size=world_size, timeout=timeout)
-        else:
-            if launch["launcher"] == "slurm":  # rank 0 hosts the key-value store on the first node
-                env = os.environ
-                host = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST")
-                                                                or env.get("SLURM_NODELIST", "127.0.0.1"))
-                port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)
-                store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-            else:  # plain `python train.py`: a real group of one, so collectives still work
-                store = dist.HashStore()
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timeout)
-    return DistInfo(rank, launch["local_rank"], world_size, launch["local_world_size"], dev,
-                    backend, launch["launcher"])
-
-
-def teardown_distributed() -> None:
-    """Destroy the default group if there is one (call it in `finally`).
-
-    `destroy_process_group` does not always free the group: once `torch._dynamo` is imported
-    (optimizers, DDP and FlopCounterMode import it) something keeps a reference, so gloo's worker
-    threads live on, and one may still be releasing the last collective's tensors. A process that
-    exits at that moment aborts after all its work is done ("terminate called without an active
-    exception", pytorch/pytorch#190489). Collecting reference cycles and giving the workers 50 ms
-    to go idle avoids it, as `common.distributed.teardown_distributed` does."""
-    if dist.is_initialized():
-        backend = dist.get_backend()
-        dist.destroy_process_group()
-        gc.collect()
-        if backend == "gloo":
-            time.sleep(0.05)
-
-
 def rank_view(info: DistInfo) -> dict:
     """What this process knows about its place in the job."""
     return dict(rank=info.rank, local_rank=info.local_rank, world_size=info.world_size,
@@ -243,22 +128,6 @@ def all_reduce_sum(device: torch.device) -> tuple[float, float, float]:
 
 def mlp_dims(cfg: Config) -> list[int]:
     return [cfg.d_in] + [cfg.d_hidden] * (cfg.n_layers - 1) + [cfg.d_out]
-
-
-def mlp_step_flops(dims: list[int], batch: int) -> int:
-    """Matmul FLOPs of one training step of a linear-layer MLP, as FlopCounterMode counts them:
-    2·B·in·out per layer forward, the same again for the weight gradient and for the input
-    gradient, except the first layer, whose input needs no gradient: 6·B·Σ in·out − 2·B·in₀·out₀.
-    (Bias adds, ReLUs and the optimizer's element-wise updates are not counted.)"""
-    pairs = list(zip(dims, dims[1:]))
-    return 6 * batch * sum(a * b for a, b in pairs) - 2 * batch * pairs[0][0] * pairs[0][1]
-
-
-def count_flops(fn) -> int:
-    """FLOPs of the matmul-like ops `fn()` runs, as torch.utils.flop_counter counts them."""
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
 
 
 def train_step(model, opt, x, y) -> torch.Tensor:
