@@ -19,11 +19,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from chapters.ch26_multimodal import contrastive, data, train
+from chapters.ch26_multimodal.checks import (
+    FIRST_STEP_TOLERANCE,
+    SCALE_SUM_BOUND,
+    distributed_gradients,
+    first_step_gap,
+    parity_tolerance,
+)
 from chapters.ch26_multimodal.model import CLIP
 from common.launch import run_on_ranks, run_torchrun
 
 SCRIPT = Path(train.__file__)
-TOL = train.parity_tolerance(48, 16)  # 4.6e-11 in float64 at B = 48; the lesson derives it
+TOL = parity_tolerance(48, 16)  # 4.6e-11 in float64 at B = 48; the lesson derives it
 
 
 def reference_loss(img: torch.Tensor, txt: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -50,8 +57,8 @@ def _parity(global_batch: int = 48) -> dict:
     out = {"ref_loss": ref.item()}
     for how in contrastive.GATHERS:
         for local in (False, True):
-            loss, grads, counter, tap = train.distributed_gradients(model, images, ids, how, local,
-                                                                    rank, world)
+            loss, grads, counter, tap = distributed_gradients(model, images, ids, how, local,
+                                                              rank, world)
             out[how, local] = {
                 "sent": dict(tap.sent),
                 "dloss": abs(loss - ref.item()),
@@ -81,7 +88,7 @@ def _skipped_gather(model, images, ids, ref_loss, ref_grads, rank, world) -> dic
     contrastive.all_gather_single = lambda out, x, group=None: (
         claimed.append(x.numel() * x.element_size()), local_fill(out, x))
     try:
-        loss, grads, _, tap = train.distributed_gradients(model, images, ids, "hand", False, rank, world)
+        loss, grads, _, tap = distributed_gradients(model, images, ids, "hand", False, rank, world)
     finally:
         contrastive.all_gather_single = real
     return {"claimed": sum(claimed), "tapped": tap.nbytes("all_gather"),
@@ -90,14 +97,14 @@ def _skipped_gather(model, images, ids, ref_loss, ref_grads, rank, world) -> dic
 
 
 def _first_step(how: str, local: bool, rank: int, world: int) -> float:
-    """The script's first-training-step check (`train.first_step_gap`) on a float32 DDP model."""
+    """The script's first-training-step check (`checks.first_step_gap`) on a float32 DDP model."""
     torch.manual_seed(2)
     model = CLIP()
     ddp = DDP(model)
     images, ids, _ = data.make_pairs(48, 30, data.split_combinations()[0])
     img, txt, scale = ddp(train.shard(images, rank, world), train.shard(ids, rank, world))
     contrastive.distributed_clip_loss(img, txt, scale, how, local).backward()
-    return train.first_step_gap(model, images, ids)
+    return first_step_gap(model, images, ids)
 
 
 def _train_steps(how: str, rank: int, world: int, steps: int = 2) -> float:
@@ -157,8 +164,8 @@ def test_first_training_step_check_rejects_a_gather_without_gradients(parity):
     world, results = parity
     for res in results:
         for local in (False, True):
-            assert res["first_step"]["torch", local] <= train.FIRST_STEP_TOLERANCE
-            assert res["first_step"]["nograd", local] > 10 * train.FIRST_STEP_TOLERANCE
+            assert res["first_step"]["torch", local] <= FIRST_STEP_TOLERANCE
+            assert res["first_step"]["nograd", local] > 10 * FIRST_STEP_TOLERANCE
         # global loss: the towers get 1/W of their gradient, a relative gap of 1 - 1/W
         assert abs(res["first_step"]["nograd", False] - (1 - 1 / world)) < 1e-3
 
@@ -237,15 +244,15 @@ def test_parity_tolerance_follows_the_batch():
     the first convolution's (n = B x 16 x 16, bound 17) or the temperature's (n = 2B², bound 8),
     and the temperature's bound against its terms summed here at B = 48 and 1024."""
     u = 2.0**-53
-    assert train.parity_tolerance(48, 16) == pytest.approx(2 * (12_288 - 1) * u * 17)  # conv
-    assert 4.6e-11 < train.parity_tolerance(48, 16) < 4.7e-11
+    assert parity_tolerance(48, 16) == pytest.approx(2 * (12_288 - 1) * u * 17)  # conv
+    assert 4.6e-11 < parity_tolerance(48, 16) < 4.7e-11
     b2 = 2 * 1024**2  # at B = 1024 the temperature's sum: 2,097,152 terms
-    assert train.parity_tolerance(1024, 16) == pytest.approx(2 * (b2 - 1) * u * 8)
-    assert 3.7e-9 < train.parity_tolerance(1024, 16) < 3.8e-9
-    assert train.parity_tolerance(1024, 16) > 2 * (1024 * 256 - 1) * u * 17  # conv: 9.9e-10
+    assert parity_tolerance(1024, 16) == pytest.approx(2 * (b2 - 1) * u * 8)
+    assert 3.7e-9 < parity_tolerance(1024, 16) < 3.8e-9
+    assert parity_tolerance(1024, 16) > 2 * (1024 * 256 - 1) * u * 17  # conv: 9.9e-10
     for B, lo in ((48, 7.7), (1024, 7.5)):  # 7.79 and 7.53, under the bound 8
         total, rel = _temperature_sum(B)
-        assert rel < 1e-12 and lo < total <= train.SCALE_SUM_BOUND, (B, total, rel)
+        assert rel < 1e-12 and lo < total <= SCALE_SUM_BOUND, (B, total, rel)
 
 
 def test_caption_set_and_held_out_split():
@@ -289,7 +296,7 @@ def test_training_run_checks_and_zero_shot(tmp_path):
     control = res.check("bytes the gather's backward hands to c10d, nograd < 2·B·d x 8 (control)")
     assert control["ok"] and control["measured"] == 0
     first = res.check("first training step, torch gather: gradient == one process (float32, relative)")
-    assert first["tolerance"] == train.FIRST_STEP_TOLERANCE and first["ok"]
+    assert first["tolerance"] == FIRST_STEP_TOLERANCE and first["ok"]
     # the last batch's loss floor, counted here from the regenerated captions: no loss goes below
     _, ids, _ = data.make_pairs(200 * 48, 1, data.split_combinations()[0])
     last = [tuple(c) for c in ids[-48:].tolist()]

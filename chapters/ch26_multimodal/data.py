@@ -114,3 +114,8 @@ def expected_loss_floor(batch: int, distinct: int) -> float:
     p = 1 / distinct
     return sum(math.comb(batch - 1, k) * p ** k * (1 - p) ** (batch - 1 - k) * math.log(1 + k)
                for k in range(batch))
+
+
+def shard(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's contiguous b = B / world rows of a global batch."""
+    return x.chunk(world)[rank]

@@ -28,7 +28,7 @@ import json
 import matplotlib.pyplot as plt
 import torch
 
-from chapters.ch26_multimodal import contrastive, data, train
+from chapters.ch26_multimodal import checks, contrastive, data
 from chapters.ch26_multimodal.model import CLIP
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
@@ -84,7 +84,7 @@ for world in (1, 2, 4, 8, 16):
 torch.manual_seed(0)
 model = CLIP().double()
 images, ids, _ = data.make_pairs(48, 1, train_combos, dtype=torch.float64)
-loss, grads = train.global_batch_gradients(model, images, ids)
+loss, grads = checks.global_batch_gradients(model, images, ids)
 print(f"loss {loss:.4f}  (ln 48 = {torch.tensor(48.0).log():.4f} would be a model that knows nothing)")
 print(f"d loss / d logit_scale = {grads['logit_scale'].item():.4f}")
 
