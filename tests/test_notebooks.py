@@ -132,8 +132,65 @@ def screenshot_is_not_blank(png: Path) -> bool:
     return colours is None or len(colours) > 1
 
 
-@pytest.mark.timeout(120)
+# What a reader's browser shows, read from the page's DOM once its scripts ran (MathJax included):
+# written into the page as JSON by this script, then dumped by headless Chromium.
+PROBE_JS = r"""(function () {
+  function report() {
+    var imgs = Array.prototype.slice.call(document.images);
+    var broken = imgs.filter(function (i) { return !(i.complete && i.naturalWidth > 0); })
+                     .map(function (i) { return i.getAttribute("src"); });
+    var walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT, null), raw = [];
+    for (var n = walker.nextNode(); n; n = walker.nextNode()) {
+      if (n.parentElement.closest("pre, code, script, style, textarea")) continue;
+      if (/\\\(|\\\[|\$\$/.test(n.nodeValue)) raw.push(n.nodeValue.trim().slice(0, 60));
+    }
+    var header = document.querySelector("header.course-header");
+    var next = document.querySelector("header.course-header a.next");
+    var el = document.createElement("pre");
+    el.id = "course-probe";
+    el.textContent = JSON.stringify({
+      images: imgs.length, broken: broken, raw_tex: raw.slice(0, 5),
+      math: document.querySelectorAll(".mjx-chtml, .MathJax_CHTML").length,
+      header: header ? header.textContent.replace(/\s+/g, " ").trim() : null,
+      next: next ? next.getAttribute("href") : null,
+      width: window.innerWidth, scroll_width: document.documentElement.scrollWidth});
+    document.body.appendChild(el);
+  }
+  window.addEventListener("load", function () {
+    if (window.MathJax && MathJax.Hub) MathJax.Hub.Queue(report); else report();
+  });
+})();
+"""
+DESKTOP, NARROW = "1280,900", "390,844"  # headless Chromium widens the narrow one to 500 px
+
+
+def probe_page(browser: str, book_dir: Path, page: str, size: str) -> dict:
+    """Open `page` of the built book at a window `size` and return what PROBE_JS saw."""
+    import json
+    import subprocess
+
+    (book_dir / "_probe.js").write_text(PROBE_JS)
+    probed = book_dir / f"_probe_{page}"
+    probed.write_text((book_dir / page).read_text().replace(
+        "</body>", '<script src="_probe.js"></script></body>', 1))
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                          "--virtual-time-budget=15000", f"--window-size={size}", "--dump-dom",
+                          probed.as_uri()], capture_output=True, text=True, timeout=60).stdout
+    found = re.search(r'<pre id="course-probe">(.*?)</pre>', dom, re.S)
+    assert found, f"{page} at {size}: the probe did not report (the page's scripts did not finish)"
+    import html
+
+    return json.loads(html.unescape(found.group(1)))
+
+
+@pytest.mark.timeout(180)
 def test_book_pages_render_in_headless_chromium(built_book, tmp_path):
+    """The book as a reader meets it, checked in the DOM after its scripts ran: at a desktop
+    width, the lesson and notebook pages of the first chapter, two middle ones and the last (and
+    the contents); at a phone's width (headless Chromium's narrowest, 500 px), chapter 07's two
+    pages and the contents. Each page: every image loaded, MathJax typeset the lesson's formulas
+    and left no raw TeX delimiter outside code, the same header on lesson and notebook pages
+    (book, chapter, page kind) with a next link, and nothing wider than the window."""
     import shutil
     import subprocess
 
@@ -144,14 +201,46 @@ def test_book_pages_render_in_headless_chromium(built_book, tmp_path):
         pytest.skip("no chromium binary (./course setup --system installs Debian's chromium)")
     out, done = built_book
     flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-             "--virtual-time-budget=15000", "--window-size=1200,1600"]
-    for page in ("index.html", "ch07_communication.html", "ch07_communication.notebook.html"):
-        shot = tmp_path / f"{page}.png"
-        subprocess.run([*flags, f"--screenshot={shot}", (out / page).as_uri()], capture_output=True,
-                       timeout=60)
-        assert shot.exists() and screenshot_is_not_blank(shot), f"{page}: blank or no screenshot"
+             "--virtual-time-budget=15000", f"--window-size={DESKTOP}"]
+    shot = tmp_path / "ch07.png"
+    subprocess.run([*flags, f"--screenshot={shot}", (out / "ch07_communication.html").as_uri()],
+                   capture_output=True, timeout=60)
+    assert shot.exists() and screenshot_is_not_blank(shot), "ch07_communication.html: blank or no screenshot"
+    names = [c.name for c in CHAPTERS]
+    picked = [names[0], "ch07_communication", "ch18_long_context", names[-1]]
+    runs = [(p, DESKTOP) for c in picked for p in (f"{c}.html", f"{c}.notebook.html")]
+    runs += [("ch07_communication.html", NARROW), ("ch07_communication.notebook.html", NARROW),
+             ("index.html", DESKTOP), ("index.html", NARROW)]
+    seen, problems = {}, []
+    for page, size in runs:
+        got = seen[page, size] = probe_page(browser, out, page, size)
+        where = f"{page} at {got['width']} px"
+        if got["broken"]:
+            problems.append(f"{where}: images not loaded: {got['broken'][:3]}")
+        if got["raw_tex"] and done["mathjax"]:  # without MathJax the formulas stay TeX (skipped below)
+            problems.append(f"{where}: raw TeX left untypeset: {got['raw_tex'][:2]}")
+        if got["next"] is None:
+            problems.append(f"{where}: no next link in the header")
+        if got["scroll_width"] > got["width"]:
+            problems.append(f"{where}: the page is {got['scroll_width']} px wide, wider than the window")
+        chapter = page.split(".")[0]
+        if chapter in names:
+            kind = "notebook" if ".notebook." in page else "lesson"
+            if not got["header"] or book.BOOK_TITLE not in got["header"] or kind not in got["header"]:
+                problems.append(f"{where}: header {got['header']!r} lacks the book or the page kind")
+    for c in picked:  # the same header on both pages of a chapter, but for the page kind
+        lesson, nb = seen[f"{c}.html", DESKTOP]["header"], seen[f"{c}.notebook.html", DESKTOP]["header"]
+        if lesson.split(" · lesson")[0] != nb.split(" · notebook")[0]:
+            problems.append(f"{c}: lesson header {lesson!r} != notebook header {nb!r}")
+    last = names[-1]
+    if seen[f"{last}.html", DESKTOP]["next"] != "index.html":
+        problems.append(f"{last}: the last chapter's next link does not lead to the contents")
+    typeset = seen["ch07_communication.html", DESKTOP]["math"]
+    if done["mathjax"] and typeset < 10:
+        problems.append(f"ch07_communication.html: MathJax typeset {typeset} formulas (< 10)")
+    if seen["ch07_communication.html", DESKTOP]["images"] < 1:
+        problems.append("ch07_communication.html: its figures are not in the page")
+    assert not problems, "\n".join(problems)
+    assert len(seen) == len(runs)  # every page at every width reported
     if not done["mathjax"]:
         pytest.skip("the book was built without MathJax (no libjs-mathjax): formulas not typeset")
-    dom = subprocess.run([*flags, "--dump-dom", (out / "ch07_communication.html").as_uri()],
-                         capture_output=True, text=True, timeout=60).stdout
-    assert dom.count('class="mjx-chtml') > 10, "MathJax did not typeset the lesson's formulas"

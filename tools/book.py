@@ -47,6 +47,12 @@ pre { background: #f6f8fa; padding: 0.8rem; overflow-x: auto; font-size: 0.85rem
 code { font-family: ui-monospace, monospace; }
 table { border-collapse: collapse; } td, th { border: 1px solid #ccc; padding: 0.2rem 0.5rem; }
 img { max-width: 100%; } nav { margin: 1rem 0; font-size: 0.9rem; }
+header.course-header { font-size: 0.9rem; border-bottom: 1px solid #ddd; padding-bottom: 0.3rem; }
+header.course-header .book { font-weight: 600; }
+/* a phone's width: wide tables, formulas and long words scroll or wrap inside the page */
+table { display: block; max-width: 100%; overflow-x: auto; }
+p, li { overflow-wrap: anywhere; }
+.MJXc-display, .MathJax_Display { overflow-x: auto; overflow-y: hidden; }
 details { background: #fafafa; border-left: 3px solid #ccc; padding: 0.2rem 0.8rem; margin: 0.5rem 0; }
 """
 # lessons: mistune's math plugin has already turned $...$ into \\(...\\) and $$...$$ blocks
@@ -129,11 +135,20 @@ class Linker:
         return re.sub(r'\b(href|src)=(["\'])([^"\']*)\2', sub, page)
 
 
+VIEWPORT = '<meta name="viewport" content="width=device-width, initial-scale=1">'
+
+
 def page(title: str, body: str, mathjax: bool, nav: str = "") -> str:
     head = MATHJAX_SCRIPT if mathjax else ""
-    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">{VIEWPORT}"
             f"<title>{html.escape(title)}</title><style>{STYLE}</style>{head}</head>\n"
-            f"<body>{nav}\n{body}\n{nav}</body></html>\n")
+            f"<body>{nav}\n{body}\n{footer(nav)}</body></html>\n")
+
+
+def footer(header_html: str) -> str:
+    """The header's links again at the bottom of the page (where a reader finishes)."""
+    links = re.search(r"<nav>.*?</nav>", header_html, re.S)
+    return f"<footer>{links.group(0)}</footer>" if links else ""
 
 
 def render_lesson(chapter: Path, linker: Linker, mathjax: bool, nav: str) -> str:
@@ -193,19 +208,40 @@ def render_notebook(chapter: Path, nb, linker: Linker, mathjax: bool, nav: str) 
     if not mathjax:  # no CDN: without a local MathJax the formulas stay as TeX
         body = re.sub(r'<script src="mathjax/MathJax\.js[^"]*">\s*</script>', "", body)
     body = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + nav, body, count=1)
+    # the lesson pages' header style and a phone's viewport, and the links again at the bottom
+    body = body.replace("</head>", f"{VIEWPORT}<style>{HEADER_STYLE}</style></head>", 1)
+    body = body.replace("</body>", f"{footer(nav)}</body>", 1)
     return linker.rewrite(body, REPO_ROOT / "notebooks")
 
 
+HEADER_STYLE = ("header.course-header { font-family: system-ui, sans-serif; font-size: 0.9rem; "
+                "max-width: 60rem; margin: 1rem auto; padding: 0 1rem 0.3rem; "
+                "border-bottom: 1px solid #ddd; } header.course-header .book { font-weight: 600; } "
+                "footer nav { font-family: system-ui, sans-serif; max-width: 60rem; margin: 1rem auto; "
+                "padding: 0 1rem; }")
+BOOK_TITLE = "Distributed training, from one device to many"
+
+
 def nav_for(chapters: list[Path], i: int, notebook: bool) -> str:
+    """The header every page of a chapter has, lesson and notebook alike: the book, the chapter
+    and which of its two pages this is, then contents, previous, the other page, next (the last
+    chapter's next is the contents)."""
+    here = chapters[i]
+    kind = "notebook" if notebook else "lesson"
+    title = (f'<span class="book">{html.escape(BOOK_TITLE)}</span> · '
+             f'<span class="chapter">{html.escape(chapter_title(here))}</span> · '
+             f'<span class="kind">{kind}</span>')
     links = ['<a href="index.html">contents</a>']
     if i > 0:
         links.append(f'<a href="{lesson_page(chapters[i - 1])}">previous: {chapters[i - 1].name[:4]}</a>')
-    here = chapters[i]
     links.append(f'<a href="{lesson_page(here)}">lesson</a>' if notebook
                  else f'<a href="{notebook_page(here)}">notebook, executed</a>')
     if i + 1 < len(chapters):
-        links.append(f'<a href="{lesson_page(chapters[i + 1])}">next: {chapters[i + 1].name[:4]}</a>')
-    return "<nav>" + " · ".join(links) + "</nav>"
+        links.append(f'<a class="next" href="{lesson_page(chapters[i + 1])}">next: '
+                     f'{chapters[i + 1].name[:4]}</a>')
+    else:
+        links.append('<a class="next" href="index.html">next: the contents</a>')
+    return f'<header class="course-header">{title}<nav>' + " · ".join(links) + "</nav></header>"
 
 
 def build(out: Path, execute_missing: bool = True, log=print) -> dict:
@@ -244,9 +280,11 @@ def build(out: Path, execute_missing: bool = True, log=print) -> dict:
         f'(<a href="{notebook_page(c)}">notebook</a>)</li>' for c in chapters)
     intro = ("<p>Every lesson of the course, and its notebook executed on a CPU with its outputs. "
              "Built by <code>./course book</code>; it opens offline.</p>")
-    (out / "index.html").write_text(page("Distributed training, from one device to many",
-                                         f"<h1>Distributed training: the book</h1>{intro}"
-                                         f"<ol class=\"chapters\">\n{items}\n</ol>", False))
+    first = (f'<header class="course-header"><span class="book">{html.escape(BOOK_TITLE)}</span>'
+             f'<nav><a class="next" href="{lesson_page(chapters[0])}">next: '
+             f'{chapters[0].name[:4]}</a></nav></header>') if chapters else ""
+    (out / "index.html").write_text(page(BOOK_TITLE, f"<h1>Distributed training: the book</h1>{intro}"
+                                         f"<ol class=\"chapters\">\n{items}\n</ol>", False, first))
     return {"chapters": [c.name for c in chapters], "executed": executed, "mathjax": bool(mathjax_src)}
 
 
