@@ -19,6 +19,7 @@ from chapters.ch28_inference import engine as E
 from chapters.ch28_inference import model as M
 from chapters.ch28_inference import paged as P
 from chapters.ch28_inference import train as T
+from chapters.ch28_inference import workloads as WL
 from common.launch import REPO_ROOT, run_on_ranks, run_torchrun
 
 SCRIPT = REPO_ROOT / "chapters" / "ch28_inference" / "train.py"
@@ -82,7 +83,7 @@ def test_script_checks_pass_on_two_ranks(tmp_path):
     assert checks[f"pool of {T.Config().tight_blocks} blocks: preemptions"]["measured"] > 0
     # the headline, measured on the engines: the test recomputes the prediction and the counts
     cfg = T.Config()
-    work = [d for _, d in P.workload(cfg.requests_per_rank * 2, cfg.max_decode, cfg.seed)]
+    work = [d for _, d in WL.workload(cfg.requests_per_rank * 2, cfg.max_decode, cfg.seed)]
     static = sum(_static_steps(work[r::2], cfg.batch) for r in range(2))
     cont = sum(_continuous_steps(work[r::2], cfg.batch) for r in range(2))
     figure = summary["figures"]["engine decode steps summed over ranks: static, continuous"]
@@ -108,7 +109,7 @@ def _expected_ratio(m, b):
 def test_tensor_parallel_on_four_ranks_equals_one_device_without_cache():
     cfg, config, hf, prompt, (ref_t, ref_l) = _reference()
     state = {k: v.clone() for k, v in hf.state_dict().items()}
-    reqs = C.chat_workload(T.Config(chat_requests=6, system_len=8), config.vocab_size, 11)
+    reqs = WL.chat_workload(T.Config(chat_requests=6, system_len=8), config.vocab_size, 11)
     ranks = run_on_ranks(_tp_worker, 4, state, _plain(config), prompt, reqs, timeout=180)
     dense = M.HandLlama(hf.state_dict(), config)
     one = E.Engine(dense, 64, 4, 4, "continuous", choose=E.Chooser(0.1, 0)).run(reqs)
@@ -196,8 +197,8 @@ def test_prefix_keys_need_the_whole_prefix_and_full_blocks():
 @pytest.mark.timeout(60)
 def test_continuous_batching_beats_static_by_the_length_distribution():
     cfg = T.Config()
-    outs = [o for _, o in P.workload(cfg.requests_per_rank, cfg.max_decode, cfg.seed)]
-    s, c = P.static_schedule(outs, cfg.batch), P.continuous_schedule(outs, cfg.batch)
+    outs = [o for _, o in WL.workload(cfg.requests_per_rank, cfg.max_decode, cfg.seed)]
+    s, c = WL.static_schedule(outs, cfg.batch), WL.continuous_schedule(outs, cfg.batch)
     # the test's own count of static steps: each batch costs its longest request
     assert s["steps"] == _static_steps(outs, cfg.batch)
     assert c["steps"] == _continuous_steps(outs, cfg.batch)
@@ -206,12 +207,12 @@ def test_continuous_batching_beats_static_by_the_length_distribution():
     assert c["steps"] >= -(-sum(outs) // cfg.batch)
     # equal lengths: nothing to gain, the ratio is exactly 1
     same = [10] * 64
-    assert P.static_schedule(same, 8)["steps"] == P.continuous_schedule(same, 8)["steps"] == 80
+    assert WL.static_schedule(same, 8)["steps"] == WL.continuous_schedule(same, 8)["steps"] == 80
 
 
 def _requests(config, n=20, max_decode=12, seed=3):
     cfg = T.Config()
-    work = P.workload(n, max_decode, seed=seed)
+    work = WL.workload(n, max_decode, seed=seed)
     return [E.Request(C.prompt_of(cfg, config.vocab_size, 50 + i, p)[0].tolist(), d)
             for i, (p, d) in enumerate(work)]
 
@@ -267,7 +268,7 @@ def test_prefix_cache_forks_and_preemption_keep_every_token():
     cfg, config, hf, _, _ = _reference(1)
     llama = M.HandLlama(hf.state_dict(), config)
     small = T.Config(chat_requests=10)
-    reqs = C.chat_workload(small, config.vocab_size, 5)
+    reqs = WL.chat_workload(small, config.vocab_size, 5)
     choose = E.Chooser(0.1, 0)
     refs = {(i, s): E.reference(llama, r.prompt, 1 + r.n_decode, choose, i, s)
             for i, r in enumerate(reqs) for s in range(r.n)}
@@ -304,23 +305,23 @@ def test_prefix_cache_forks_and_preemption_keep_every_token():
 @pytest.mark.timeout(60)
 def test_exercise_answers():
     # 1: the gain for B = 32
-    assert round(P.expected_ratio(16, 32), 3) == 1.866 == round(_expected_ratio(16, 32), 3)
+    assert round(WL.expected_ratio(16, 32), 3) == 1.866 == round(_expected_ratio(16, 32), 3)
     # 3: Llama-3.1-8B's KV bytes per token and the 4096-token sequences an H200 holds
-    per_token = P.kv_bytes_per_token(32, 8, 128, 2)
+    per_token = WL.kv_bytes_per_token(32, 8, 128, 2)
     assert per_token == 131072
-    assert P.sequences_that_fit(141e9, 2 * 8.03e9, per_token, 4096) == 206
-    assert P.sequences_that_fit(141e9, 2 * 8.03e9, P.kv_bytes_per_token(32, 32, 128, 2), 4096) == 51
+    assert WL.sequences_that_fit(141e9, 2 * 8.03e9, per_token, 4096) == 206
+    assert WL.sequences_that_fit(141e9, 2 * 8.03e9, WL.kv_bytes_per_token(32, 32, 128, 2), 4096) == 51
     # 4: admission steps are the continuous schedule's: the last request ends when it does
     cfg = T.Config()
-    work = [d for _, d in P.workload(cfg.requests_per_rank * 2, cfg.max_decode, cfg.seed)][0::2]
-    at = P.admitted_at(work, cfg.batch)
-    assert max(a + d for a, d in zip(at, work)) == P.continuous_schedule(work, cfg.batch)["steps"]
+    work = [d for _, d in WL.workload(cfg.requests_per_rank * 2, cfg.max_decode, cfg.seed)][0::2]
+    at = WL.admitted_at(work, cfg.batch)
+    assert max(a + d for a, d in zip(at, work)) == WL.continuous_schedule(work, cfg.batch)["steps"]
     assert at[: cfg.batch] == [0] * cfg.batch and sorted(at) == at
     # 5: a 2,000-token system prompt before 200 user tokens, blocks of 16 and of 32
     system = list(range(2000))
     reqs = [E.Request(system + [3000 + u] * 200, 1) for u in range(2)]
-    assert C.expected_cached_tokens(reqs, 16) == 2000
-    assert C.expected_cached_tokens(reqs, 32) == 1984
+    assert WL.expected_cached_tokens(reqs, 16) == 2000
+    assert WL.expected_cached_tokens(reqs, 32) == 1984
 
 
 @pytest.mark.timeout(120)

@@ -2,11 +2,11 @@
 parallelism), the block manager's invariants, the engine on the chat workload (paged attention
 against contiguous caches, prefix caching, preemption, the TP engine) and on the batching
 workload (decode steps against the schedule model and E[max]/E[mean], the overlap timeline,
-the benchmark), each with its negative control."""
+the benchmark), each with its negative control. The workloads and the models the engine's
+counts are compared with are in `workloads.py`."""
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from chapters.ch28_inference import engine as E
 from chapters.ch28_inference import model as M
 from chapters.ch28_inference import paged as P
+from chapters.ch28_inference import workloads as WL
 from common.distributed import gather_numbers
 from common.timing import synchronize
 
@@ -110,31 +111,6 @@ def record_block_manager(rec, cfg) -> dict:
     return good
 
 
-def chat_workload(cfg, vocab: int, seed: int) -> list[E.Request]:
-    """Chat requests: one of two system prompts of `system_len` tokens, then 1-8 user tokens;
-    4-12 decode steps; every fourth request asks for two samples (n = 2, forked)."""
-    rng = random.Random(seed)
-    systems = [[rng.randrange(vocab) for _ in range(cfg.system_len)] for _ in range(2)]
-    return [E.Request(systems[i % 2] + [rng.randrange(vocab) for _ in range(rng.randint(1, 8))],
-                      rng.randint(4, 12), n=2 if i % 4 == 0 else 1) for i in range(cfg.chat_requests)]
-
-
-def expected_cached_tokens(reqs: list[E.Request], block_size: int) -> int:
-    """Prefix caching's saving from the prompts alone: each request reuses its longest run of
-    leading full blocks equal to an earlier request's (its last token always recomputed)."""
-    total = 0
-    for i, r in enumerate(reqs):
-        best = 0
-        for earlier in reqs[:i]:
-            same = 0
-            while (same + 1) * block_size <= min(len(r.prompt) - 1, len(earlier.prompt)) and \
-                    r.prompt[: (same + 1) * block_size] == earlier.prompt[: (same + 1) * block_size]:
-                same += 1
-            best = max(best, same)
-        total += best * block_size
-    return total
-
-
 def compare_runs(runs: dict, refs: dict) -> tuple[float, int]:
     """(max |logit diff|, sequences with a differing token) of engine runs against references."""
     worst, wrong = 0.0, 0
@@ -164,7 +140,7 @@ def record_serving(rec, cfg, hf, config, info) -> dict:
     caching on and off, a pool that forces preemption, and tensor parallelism over all ranks."""
     dense = M.HandLlama(hf.state_dict(), config, device=info.device)
     choose = E.Chooser(temperature=0.1, seed=cfg.seed)
-    reqs = chat_workload(cfg, config.vocab_size, cfg.seed + 7)
+    reqs = WL.chat_workload(cfg, config.vocab_size, cfg.seed + 7)
     refs = {(i, s): E.reference(dense, r.prompt, 1 + r.n_decode, choose, i, s)
             for i, r in enumerate(reqs) for s in range(r.n)}
     engine = lambda blocks, cache=True, cls=E.Engine, model=dense: cls(  # noqa: E731
@@ -182,7 +158,7 @@ def record_serving(rec, cfg, hf, config, info) -> dict:
 
     on, off = runs["cache"], runs["no cache"]
     rec.check("prefix cache: prompt tokens reused", "count", on["cached_tokens"],
-              expected_cached_tokens(reqs, cfg.block_size))
+              WL.expected_cached_tokens(reqs, cfg.block_size))
     rec.check("no prefix cache: prompt tokens reused", "count", off["cached_tokens"], 0)
     rec.figure("prefill tokens computed: with, without prefix caching",
                [on["prefill_tokens"], off["prefill_tokens"]], expected=sum(len(r.prompt) for r in reqs))
@@ -239,7 +215,7 @@ def record_batching(rec, cfg, hf, config, info) -> dict:
     against E[max]/E[mean]; tokens against a contiguous cache; TTFT and TPOT."""
     model = M.HandLlama(hf.state_dict(), config, device=info.device)
     W, choose = info.world_size, E.Chooser()
-    work = P.workload(cfg.requests_per_rank * W, cfg.max_decode, cfg.seed)
+    work = WL.workload(cfg.requests_per_rank * W, cfg.max_decode, cfg.seed)
     mine = [(i, p, d) for i, (p, d) in enumerate(work) if i % W == info.rank]
     reqs = [E.Request(prompt_of(cfg, config.vocab_size, 1000 + i, p)[0].tolist(), d) for i, p, d in mine]
     E.Engine(model, cfg.n_blocks, cfg.block_size, cfg.batch).run(reqs[:cfg.batch])  # warm-up
@@ -260,14 +236,14 @@ def record_batching(rec, cfg, hf, config, info) -> dict:
               worst2, 0.0, PARITY_TOL)
     rec.check("engines: requests with a differing token", "count", wrong + wrong2, 0)
     decode = [r.n_decode for r in reqs]
-    expect = {"static": P.static_schedule(decode, cfg.batch)["steps"],
-              "continuous": P.continuous_schedule(decode, cfg.batch)["steps"]}
+    expect = {"static": WL.static_schedule(decode, cfg.batch)["steps"],
+              "continuous": WL.continuous_schedule(decode, cfg.batch)["steps"]}
     expect["overlap"] = expect["continuous"]
     for mode, run in runs.items():
         rec.check(f"engine decode steps = schedule model, {mode} (rank {info.rank})", "count",
                   run["decode_steps"], expect[mode])
     total = {mode: sum(gather_numbers(run["decode_steps"])) for mode, run in runs.items()}
-    ratio, predicted = total["static"] / total["continuous"], P.expected_ratio(cfg.max_decode, cfg.batch)
+    ratio, predicted = total["static"] / total["continuous"], WL.expected_ratio(cfg.max_decode, cfg.batch)
     rec.figure("engine decode steps summed over ranks: static, continuous", [total["static"], total["continuous"]])
     rec.check("engines: static / continuous decode steps >= 1.5", "formula", ratio, 1.5, compare=">=")
     rec.check("... within 5% of E[max]/E[mean]", "formula", ratio, round(predicted, 4), 0.05, relative=True)

@@ -28,6 +28,7 @@ from chapters.ch28_inference import checks as C
 from chapters.ch28_inference import model as M
 from chapters.ch28_inference import paged as P
 from chapters.ch28_inference import train as T
+from chapters.ch28_inference import workloads as WL
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
 
@@ -65,7 +66,7 @@ print(P.random_stream(P.LeakyManager(64, 4), 3000)["first_violation"])
 from chapters.ch28_inference import engine as E
 
 choose = E.Chooser(temperature=0.1, seed=0)
-chat = C.chat_workload(cfg, config.vocab_size, 7)
+chat = WL.chat_workload(cfg, config.vocab_size, 7)
 refs = {(i, s): E.reference(llama, r.prompt, 1 + r.n_decode, choose, i, s)
         for i, r in enumerate(chat) for s in range(r.n)}
 for name, blocks, cache in (("prefix cache", 128, True), ("no prefix cache", 128, False), ("20 blocks", 20, True)):
@@ -80,11 +81,11 @@ for name, blocks, cache in (("prefix cache", 128, True), ("no prefix cache", 128
 # The model counts decode steps from the lengths alone; the engines must take exactly as many.
 
 # %%
-work = P.workload(64, cfg.max_decode, cfg.seed)
+work = WL.workload(64, cfg.max_decode, cfg.seed)
 decode = [d for _, d in work]
-s, c = P.static_schedule(decode, cfg.batch), P.continuous_schedule(decode, cfg.batch)
+s, c = WL.static_schedule(decode, cfg.batch), WL.continuous_schedule(decode, cfg.batch)
 print(f"model: static {s['steps']}, continuous {c['steps']} steps, ratio {s['steps'] / c['steps']:.3f}, "
-      f"E[max]/E[mean] {P.expected_ratio(cfg.max_decode, cfg.batch):.3f}")
+      f"E[max]/E[mean] {WL.expected_ratio(cfg.max_decode, cfg.batch):.3f}")
 reqs = [E.Request(C.prompt_of(cfg, config.vocab_size, 1000 + i, p)[0].tolist(), d) for i, (p, d) in enumerate(work)]
 runs = {mode: E.Engine(llama, 128, 4, cfg.batch, mode).run(reqs) for mode in E.MODES}
 for mode, run in runs.items():

@@ -1,6 +1,7 @@
 """The paged KV cache: a pool of fixed-size blocks that attention reads through block tables
-(vLLM's PagedAttention), the block manager that hands the blocks out, and the batching schedules
-the engines are predicted by.
+(vLLM's PagedAttention), the block manager that hands the blocks out, and the random stream of
+requests its invariants are checked on (the workloads and the schedules that predict the engine
+are in `workloads.py`).
 
 `KVPool` holds, per layer, keys and values of shape (n_blocks, block_size, heads, head_dim):
 vLLM's layout for its FlashAttention backend. A sequence's block table lists the blocks that hold
@@ -251,68 +252,3 @@ def random_stream(manager: BlockManager, n_ops: int, seed: int = 0, prefixes: in
     return {"counts": counts, "violations": len(violations), "first_violation": violations[:1],
             "free_at_end": len(manager.free), "copies": manager.copies,
             "shared_hits": manager.hit_blocks}
-
-
-# ---- the workload and the batching schedules, counted in decode steps ----------------------
-
-def workload(n: int, max_decode: int, seed: int = 0, max_prompt: int = 16) -> list[tuple[int, int]]:
-    """(prompt length, decode steps) per request, fixed before anything is measured: decode
-    steps uniform on 1..max_decode (the request's output is 1 + that many tokens: its prefill
-    gives the first), prompts uniform on 2..max_prompt."""
-    rng = random.Random(seed)
-    return [(rng.randint(2, max_prompt), rng.randint(1, max_decode)) for _ in range(n)]
-
-
-def static_schedule(outs: list[int], batch: int) -> dict:
-    """Batches of `batch` requests in order; a batch runs until its longest request ends, the
-    finished rows' slots padded."""
-    steps = slots = 0
-    for i in range(0, len(outs), batch):
-        group = outs[i: i + batch]
-        steps += max(group)
-        slots += max(group) * batch
-    return {"steps": steps, "slots": slots, "tokens": sum(outs), "padded": slots - sum(outs)}
-
-
-def continuous_schedule(outs: list[int], batch: int) -> dict:
-    """`batch` slots; a finished request leaves at once and the next waiting one takes its
-    slot at the next step (iteration-level scheduling, Orca)."""
-    waiting, running, steps, slots = list(outs), [], 0, 0
-    while waiting or running:
-        while waiting and len(running) < batch:
-            running.append(waiting.pop(0))
-        steps += 1
-        slots += batch
-        running = [r - 1 for r in running if r > 1]
-    return {"steps": steps, "slots": slots, "tokens": sum(outs), "padded": slots - sum(outs)}
-
-
-def expected_ratio(max_decode: int, batch: int) -> float:
-    """E[max of `batch` draws] / E[one draw] for decode steps uniform on 1..max_decode: static
-    batching pays each batch's longest request, continuous (nearly) only the mean."""
-    n = max_decode
-    e_max = sum(1 - ((k - 1) / n) ** batch for k in range(1, n + 1))
-    return e_max / ((n + 1) / 2)
-
-
-def admitted_at(outs: list[int], batch: int) -> list[int]:
-    """The decode step (0-based) before which each request takes a slot under continuous
-    batching: its queueing delay, counted in steps (TTFT ~ this x the step time + its prefill)."""
-    free_at, at = [0] * batch, []
-    for o in outs:
-        start = min(free_at)
-        free_at[free_at.index(start)] = start + o
-        at.append(start)
-    return at
-
-
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """Keys and values of one token in every layer: 2 x L x kv_heads x head_dim x bytes."""
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
-
-
-def sequences_that_fit(memory: float, weights: float, per_token: int, seq_len: int,
-                       utilization: float = 0.9) -> int:
-    """Whole sequences of `seq_len` tokens whose KV cache fits in `utilization` of the device's
-    memory after the weights (vLLM's --gpu-memory-utilization; activations ignored)."""
-    return int((utilization * memory - weights) // (per_token * seq_len))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from chapters.ch28_inference import paged as P
+from chapters.ch28_inference import workloads as WL
 from chapters.ch28_inference.train import Config
 from common.results import save_figure
 
@@ -23,11 +23,11 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     cfg = Config()
     fig_dir.mkdir(parents=True, exist_ok=True)
     # rank 0's share of the two-rank run the lesson quotes (request i on rank i mod 2)
-    outs = [o for _, o in P.workload(2 * cfg.requests_per_rank, cfg.max_decode, cfg.seed)][0::2]
+    outs = [o for _, o in WL.workload(2 * cfg.requests_per_rank, cfg.max_decode, cfg.seed)][0::2]
     paths = []
     batches = [1, 2, 4, 8, 16, 32]
-    measured = [P.static_schedule(outs, b)["steps"] / P.continuous_schedule(outs, b)["steps"] for b in batches]
-    theory = [P.expected_ratio(cfg.max_decode, b) for b in batches]
+    measured = [WL.static_schedule(outs, b)["steps"] / WL.continuous_schedule(outs, b)["steps"] for b in batches]
+    theory = [WL.expected_ratio(cfg.max_decode, b) for b in batches]
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
     ax.plot(batches, measured, "o-", label=f"counted on rank 0's share of the 2-rank run ({cfg.requests_per_rank} requests)")
     ax.plot(batches, theory, "k--", label=f"E[max of B] / E[mean], decode steps uniform on 1..{cfg.max_decode}")
@@ -41,7 +41,7 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     paths.append(fig_dir / "batching.png")
     save_figure(fig, paths[-1])
 
-    s, c = P.static_schedule(outs, cfg.batch), P.continuous_schedule(outs, cfg.batch)
+    s, c = WL.static_schedule(outs, cfg.batch), WL.continuous_schedule(outs, cfg.batch)
     fig, ax = plt.subplots(figsize=(6.5, 3.0))
     names = ["static", "continuous"]
     ax.barh(names, [s["tokens"], c["tokens"]], label="useful token slots")
@@ -74,7 +74,7 @@ def measure() -> dict:
     try:
         config, hf = T.build(cfg)
         llama = M.HandLlama(hf.state_dict(), config)
-        work = P.workload(64, cfg.max_decode, cfg.seed)
+        work = WL.workload(64, cfg.max_decode, cfg.seed)
         reqs = [E.Request(C.prompt_of(cfg, config.vocab_size, 1000 + i, p)[0].tolist(), d)
                 for i, (p, d) in enumerate(work)]
         runs = {mode: E.Engine(llama, cfg.n_blocks, cfg.block_size, cfg.batch, mode).run(reqs)
