@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.functional as F
 
-from chapters.ch09_compression import hooks, train, wire
+from chapters.ch09_compression import compressors, hooks, train, volume, wire
 from chapters.ch09_compression.wire import WireTap
 from common.checkpoint import load_checkpoint
 from common.data import regression_data
@@ -101,8 +101,8 @@ def _own_payload_only(state, bucket):
     """Broken Top-K: each rank applies its own top-k, gathered from nobody. The replicas
     receive different gradients and drift apart: the replica check must see it."""
     buf = bucket.buffer()
-    values, indices = hooks.topk_compress(buf, hooks.topk_size(buf.numel(), state.density))
-    buf.copy_(hooks.topk_decompress(values, indices, buf.numel()))
+    values, indices = compressors.topk_compress(buf, compressors.topk_size(buf.numel(), state.density))
+    buf.copy_(compressors.topk_decompress(values, indices, buf.numel()))
     return hooks.completed(buf)
 
 
@@ -156,7 +156,7 @@ def _decode_own(method: str, wire_tensors, shapes) -> torch.Tensor:
     plain, p_mine, q_mine = wire_tensors
     p_sum = p_mine.clone()
     dist.all_reduce(p_sum)
-    plan = hooks.powersgd_plan([torch.Size(s) for s in shapes], 1)
+    plan = compressors.powersgd_plan([torch.Size(s) for s in shapes], 1)
     mats = [(s[0], math.prod(s[1:])) for s, r in zip(shapes, plan) if r]
     ps = p_sum.split([rows for rows, _ in mats])
     qs = q_mine.split([cols for _, cols in mats])
@@ -265,7 +265,7 @@ def _warm_start(control, model, X, Y, steps: int = 3) -> dict:
             dist.all_reduce(p_sum)
             dist.all_reduce(q_sum)
             layout = layouts[-1]
-            plan = hooks.powersgd_plan([torch.Size(shape_of[n]) for n in layout], 1)
+            plan = compressors.powersgd_plan([torch.Size(shape_of[n]) for n in layout], 1)
             mats = [n for n, r in zip(layout, plan) if r]
             rows = [g[n].shape[0] for n in mats]
             cols = [g[n].shape[1] for n in mats]
@@ -413,7 +413,7 @@ def _hooks_on_ranks() -> dict:
     # so it has rank 1 and Pythagoras holds; the plain (bias) tensors are exact.
     state = hooks.HookState(rank=1)
     got = _hook_step("powersgd", model, x, y, state)
-    plan = hooks.powersgd_plan([g.shape for g in got], 1)
+    plan = compressors.powersgd_plan([g.shape for g in got], 1)
     out["psgd_ranks"] = [torch.linalg.matrix_rank(g.view(g.shape[0], -1)).item()
                          for g, r in zip(got, plan) if r]
     out["psgd_pythagoras"] = max(abs(m.norm() ** 2 - g.norm() ** 2 - (m - g).norm() ** 2).item()
@@ -490,16 +490,16 @@ def test_qsgd_is_unbiased_and_biased_variants_are_not():
     v = torch.randn(1000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     V = _qsgd_variance(v, s, d)
     lemma = min(d / s**2, math.sqrt(d) / s) * v.pow(2).sum().item()
-    assert V <= lemma and hooks.qsgd_variance(v, s, d) == pytest.approx(V, rel=1e-9)
+    assert V <= lemma and compressors.qsgd_variance(v, s, d) == pytest.approx(V, rel=1e-9)
     bound = 20 * V / M
     g = torch.Generator().manual_seed(2)
     results, spread = {}, 0.0
     for name, stochastic, decode in (("unbiased", True, s), ("nearest", False, s), ("s+1", True, s + 1)):
         total = torch.zeros_like(v)
         for _ in range(M):
-            q, norms = hooks.qsgd_quantize(v, s, d, g, stochastic=stochastic)
+            q, norms = compressors.qsgd_quantize(v, s, d, g, stochastic=stochastic)
             assert q.dtype == torch.int8 and q.abs().max() <= s
-            one = hooks.qsgd_dequantize(q, norms, decode, v.numel())
+            one = compressors.qsgd_dequantize(q, norms, decode, v.numel())
             total += one
             spread += (one - v).pow(2).sum().item() / M if name == "unbiased" else 0.0
         results[name] = (total / M - v).pow(2).sum().item()
@@ -522,8 +522,8 @@ def test_qsgd_is_unbiased_and_biased_variants_are_not():
     assert M * results["unbiased"] <= clt, (M * results["unbiased"], clt)
     total = torch.zeros_like(v)
     for _ in range(M):
-        q, norms = hooks.qsgd_quantize(v, s, d, g)
-        total += hooks.qsgd_dequantize(q, norms, s / 1.01, v.numel())
+        q, norms = compressors.qsgd_quantize(v, s, d, g)
+        total += compressors.qsgd_dequantize(q, norms, s / 1.01, v.numel())
     off = M * (total / M - v).pow(2).sum().item()
     assert clt < off and off / M <= bound, (off, clt)  # rejected here, passed by Markov
     # The chapter's own test agrees with this one, on every side.
@@ -554,12 +554,12 @@ def test_topk_decode_is_deterministic_and_exact_in_rank_order():
     written out here, bit for bit; and the order it fixes is the same on every run."""
     values = torch.tensor([[1.0, 2.0**-30, 3.0], [2.0**-30, 5.0, -1.0]])
     indices = torch.tensor([[0, 1, 2], [1, 2, 0]], dtype=torch.int32)
-    got = hooks.topk_decompress(values, indices, 4)
+    got = compressors.topk_decompress(values, indices, 4)
     want = torch.zeros(4)
     for v, i in zip(values, indices):
         for vv, ii in zip(v, i.long()):
             want[ii] += vv
-    assert torch.equal(got, want) and torch.equal(got, hooks.topk_decompress(values, indices, 4))
+    assert torch.equal(got, want) and torch.equal(got, compressors.topk_decompress(values, indices, 4))
     assert got.tolist() == [0.0, 2.0**-29, 8.0, 0.0]
 
 
@@ -569,14 +569,14 @@ def test_gathered_payloads_stop_paying_at_large_worlds():
     cfg = train.Config()
     shapes_ = [torch.Size(s) for s in shapes(cfg.d_hidden)]
     state = hooks.HookState(density=cfg.density, levels=cfg.levels, chunk=cfg.chunk, rank=cfg.rank)
-    assert hooks.break_even_world("topk", shapes_, state) == 99
-    assert hooks.break_even_world("qsgd", shapes_, state) == 8       # 2 x 21252 / 5460 = 7.8
-    assert hooks.break_even_world("signsgd", shapes_, state) == 62   # 2 x 21252 / 689 = 61.7
-    assert hooks.break_even_world("powersgd", shapes_, state) is None
+    assert volume.break_even_world("topk", shapes_, state) == 99
+    assert volume.break_even_world("qsgd", shapes_, state) == 8       # 2 x 21252 / 5460 = 7.8
+    assert volume.break_even_world("signsgd", shapes_, state) == 62   # 2 x 21252 / 689 = 61.7
+    assert volume.break_even_world("powersgd", shapes_, state) is None
     # int8 votes (n + 24 bytes) up to 127 ranks, fp16 (2n + 24) to 2048: less than dense's 4n;
     # int32 votes and fp32 scales from 2049 ranks on: 4n + 24, more than dense
-    assert hooks.break_even_world("majority_vote", shapes_, state) == 2049
-    assert hooks.received_bytes("dense", shapes_, state, 2) == 21252
+    assert volume.break_even_world("majority_vote", shapes_, state) == 2049
+    assert volume.received_bytes("dense", shapes_, state, 2) == 21252
 
 
 def test_loss_tolerance_separates_the_methods_at_every_world():
@@ -630,31 +630,31 @@ def test_qsgd_code_length_is_the_papers_elias_coding():
     """Elias omega lengths written out (1 -> 0, 2 -> 10 0, 4 -> 10 100 0, 20 -> 10 100 10100 0),
     and a QSGD code counted by hand: 32 bits of norm per chunk, then per non-zero level the gap's
     code, a sign bit and the level's code; zeros cost nothing."""
-    assert [hooks.elias_omega_bits(k) for k in (1, 2, 3, 4, 7, 8, 16, 20)] == [1, 3, 3, 6, 6, 7, 11, 11]
+    assert [compressors.elias_omega_bits(k) for k in (1, 2, 3, 4, 7, 8, 16, 20)] == [1, 3, 3, 6, 6, 7, 11, 11]
     q = torch.tensor([[0, 0, 1, 0, -3, 0, 0, 0], [0] * 8], dtype=torch.int8)
     # chunk 0: gap 3 (omega 3) + sign + level 1 (1), then gap 2 (3) + sign + level 3 (3)
-    assert hooks.qsgd_code_bits(q) == 32 + (3 + 1 + 1) + (3 + 1 + 3) + 32
+    assert compressors.qsgd_code_bits(q) == 32 + (3 + 1 + 1) + (3 + 1 + 3) + 32
     # At s = 1 the lesson's v costs about 0.63 bits per coordinate, 2.9 at s = 16 (not int8's 8).
     v = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(0)
     for s, (low, high) in ((1, (0.55, 0.70)), (16, (2.7, 3.05))):
-        bits = [hooks.qsgd_code_bits(hooks.qsgd_quantize(v, s, 256, g)[0]) / 1000 for _ in range(50)]
+        bits = [compressors.qsgd_code_bits(compressors.qsgd_quantize(v, s, 256, g)[0]) / 1000 for _ in range(50)]
         assert low < sum(bits) / len(bits) < high, (s, sum(bits) / len(bits))
 
 
 def test_compressors_round_trip():
     v = torch.randn(1001, generator=torch.Generator().manual_seed(0))
-    packed = hooks.pack_signs(v)
+    packed = compressors.pack_signs(v)
     assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(1001 / 8)
-    assert torch.equal(hooks.unpack_signs(packed, 1001, v.dtype), torch.where(v >= 0, 1.0, -1.0))
-    values, idx = hooks.topk_compress(v, 10)
+    assert torch.equal(compressors.unpack_signs(packed, 1001, v.dtype), torch.where(v >= 0, 1.0, -1.0))
+    values, idx = compressors.topk_compress(v, 10)
     assert idx.dtype == torch.int32
-    dense = hooks.topk_decompress(values, idx, 1001)
+    dense = compressors.topk_decompress(values, idx, 1001)
     assert (dense != 0).sum() == 10 and dense.abs().min() == 0
     assert torch.equal(dense[idx.long()], v[idx.long()])
     assert dense.abs().max() == v.abs().max()
-    q, norms = hooks.qsgd_quantize(v, 127, 1001, stochastic=False)
-    assert (hooks.qsgd_dequantize(q, norms, 127, 1001) - v).abs().max() <= norms.max() / 254 + 1e-6
+    q, norms = compressors.qsgd_quantize(v, 127, 1001, stochastic=False)
+    assert (compressors.qsgd_dequantize(q, norms, 127, 1001) - v).abs().max() <= norms.max() / 254 + 1e-6
 
 
 def test_bad_settings_exit_with_one_line():
@@ -703,7 +703,7 @@ def test_vote_dtype_holds_the_sum_of_every_rank():
     move nothing) the hook hands the all-reduce votes of that dtype, counted on the wire."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    choice = {w: hooks.vote_dtype(w) for w in (2, 127, 128, 200, 2048, 2049)}
+    choice = {w: compressors.vote_dtype(w) for w in (2, 127, 128, 200, 2048, 2049)}
     assert choice == {2: torch.int8, 127: torch.int8, 128: torch.float16, 200: torch.float16,
                       2048: torch.float16, 2049: torch.int32}
     for world, dtype in choice.items():  # every rank voting +1: the largest sum there is
@@ -723,5 +723,5 @@ def test_vote_dtype_holds_the_sum_of_every_rank():
         size = choice[world].itemsize
         assert [(s.kind, s.dtype, s.nbytes) for s in tap.sent] == \
             [("all_reduce", choice[world], size * n), ("all_reduce", torch.float32, 8)], world
-        assert hooks.expected_bytes("majority_vote", [g.shape for g in grads], hooks.HookState(),
+        assert volume.expected_bytes("majority_vote", [g.shape for g in grads], hooks.HookState(),
                                     world=world) == size * n + 8

@@ -1,8 +1,8 @@
-"""Gradient compressors and the DDP communication hooks that send them (chapter 09).
+"""The DDP communication hooks that send compressed gradients (chapter 09).
 
-Each compressor is a pair of small pure functions (compress, decompress) and a hook that
-sends the compressed payload with a real collective: Top-K values and indices, QSGD int8
-levels and norms, packed sign bits and a scale, PowerSGD's low-rank factors P and Q. The hooks
+Each compressor is a pair of small pure functions (compress, decompress: compressors.py) and a
+hook here that sends the compressed payload with a real collective: Top-K values and indices,
+QSGD int8 levels and norms, packed sign bits and a scale, PowerSGD's low-rank factors P and Q. The hooks
 do not count their own bytes: `wire.WireTap` records what reaches the collectives, so the
 compression ratio is measured from what was sent, not from what a hook says it sent. Error
 feedback keeps, per parameter, what compression dropped and adds it back to the next step's
@@ -10,18 +10,31 @@ gradient: never per bucket or per position in the flat bucket, because DDP rebui
 after step 0 in another order (`keyed_gradients`).
 
 Every rank decodes the same gathered payloads with the same deterministic operations, so the
-replicas receive the same averaged gradient bit for bit (no atomics: see `topk_decompress`).
+replicas receive the same averaged gradient bit for bit (no atomics: see
+`compressors.topk_decompress`).
 
 No `from __future__ import annotations` here: DDP inspects a hook's annotations when it is
 registered and rejects the strings that import would turn them into.
 """
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from chapters.ch09_compression.compressors import (
+    orthonormalise,
+    pack_signs,
+    powersgd_plan,
+    qsgd_dequantize,
+    qsgd_quantize,
+    topk_compress,
+    topk_decompress,
+    topk_size,
+    unpack_signs,
+    vote_dtype,
+)
 
 
 @dataclass
@@ -113,32 +126,6 @@ def bf16_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
 
 # --- Top-K sparsification -------------------------------------------------------------
 
-def topk_size(n: int, density: float) -> int:
-    """K, fixed per bucket (so every rank sends equally many values)."""
-    return max(1, math.ceil(density * n))
-
-
-def topk_compress(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k entries of largest magnitude: (values, int32 indices)."""
-    idx = v.abs().topk(k, sorted=False).indices
-    return v[idx], idx.to(torch.int32)
-
-
-def topk_decompress(values: torch.Tensor, indices: torch.Tensor, n: int) -> torch.Tensor:
-    """The sum of the sparse vectors (values, indices) of one rank, or of all ranks stacked
-    (world, K), as a dense vector of n.
-
-    One rank at a time, in rank order: a rank's K indices are distinct, so each write is a plain
-    scatter and every element is added in the same order on every rank and in every run.
-    (`index_add_` of all ranks at once adds repeated indices with atomics on CUDA, in an order
-    that varies: the replicas would receive gradients that differ in the last bits.)"""
-    out = torch.zeros(n, dtype=values.dtype, device=values.device)
-    k = values.shape[-1]
-    for v, i in zip(values.reshape(-1, k), indices.reshape(-1, k)):
-        out[i.long()] += v
-    return out
-
-
 def topk_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Top-K with error feedback: all_gather K values and K indices from every rank."""
     buf = bucket.buffer()
@@ -157,67 +144,6 @@ def topk_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
 
 # --- QSGD -----------------------------------------------------------------------------
 
-def qsgd_quantize(v: torch.Tensor, levels: int, chunk: int, generator=None,
-                  stochastic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """QSGD (Alistarh et al., 2017): per chunk of `chunk` coordinates, send the norm and for
-    each coordinate a signed level l in [-s, s] with E[l]·norm/s = v_i (stochastic rounding).
-    `stochastic=False` rounds to nearest instead: cheaper, and biased."""
-    n_chunks = math.ceil(v.numel() / chunk)
-    x = torch.nn.functional.pad(v.flatten(), (0, n_chunks * chunk - v.numel())).view(n_chunks, chunk)
-    norms = x.norm(dim=1)
-    scaled = x.abs() / norms.clamp_min(torch.finfo(x.dtype).tiny).unsqueeze(1) * levels
-    if stochastic:
-        lower = scaled.floor()
-        up = torch.rand(scaled.shape, generator=generator, device=x.device, dtype=x.dtype)
-        level = lower + (up < scaled - lower).to(x.dtype)
-    else:
-        level = scaled.round()
-    return (level * x.sign()).to(torch.int8), norms
-
-
-def qsgd_variance(v: torch.Tensor, levels: int, chunk: int) -> float:
-    """E||Q(v) − v||² of one stochastic quantisation, exactly: a coordinate with r = s|x_i|/||x||
-    gets level ⌊r⌋ + Bernoulli(p), p = r − ⌊r⌋, so its decoded value has variance
-    (||x||/s)²·p(1 − p). Never above Lemma 3.1's min(d/s², √d/s)·||v||², often well below."""
-    n_chunks = math.ceil(v.numel() / chunk)
-    x = torch.nn.functional.pad(v.flatten().double(), (0, n_chunks * chunk - v.numel())).view(n_chunks, chunk)
-    norms = x.norm(dim=1, keepdim=True)
-    r = x.abs() / norms.clamp_min(torch.finfo(x.dtype).tiny) * levels
-    p = r - r.floor()
-    return ((norms / levels) ** 2 * p * (1 - p)).sum().item()
-
-
-def qsgd_dequantize(q: torch.Tensor, norms: torch.Tensor, levels: int, n: int) -> torch.Tensor:
-    """Levels × norm / s, flattened, first n coordinates (works on a stack of ranks too)."""
-    v = q.to(norms.dtype) * norms.unsqueeze(-1) / levels
-    return v.reshape(*q.shape[:-2], -1)[..., :n]
-
-
-def elias_omega_bits(n: int) -> int:
-    """Length of Elias's omega (recursive) code of a positive integer: 1 -> "0" (1 bit),
-    2 -> "100", 4 -> "10 100 0" (6 bits): the binary of n, led by the code of its length."""
-    bits = 1
-    while n > 1:
-        bits += n.bit_length()
-        n = n.bit_length() - 1
-    return bits
-
-
-def qsgd_code_bits(q: torch.Tensor) -> int:
-    """Bits of QSGD's levels q (chunks × d) in a variable-length code after the paper's Elias
-    coding: per chunk 32 for the norm, per non-zero level the Elias code of the gap since the
-    previous one, a sign bit and the Elias code of |level|. Zeros cost nothing, so at s = 1
-    (most levels 0) this is far below a fixed-length code's log₂3 ≈ 1.58 bits per level."""
-    bits = 32 * q.shape[0]
-    for row in q.tolist():
-        last = -1
-        for i, level in enumerate(row):
-            if level:
-                bits += elias_omega_bits(i - last) + 1 + elias_omega_bits(abs(level))
-                last = i
-    return bits
-
-
 def qsgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """QSGD: all_gather int8 levels and fp32 norms. Unbiased, so no error feedback needed."""
     buf = bucket.buffer()
@@ -230,24 +156,6 @@ def qsgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
 
 
 # --- SignSGD / 1-bit SGD --------------------------------------------------------------
-
-BIT_WEIGHTS = [128, 64, 32, 16, 8, 4, 2, 1]
-
-
-def pack_signs(v: torch.Tensor) -> torch.Tensor:
-    """One bit per coordinate (1 = non-negative), eight to a uint8."""
-    bits = (v.flatten() >= 0).to(torch.uint8)
-    bits = torch.nn.functional.pad(bits, (0, -bits.numel() % 8)).view(-1, 8)
-    weights = torch.tensor(BIT_WEIGHTS, dtype=torch.uint8, device=v.device)
-    return (bits * weights).sum(1).to(torch.uint8)
-
-
-def unpack_signs(packed: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """±1 per coordinate from packed bits (works on a stack of ranks too)."""
-    weights = torch.tensor(BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
-    bits = (packed.unsqueeze(-1) & weights) > 0
-    return (bits.to(dtype) * 2 - 1).flatten(-2)[..., :n]
-
 
 def signsgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Scaled sign with error feedback (EF-SignSGD, Karimireddy et al., 2019; 1-bit SGD,
@@ -269,22 +177,6 @@ def signsgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     return completed(buf)
 
 
-INT8_VOTERS = 127  # the largest sum of ±1 votes that int8 holds
-FP16_VOTERS = 2048  # fp16 holds every integer up to 2¹¹ exactly, so every partial sum too
-
-
-def vote_dtype(world: int) -> torch.dtype:
-    """The narrowest dtype whose sums of `world` votes of ±1 are exact, that both NCCL and gloo
-    all-reduce: int8 up to 127 ranks (128 votes of +1 wrap to −128), fp16 up to 2048 (every
-    partial sum is an integer of magnitude ≤ 2048, which fp16 represents exactly; 2049 does not
-    exist in fp16), int32 beyond. Not int16: NCCL has no 16-bit integer type."""
-    if world <= INT8_VOTERS:
-        return torch.int8
-    if world <= FP16_VOTERS:
-        return torch.float16
-    return torch.int32
-
-
 def majority_vote_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """signSGD with majority vote (Bernstein et al., 2018 and 2019): every rank votes with the
     sign of each coordinate, ±1 in `vote_dtype(world)` (int8 up to 127 ranks), and an all-reduce
@@ -303,23 +195,6 @@ def majority_vote_hook(state: HookState, bucket: dist.GradBucket) -> torch.futur
 
 
 # --- PowerSGD -------------------------------------------------------------------------
-
-def powersgd_plan(shapes: list[torch.Size], rank: int, min_rate: float = 2.0) -> list[int]:
-    """Per gradient tensor, seen as a (shape[0], rest) matrix: the rank to compress it with,
-    or 0 to send it uncompressed (when r·(rows+cols)·min_rate is not below rows·cols,
-    the rule of torch's powerSGD_hook)."""
-    plan = []
-    for s in shapes:
-        rows, cols = s[0], math.prod(s[1:]) if len(s) > 1 else 1
-        r = min(rows, cols, rank)
-        plan.append(r if (rows + cols) * r * min_rate < rows * cols else 0)
-    return plan
-
-
-def orthonormalise(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning P (reduced QR)."""
-    return torch.linalg.qr(p).Q
-
 
 def powersgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """PowerSGD (Vogels et al., 2019), one power iteration per step with warm start and error
@@ -353,64 +228,3 @@ def powersgd_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
         state.warm_q[k] = q.view(m.shape[1], -1)
         grads[i].copy_((p @ state.warm_q[k].T).view_as(grads[i]))
     return completed(bucket.buffer())
-
-
-# --- Bytes each method should send per step (the formulas the lesson states) ----------
-
-def expected_bytes(method: str, shapes: list[torch.Size], state: HookState, elem: int = 4,
-                   world: int = 2) -> int:
-    """Bytes one rank hands to collectives per step, for one bucket holding `shapes`, at
-    `world` ranks (only the majority vote's depends on it: `vote_dtype`)."""
-    n = sum(math.prod(s) for s in shapes)
-    if method == "dense":
-        return elem * n
-    if method in ("fp16", "bf16"):
-        return 2 * n
-    if method.startswith("topk"):
-        return topk_size(n, state.density) * (elem + 4)  # value + int32 index
-    if method == "qsgd":
-        chunks = math.ceil(n / state.chunk)
-        return chunks * state.chunk * 1 + chunks * elem  # int8 levels (padded) + norms
-    if method.startswith("signsgd"):
-        return math.ceil(n / 8) + elem * len(shapes)  # packed bits + a scale per tensor
-    if method == "majority_vote":
-        votes = torch.empty((), dtype=vote_dtype(world)).element_size()
-        return votes * n + elem * len(shapes)  # a vote per coordinate + a scale per tensor
-    if method.startswith("powersgd"):
-        total = 0
-        for s, r in zip(shapes, powersgd_plan(shapes, state.rank)):
-            rows, cols = s[0], math.prod(s[1:]) if len(s) > 1 else 1
-            total += elem * (r * (rows + cols) if r else rows * cols)
-        return total
-    raise ValueError(f"unknown method {method!r}")
-
-
-GATHERED = ("topk", "qsgd", "signsgd")  # methods whose payloads are all-gathered, not reduced
-
-
-def received_bytes(method: str, shapes: list[torch.Size], state: HookState, world: int) -> float:
-    """Bytes one rank receives per step over a ring: an all-reduce of B bytes brings in
-    2(W−1)/W·B (reduce-scatter, then all-gather), an all-gather of B-byte payloads (W−1)·B.
-    A payload that each rank encodes in its own terms (Top-K's own indices, QSGD's own norms,
-    packed sign bits with their own scales) cannot be summed on the way, so it is gathered: what
-    a rank receives grows with W, while an all-reduce's stays below 2B. Integers on a scale all
-    ranks share can be summed: the majority vote's signs are all-reduced."""
-    sent = expected_bytes(method, shapes, state, world=world)
-    if method.startswith(GATHERED):
-        return (world - 1) * sent
-    return 2 * (world - 1) / world * sent
-
-
-def break_even_world(method: str, shapes: list[torch.Size], state: HookState,
-                     max_world: int = 1 << 20) -> int | None:
-    """The smallest world size at which `method` receives at least as many bytes per rank as
-    the dense all-reduce does (None if it never does). The ratio of two all-reduces changes only
-    where the vote's dtype widens (`vote_dtype`), so for them only those worlds are tried."""
-    if method.startswith(GATHERED):
-        worlds = range(2, max_world + 1)
-    else:
-        worlds = (2, INT8_VOTERS + 1, FP16_VOTERS + 1)
-    for world in worlds:
-        if received_bytes(method, shapes, state, world) >= received_bytes("dense", shapes, state, world):
-            return world
-    return None

@@ -28,7 +28,7 @@ import math
 import matplotlib.pyplot as plt
 import torch
 
-from chapters.ch09_compression import hooks, plots, train
+from chapters.ch09_compression import compressors, hooks, plots, train, volume
 from common.checkpoint import load_checkpoint
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
@@ -41,8 +41,8 @@ v = torch.randn(1000, generator=g) * torch.linspace(0.1, 2, 1000)  # a gradient-
 # K values (fp32) plus K indices (int32) instead of n values: ratio n / 2K.
 
 # %%
-values, indices = hooks.topk_compress(v, 50)
-kept = hooks.topk_decompress(values, indices, v.numel())
+values, indices = compressors.topk_compress(v, 50)
+kept = compressors.topk_decompress(values, indices, v.numel())
 print(f"kept {kept.count_nonzero().item()} of {v.numel()} coordinates, "
       f"{(kept.norm() / v.norm()).item():.0%} of the norm; "
       f"payload {values.numel() * 4 + indices.numel() * 4} bytes vs {v.numel() * 4}")
@@ -56,8 +56,8 @@ print(f"kept {kept.count_nonzero().item()} of {v.numel()} coordinates, "
 for stochastic in (True, False):
     total = torch.zeros_like(v)
     for _ in range(500):
-        q, norms = hooks.qsgd_quantize(v, 4, 256, g, stochastic=stochastic)
-        total += hooks.qsgd_dequantize(q, norms, 4, v.numel())
+        q, norms = compressors.qsgd_quantize(v, 4, 256, g, stochastic=stochastic)
+        total += compressors.qsgd_dequantize(q, norms, 4, v.numel())
     err = ((total / 500 - v).norm() / v.norm()).item()
     print(f"{'stochastic' if stochastic else 'nearest   '} rounding: "
           f"|mean of 500 draws - v| / |v| = {err:.4f}, levels used {sorted(q.unique().tolist())}")
@@ -68,17 +68,17 @@ for stochastic in (True, False):
 
 # %%
 for s in (1, 4, 16):
-    q, norms = hooks.qsgd_quantize(v, s, 256, g)
+    q, norms = compressors.qsgd_quantize(v, s, 256, g)
     print(f"s = {s:2d}: {(q != 0).float().mean().item():4.0%} of levels non-zero, "
-          f"{hooks.qsgd_code_bits(q) / v.numel():.2f} bits per coordinate in the paper's code, 8 as int8")
+          f"{compressors.qsgd_code_bits(q) / v.numel():.2f} bits per coordinate in the paper's code, 8 as int8")
 
 # %% [markdown]
 # ## SignSGD / 1-bit: one bit per coordinate and a scale
 # The signs are packed eight to a byte; the scale ‖p‖₁/n keeps the step's size.
 
 # %%
-packed = hooks.pack_signs(v)
-print(packed[:4], "->", hooks.unpack_signs(packed[:4], 32, v.dtype)[:12].tolist())
+packed = compressors.pack_signs(v)
+print(packed[:4], "->", compressors.unpack_signs(packed[:4], 32, v.dtype)[:12].tolist())
 print(f"{packed.numel()} bytes of signs for {v.numel()} coordinates (32x smaller than fp32)")
 
 # %% [markdown]
@@ -102,7 +102,7 @@ print(inspect.getsource(hooks.topk_hook))
 # dtype: int8 holds 127 votes, fp16 every integer up to 2048, int32 the rest.
 
 # %%
-print({w: hooks.vote_dtype(w) for w in (2, 127, 128, 2048, 2049)})
+print({w: compressors.vote_dtype(w) for w in (2, 127, 128, 2048, 2049)})
 
 # %%
 print(inspect.getsource(hooks.majority_vote_hook))
@@ -118,12 +118,12 @@ M = U @ torch.diag(torch.tensor([3.0, 1.0])) @ V.T + 0.1 * torch.randn(64, 64, g
 # M is nearly rank 2 with one dominant direction, like many gradient matrices
 Q = torch.randn(64, 1, generator=g)
 for it in range(4):
-    P = hooks.orthonormalise(M @ Q)
+    P = compressors.orthonormalise(M @ Q)
     Q = M.T @ P
     print(f"power iteration {it}: relative error of rank-1 approximation "
           f"{((M - P @ Q.T).norm() / M.norm()).item():.3f}")
 print("best rank-1 error (SVD):", f"{(torch.linalg.svdvals(M)[1:].norm() / M.norm()).item():.3f}")
-print(hooks.powersgd_plan([torch.Size([64, 16]), torch.Size([64]), torch.Size([1, 64])], rank=1),
+print(compressors.powersgd_plan([torch.Size([64, 16]), torch.Size([64]), torch.Size([1, 64])], rank=1),
       "<- rank per tensor, 0 = sent plain")
 
 # %% [markdown]
@@ -136,7 +136,7 @@ shapes = [torch.Size(s) for s in [(64, 16), (64,), (64, 64), (64,), (1, 64), (1,
 n = sum(math.prod(s) for s in shapes)
 state = hooks.HookState(density=cfg.density, levels=cfg.levels, chunk=cfg.chunk, rank=cfg.rank)
 for method in train.METHODS:
-    nbytes = hooks.expected_bytes(method, shapes, state)
+    nbytes = volume.expected_bytes(method, shapes, state)
     print(f"{method:17s} {nbytes:6d} bytes/step   ratio {4 * n / nbytes:5.1f}")
 
 # %% [markdown]
@@ -149,8 +149,8 @@ for method in train.METHODS:
 # %%
 print(f"{'method':13s}" + "".join(f"{'W=' + str(w):>10s}" for w in (2, 8, 64, 256)) + "   break-even W")
 for method in ("dense", "topk", "qsgd", "signsgd", "majority_vote", "powersgd"):
-    row = "".join(f"{hooks.received_bytes(method, shapes, state, w):10.0f}" for w in (2, 8, 64, 256))
-    print(f"{method:13s}{row}   {hooks.break_even_world(method, shapes, state)}")
+    row = "".join(f"{volume.received_bytes(method, shapes, state, w):10.0f}" for w in (2, 8, 64, 256))
+    print(f"{method:13s}{row}   {volume.break_even_world(method, shapes, state)}")
 
 # %% [markdown]
 # ## The real run: every method as a DDP hook on two processes

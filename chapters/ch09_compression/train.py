@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from chapters.ch09_compression import hooks
+from chapters.ch09_compression import compressors, hooks, volume
 from chapters.ch09_compression.wire import WireTap
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, check_global_batch, parse_config
@@ -110,7 +110,7 @@ class Config(RunConfig):
 
 def validate(cfg: Config, world_size: int) -> None:
     """The global batch must split over the ranks. (The majority vote needs no limit: its votes
-    widen from int8 past 127 ranks, `hooks.vote_dtype`.) (Every method
+    widen from int8 past 127 ranks, `compressors.vote_dtype`.) (Every method
     also runs under gloo on CUDA tensors: by torch's source, ProcessGroupGloo all-reduces and
     all-gathers them through host copies, AsyncAllreduceCUDA*Work and AsyncAllgatherCUDAWork.)"""
     check_global_batch(cfg.global_batch_size, world_size)
@@ -171,7 +171,7 @@ def qsgd_unbiasedness(v: torch.Tensor, levels: int, chunk: int, draws: int, seed
                       stochastic: bool = True, decode_levels: int | None = None,
                       confidence: float = 20.0) -> tuple[float, float]:
     """Average `draws` quantisations of v: (||mean − v||², bound). One unbiased quantisation has
-    E||Q(v) − v||² = V, computed exactly by `hooks.qsgd_variance` (Lemma 3.1's
+    E||Q(v) − v||² = V, computed exactly by `compressors.qsgd_variance` (Lemma 3.1's
     min(d/s², √d/s)·||v||² bounds it, 6x too loosely here to see a 6 % bias); the mean of
     independent draws has V/draws, and by Markov's inequality exceeds `confidence` times that
     with probability ≤ 1/confidence. A biased quantiser keeps its bias, whatever `draws`: the
@@ -180,10 +180,10 @@ def qsgd_unbiasedness(v: torch.Tensor, levels: int, chunk: int, draws: int, seed
     g = torch.Generator(v.device).manual_seed(seed)
     total = torch.zeros_like(v)
     for _ in range(draws):
-        q, norms = hooks.qsgd_quantize(v, levels, chunk, g, stochastic=stochastic)
-        total += hooks.qsgd_dequantize(q, norms, decode_levels or levels, v.numel())
+        q, norms = compressors.qsgd_quantize(v, levels, chunk, g, stochastic=stochastic)
+        total += compressors.qsgd_dequantize(q, norms, decode_levels or levels, v.numel())
     err2 = ((total / draws - v) ** 2).sum().item()
-    return err2, confidence * hooks.qsgd_variance(v, levels, chunk) / draws
+    return err2, confidence * compressors.qsgd_variance(v, levels, chunk) / draws
 
 
 def main(cfg: Config) -> int:
@@ -213,7 +213,7 @@ def main(cfg: Config) -> int:
             ms = r["step_ms"]
             log.info("%-17s %11d %6.1f %10.4f  %.2f (%.2f-%.2f)", m, sent, dense_bytes / sent,
                      r["losses"][-1], statistics.median(ms), min(ms), max(ms))
-            expected = hooks.expected_bytes(m, shapes, hook_state("dense", cfg),
+            expected = volume.expected_bytes(m, shapes, hook_state("dense", cfg),
                                             world=info.world_size)
             rec.figure(f"compression ratio {m}", dense_bytes / sent, expected=dense_bytes / expected)
             # the table above shows these two; the figures table shows them once, not again
@@ -234,7 +234,7 @@ def main(cfg: Config) -> int:
         if "powersgd_builtin" in runs:  # torch's hook all-reduces plainly before its 3rd step
             rec.figure("bytes sent by torch's PowerSGD, steps 0-2",
                        runs["powersgd_builtin"]["bytes_sent"][:3], expected=[dense_bytes] * 2
-                       + [hooks.expected_bytes("powersgd", shapes, hook_state("dense", cfg))])
+                       + [volume.expected_bytes("powersgd", shapes, hook_state("dense", cfg))])
         # Every rank decodes the same gathered bytes with the same deterministic operations and
         # applies the same update: the replicas are copies, so the tolerance is 0.
         rec.check("replicas identical after every method", "parity",
