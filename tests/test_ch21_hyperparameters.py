@@ -17,6 +17,14 @@ import torch.distributed as dist
 
 from chapters.ch21_hyperparameters import schedules as S
 from chapters.ch21_hyperparameters import train
+from chapters.ch21_hyperparameters.checks import CLOSED_FORM_TOLERANCE, PARTS
+from chapters.ch21_hyperparameters.problem import (
+    closed_form_noise_scales,
+    feature_scales,
+    target_point,
+    teacher,
+)
+from chapters.ch21_hyperparameters.scaling import fit_critical_batch, scaling_experiment
 from common.launch import run_on_ranks, run_python, run_torchrun
 from common.results import check_ok
 
@@ -57,12 +65,12 @@ def _norms_on_ranks(micro: int) -> dict:
     cfg = train.Config(micro_batch_size=micro)
     gen = torch.Generator().manual_seed(3)
     x, y = train.sample(cfg, cfg.global_batch_size, gen)
-    w = 0.3 * train.teacher(cfg)
+    w = 0.3 * teacher(cfg)
     n = train.dp_step_norms(w, x, y, cfg, dist.get_rank(), dist.get_world_size())
     # the scaling experiment splits the batch sizes over the ranks: with one size, rank 1 gets
     # none and must still take part in the gather
-    uneven = train.scaling_experiment(train.Config(batch_sizes="8", max_steps=200), dist.get_rank(),
-                                      dist.get_world_size())
+    uneven = scaling_experiment(train.Config(batch_sizes="8", max_steps=200), dist.get_rank(),
+                                dist.get_world_size())
     return {"small": n.small_sq, "big": n.big_sq, "x": x, "y": y, "w": w, "uneven": uneven}
 
 
@@ -79,7 +87,7 @@ def test_noise_scale_from_rank_norms_equals_per_example_value():
     assert not check_ok(abs(tr / res["big"] / exact - 1), 0.0, train.GNS_TOLERANCE)
     assert abs(tr / res["big"] / exact - 1) > 0.1
     # a rank with no batch size to run: the gathered table is one process's
-    alone = train.scaling_experiment(train.Config(batch_sizes="8", max_steps=200), 0, 1)
+    alone = scaling_experiment(train.Config(batch_sizes="8", max_steps=200), 0, 1)
     assert alone["table"][8]["best_steps"] > 0
     assert all(r["uneven"]["table"] == alone["table"] for r in results)  # rank 1 ran nothing
 
@@ -89,8 +97,8 @@ def _sampled_noise_scales(cfg, w, n: int = 1_000_000, chunk: int = 250_000) -> d
     g = 2x(x.e - eps) with x ~ N(0, diag(v)), eps ~ N(0, sigma^2), e = w - w*; Sigma and G from
     the sample (unbiased), H = 2 diag(v)."""
     gen = torch.Generator().manual_seed(11)
-    v = train.feature_scales(cfg) ** 2
-    h, e = 2 * v, w - train.teacher(cfg)
+    v = feature_scales(cfg) ** 2
+    h, e = 2 * v, w - teacher(cfg)
     s_g, s_sq, s_h = torch.zeros(cfg.d, dtype=torch.float64), 0.0, 0.0
     for _ in range(n // chunk):
         x = torch.randn(chunk, cfg.d, dtype=torch.float64, generator=gen) * v.sqrt()
@@ -113,10 +121,10 @@ def test_closed_form_noise_scales_match_a_large_sample():
     numbers, 17.50 and 13.95, are the defaults'. Dropping the rank-one term of Sigma (the '1 +',
     and e'V^k e in the traces) is off by 5.9-7.8 % and fails the same 2 % bound."""
     cfg = train.Config()
-    w = train.target_point(cfg)
-    v, e = train.feature_scales(cfg) ** 2, w - train.teacher(cfg)
+    w = target_point(cfg)
+    v, e = feature_scales(cfg) ** 2, w - teacher(cfg)
     assert (e * e * v).sum().item() + cfg.label_noise**2 == pytest.approx(cfg.target_loss, rel=1e-12)
-    closed = train.closed_form_noise_scales(cfg, w)
+    closed = closed_form_noise_scales(cfg, w)
     assert round(closed["b_simple"], 2) == 17.50 and round(closed["b_noise"], 2) == 13.95
     sampled = _sampled_noise_scales(cfg, w)
     for key in ("b_simple", "b_noise", "g2", "trace", "g2_h", "trace_h"):
@@ -131,7 +139,7 @@ def test_closed_form_noise_scales_match_a_large_sample():
 @pytest.mark.timeout(30)
 def test_critical_batch_fit_recovers_the_law():
     steps = {b: 40 * (1 + 25 / b) for b in (1, 4, 16, 64, 256)}
-    s_min, b_crit = train.fit_critical_batch(steps)
+    s_min, b_crit = fit_critical_batch(steps)
     assert s_min == pytest.approx(40, rel=1e-10) and b_crit == pytest.approx(25, rel=1e-10)
 
 
@@ -154,11 +162,11 @@ def test_torchrun_two_ranks_passes_its_checks():
     for name, value in (("B_simple", 17.4953), ("B_noise", 13.9511)):
         check = run.check(f"{name} at target, DP estimator == closed form (rel.)")
         assert check["ok"] and check["expected"] == pytest.approx(value, abs=1e-4)
-        assert check["tolerance"] == train.CLOSED_FORM_TOLERANCE == 0.1 and check["relative"]
+        assert check["tolerance"] == CLOSED_FORM_TOLERANCE == 0.1 and check["relative"]
     # and the four parts each ratio is made of (a ratio alone lets its parts' errors cancel:
     # a metric 2·std instead of 2·var moved B_noise by 6.9 % but tr(H Sigma) by 24 %)
-    closed = train.closed_form_noise_scales(train.Config(), train.target_point(train.Config()))
-    for key, name in train.PARTS:
+    closed = closed_form_noise_scales(train.Config(), target_point(train.Config()))
+    for key, name in PARTS:
         check = run.check(f"{name} (DP estimator, rel.)")
         assert check["ok"] and check["expected"] == pytest.approx(closed[key], rel=1e-12)
         assert check["tolerance"] == 0.1 and check["relative"]
@@ -171,7 +179,7 @@ def test_torchrun_two_ranks_passes_its_checks():
     wrong = run.check("tr(H Sigma), metric 2·std for 2·var: off (control)")
     assert wrong["ok"] and wrong["measured"] > 0.2
     moved = run.summary["figures"]["B_noise, metric 2·std for 2·var: off the closed form (rel.)"]
-    assert moved["measured"] < train.CLOSED_FORM_TOLERANCE
+    assert moved["measured"] < CLOSED_FORM_TOLERANCE
     # the knee is a figure beside B_noise, not a check (one noisy run per point; the lesson)
     b_crit = run.summary["figures"]["fitted B_crit (expected: B_noise at target)"]
     assert b_crit["expected"] == pytest.approx(13.9511, abs=1e-4)
@@ -186,52 +194,52 @@ TUNE = Path(train.__file__).with_name("tune.py")
 
 @pytest.mark.timeout(30)
 def test_asha_by_hand_stops_by_the_quantile_rule_and_fifo_stops_none():
-    from chapters.ch21_hyperparameters import tune
+    from chapters.ch21_hyperparameters import quadratic, tune, tune_checks
 
     cfg = tune.Config()
-    order = tune.grid_order(cfg)
-    made = tune.asha_by_hand(cfg, order)
-    assert sorted(made) == sorted(tune.lr_grid(cfg)) and made[order[0]] == cfg.max_t  # first: no rival
+    order = quadratic.grid_order(cfg)
+    made = tune_checks.asha_by_hand(cfg, order)
+    assert sorted(made) == sorted(quadratic.lr_grid(cfg)) and made[order[0]] == cfg.max_t  # first: no rival
     assert all(t in (1, 3, 9) for t in made.values())  # a trial stops only at a rung
-    assert sum(t < cfg.max_t for t in tune.asha_by_hand(cfg, order, early_stopping=False).values()) == 0
-    lo, hi = tune.known_region(cfg)
-    assert lo < tune.best_lr(cfg) < hi and tune.rho(tune.best_lr(cfg), cfg) == pytest.approx(0.6, abs=1e-15)
+    assert sum(t < cfg.max_t for t in tune_checks.asha_by_hand(cfg, order, early_stopping=False).values()) == 0
+    lo, hi = quadratic.known_region(cfg)
+    assert lo < quadratic.best_lr(cfg) < hi and quadratic.rho(quadratic.best_lr(cfg), cfg) == pytest.approx(0.6, abs=1e-15)
     # the loss formula is gradient descent's own: 5 steps of the script's reference
-    assert tune.loss_after(0.3, 5, cfg) == pytest.approx(tune.reference_loss(cfg, 0.3, 5), rel=1e-12)
+    assert quadratic.loss_after(0.3, 5, cfg) == pytest.approx(tune_checks.reference_loss(cfg, 0.3, 5), rel=1e-12)
 
 
 @pytest.mark.timeout(30)
 def test_asha_replay_follows_the_arrival_order_and_ignores_a_stopped_trials_results():
     """Trials that run at the same time: ASHA decides on results in the order they arrive.
     Worked by hand (reduction factor 2: below the median of the rung's earlier rewards, stop)."""
-    from chapters.ch21_hyperparameters import tune
+    from chapters.ch21_hyperparameters import tune_checks
 
     # b reaches rung 1 first; a, worse, is stopped there; its rung-2 result (already on its
     # way) is ignored; c (rung 1 median of b and a: -1.5) continues; at max_t all end
     events = [("b", 1, 1.0), ("a", 1, 2.0), ("a", 2, 1.5), ("b", 2, 0.5), ("c", 1, 0.1),
               ("b", 3, 0.2), ("c", 2, 0.05), ("c", 3, 0.01)]
-    assert tune.asha_replay(events, 1, 2, 3) == {"a": 1, "b": 3, "c": 3}
+    assert tune_checks.asha_replay(events, 1, 2, 3) == {"a": 1, "b": 3, "c": 3}
     # the same results with a's first report first: a has no rival at rung 1, nor at rung 2
     swapped = [("a", 1, 2.0), ("b", 1, 1.0), ("a", 2, 1.5), ("b", 2, 0.5), ("a", 3, 1.2),
                ("b", 3, 0.2)]
-    assert tune.asha_replay(swapped, 1, 2, 3) == {"a": 3, "b": 3}
+    assert tune_checks.asha_replay(swapped, 1, 2, 3) == {"a": 3, "b": 3}
     # without stopping, a is not stopped either (its results end at 2: it has not ended)
-    assert tune.asha_replay(events, 1, 2, 3, early_stopping=False) == {"b": 3, "c": 3}
+    assert tune_checks.asha_replay(events, 1, 2, 3, early_stopping=False) == {"b": 3, "c": 3}
     # a diverging loss (inf) is the worst reward, never a NaN in the quantile
-    assert tune.asha_replay([("b", 1, 1.0), ("d", 1, math.inf)], 1, 2, 3) == {"d": 1}
+    assert tune_checks.asha_replay([("b", 1, 1.0), ("d", 1, math.inf)], 1, 2, 3) == {"d": 1}
     # a late result of a stopped trial does not count: a's good rung-2 loss must not stop b
     late = [("b", 1, 1.0), ("a", 1, 2.0), ("a", 2, 0.01), ("b", 2, 0.5), ("b", 3, 0.2)]
-    assert tune.asha_replay(late, 1, 2, 3) == {"a": 1, "b": 3}
+    assert tune_checks.asha_replay(late, 1, 2, 3) == {"a": 1, "b": 3}
     # reduction factor 3: the cutoff is the 2/3 quantile of the rung's earlier rewards: b (-2)
     # stops behind a (-1); c (-1.5) stops too, below -1.33 of (-1, -2), where the 1/3
     # quantile (-1.67) would let it pass
     three = [("a", 1, 1.0), ("b", 1, 2.0), ("c", 1, 1.5)]
-    assert tune.asha_replay(three, 1, 3, 9) == {"b": 1, "c": 1}
+    assert tune_checks.asha_replay(three, 1, 3, 9) == {"b": 1, "c": 1}
 
 
 @pytest.mark.timeout(30)
 def test_tune_config_refuses_trials_that_cannot_start():
-    from chapters.ch21_hyperparameters import tune
+    from chapters.ch21_hyperparameters import quadratic, tune
 
     with pytest.raises(ValueError, match="above 0"):
         tune.Config(driver_cpus=0)
@@ -239,8 +247,8 @@ def test_tune_config_refuses_trials_that_cannot_start():
         tune.Config(worker_cpus=1.0)  # 0.2 + 2 x 1.0 > 2 CPUs
     with pytest.raises(ValueError, match="integers k"):
         tune.Config(trials="0,x")
-    lrs = tune.trial_lrs(tune.Config())
-    assert lrs[0] == tune.best_lr(tune.Config()) and tune.rho(lrs[1], tune.Config()) > 1
+    lrs = quadratic.trial_lrs(tune.Config())
+    assert lrs[0] == quadratic.best_lr(tune.Config()) and quadratic.rho(lrs[1], tune.Config()) > 1
 
 
 @pytest.mark.timeout(300)

@@ -24,7 +24,7 @@ import inspect
 import matplotlib.pyplot as plt
 import torch
 
-from chapters.ch21_hyperparameters import schedules, train
+from chapters.ch21_hyperparameters import gns, problem, schedules, train
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
 
@@ -48,15 +48,15 @@ print("cosine at the middle of its decay:", schedules.cosine(55, 1.0, 100, 10, 0
 # |G_b|^2 at the micro-batch size b and |G_B|^2 at the global batch B give |G|^2 and tr(Sigma):
 
 # %%
-print(inspect.getsource(train.noise_scale))
+print(inspect.getsource(gns.noise_scale))
 cfg = train.Config()
-x, y = train.sample(cfg, cfg.global_batch_size, torch.Generator().manual_seed(3))
-w = 0.3 * train.teacher(cfg)
-grads = train.per_example_grads(w, x, y)
+x, y = problem.sample(cfg, cfg.global_batch_size, torch.Generator().manual_seed(3))
+w = 0.3 * problem.teacher(cfg)
+grads = gns.per_example_grads(w, x, y)
 small = (grads**2).sum(1).mean().item()
 big = (grads.mean(0) ** 2).sum().item()
-print("from the two norms:", train.noise_scale(small, big, 1, len(y))["b_simple"])
-print("per-example exact: ", train.exact_noise_scale(grads)["b_simple"])
+print("from the two norms:", gns.noise_scale(small, big, 1, len(y))["b_simple"])
+print("per-example exact: ", gns.exact_noise_scale(grads)["b_simple"])
 
 # %% [markdown]
 # ## Both noise scales in closed form
@@ -66,8 +66,8 @@ print("per-example exact: ", train.exact_noise_scale(grads)["b_simple"])
 # data-parallel way and checks them against these:
 
 # %%
-print(inspect.getsource(train.closed_form_noise_scales))
-print(train.closed_form_noise_scales(cfg, train.target_point(cfg)))
+print(inspect.getsource(problem.closed_form_noise_scales))
+print(problem.closed_form_noise_scales(cfg, problem.target_point(cfg)))
 
 # %% [markdown]
 # ## The real run: two processes under torchrun
@@ -85,14 +85,14 @@ print(result.output[result.output.index("figure"):])
 # The best region is known: rho(lr) <= rho* + 0.1 around lr* = 2/(h_min + h_max).
 
 # %%
-from chapters.ch21_hyperparameters import tune
+from chapters.ch21_hyperparameters import quadratic, tune, tune_checks
 
 tcfg = tune.Config()
-made = tune.asha_by_hand(tcfg, tune.grid_order(tcfg))
-print("known region:", [round(v, 4) for v in tune.known_region(tcfg)])
+made = tune_checks.asha_by_hand(tcfg, quadratic.grid_order(tcfg))
+print("known region:", [round(v, 4) for v in quadratic.known_region(tcfg)])
 for lr in sorted(made):
-    print(f"lr {lr:.4f}  rho {tune.rho(lr, tcfg):.3f}  reports {made[lr]}  "
-          f"loss {tune.loss_after(lr, made[lr] * tcfg.steps_per_report, tcfg):.3g}")
+    print(f"lr {lr:.4f}  rho {quadratic.rho(lr, tcfg):.3f}  reports {made[lr]}  "
+          f"loss {quadratic.loss_after(lr, made[lr] * tcfg.steps_per_report, tcfg):.3g}")
 print("stopped early:", sum(t < tcfg.max_t for t in made.values()), "of", tcfg.grid)
 
 # %% [markdown]
@@ -101,9 +101,9 @@ print("stopped early:", sum(t < tcfg.max_t for t in made.values()), "of", tcfg.g
 # `asha_replay` takes the results in the order Tune receives them.
 
 # %%
-events = [(round(lr, 3), it, tune.loss_after(lr, it * tcfg.steps_per_report, tcfg))
-          for lr in tune.trial_lrs(tcfg) for it in range(1, tcfg.trial_max_t + 1)]
-print("reports made:", tune.asha_replay(events, 1, 2, 3))
+events = [(round(lr, 3), it, quadratic.loss_after(lr, it * tcfg.steps_per_report, tcfg))
+          for lr in quadratic.trial_lrs(tcfg) for it in range(1, tcfg.trial_max_t + 1)]
+print("reports made:", tune_checks.asha_replay(events, 1, 2, 3))
 
 # %% [markdown]
 # ## Exercises

@@ -15,7 +15,7 @@ RUNS_PER_POINT = 8  # data seeds 1000, 2000, ..., 8000 on each problem, averaged
 
 
 def _fit(cfg, data_seed=None) -> dict:
-    from chapters.ch21_hyperparameters.train import fit_critical_batch, scaling_experiment
+    from chapters.ch21_hyperparameters.scaling import fit_critical_batch, scaling_experiment
 
     exp = scaling_experiment(cfg, 0, 1, data_seed)
     steps = {b: v["best_steps"] for b, v in exp["table"].items()}
@@ -28,12 +28,9 @@ def measure() -> dict:
     """The batch-size experiment of train.py's defaults, in one process; the same experiment on
     ten other data seeds of the same problem; and on ten problems, each point the mean of
     RUNS_PER_POINT runs (every run at its own best rate), with each problem's B_noise."""
-    from chapters.ch21_hyperparameters.train import (
-        Config,
-        closed_form_noise_scales,
-        fit_critical_batch,
-        target_point,
-    )
+    from chapters.ch21_hyperparameters.problem import closed_form_noise_scales, target_point
+    from chapters.ch21_hyperparameters.scaling import fit_critical_batch
+    from chapters.ch21_hyperparameters.train import Config
 
     cfg = Config()
     default = _fit(cfg)

@@ -2,7 +2,7 @@
 
 Each returns the learning rate of step `step` (0-based): no optimizer, no state, so a test can
 compare it with its formula at any step, and `torch_cosine_lrs` shows torch's schedulers
-producing the same numbers. Used by train.py; run train.py to check them:
+producing the same numbers. Checked by checks.py and used by scaling.py; train.py runs both:
 
     python chapters/ch21_hyperparameters/train.py
 """
