@@ -14,7 +14,16 @@ import pytest
 import torch
 from torch import nn
 
-from chapters.ch02_single_node import controls, dataparallel, make_diff, single, spawn, train
+from chapters.ch02_single_node import (
+    controls,
+    counting,
+    dataparallel,
+    make_diff,
+    simulated_devices,
+    single,
+    spawn,
+    train,
+)
 from chapters.ch02_single_node.task import (
     PARITY_TOLERANCE,
     TaskConfig,
@@ -325,7 +334,7 @@ def assert_mechanism(cfg, tap, chunks: list[int], devices: list[str]) -> None:
     0's gradients (each equal to the sum of the R replicas' gradients), none of them before the
     last replica gradient of the step; R forwards in this process, each on its own thread."""
     P = sum(p.numel() for p in build_model(cfg, CPU).parameters())
-    assert dataparallel.n_params(cfg) == P
+    assert counting.n_params(cfg) == P
     B, size, R = cfg.global_batch_size, 8, len(chunks)
     assert len(tap.records) == cfg.steps >= 3
     for rec in tap.records:
@@ -352,14 +361,14 @@ def test_dataparallel_mechanism_on_simulated_devices():
     calls in order, and what they moved equals the closed forms at every step, also where a
     device gets no rows (torch.chunk: 5 rows over 4 devices make 2, 2, 1; 3 rows make 1, 1, 1);
     the trained parameters equal one process's on the whole batch."""
-    assert dataparallel.SimulatedDataParallel.forward is nn.DataParallel.forward
+    assert simulated_devices.SimulatedDataParallel.forward is nn.DataParallel.forward
     for devices, batch, chunks in ((2, 48, [24, 24]), (4, 48, [12] * 4), (4, 5, [2, 2, 1]),
                                    (4, 3, [1, 1, 1])):
         cfg = dp_config(devices, batch)
         model, tap, losses, _ = dataparallel.train_data_parallel(cfg, "cpu", devices)
         assert_mechanism(cfg, tap, chunks, ["cpu"] * devices)
-        measured = [dataparallel.measured_per_step(r) for r in tap.records]
-        assert measured == [dataparallel.expected_per_step(cfg, devices, 8)] * cfg.steps
+        measured = [counting.measured_per_step(r) for r in tap.records]
+        assert measured == [counting.expected_per_step(cfg, devices, 8)] * cfg.steps
         reference = reference_history(cfg)
         assert max_param_diff(model.state_dict(), reference[-1]) <= TOL, (devices, batch)
         assert max_param_diff(model.state_dict(), reference[0]) > 1e-3  # it trained
@@ -374,13 +383,13 @@ def test_dataparallel_mechanism_on_simulated_devices():
                     return_value=None):
         plain = nn.DataParallel(model)
     assert plain.device_ids == [] and torch.equal(plain(X[:48]), model(X[:48]))
-    simulated = dataparallel.SimulatedDataParallel(model, 2)
-    tap = dataparallel.MechanismTap(simulated)
+    simulated = simulated_devices.SimulatedDataParallel(model, 2)
+    tap = counting.MechanismTap(simulated)
     assert (simulated(X[:48]) - model(X[:48])).abs().max().item() <= TOL
     assert len(tap.records) == 1 and tap.records[0].chunk_rows == [24, 24]
 
 
-class ReplicateOnce(dataparallel.SimulatedDataParallel):
+class ReplicateOnce(simulated_devices.SimulatedDataParallel):
     """Broken: the copies on devices 1.. are made at the first forward and reused ever after
     (replica 0 is rebuilt: reused, its views of the parameters, which the optimizer changes
     in place, make autograd refuse the next forward, as torch's Broadcast outputs would)."""
@@ -393,20 +402,20 @@ class ReplicateOnce(dataparallel.SimulatedDataParallel):
 
 
 def broadcast_without_graph(tensors, devices, detach=False):
-    """dataparallel.simulated_broadcast, broken: the copies leave the autograd graph."""
+    """simulated_devices.simulated_broadcast, broken: the copies leave the autograd graph."""
     return [[t.view_as(t) if j == 0 else t.detach().clone() for t in tensors]
             for j in range(len(devices))]
 
 
-class DetachedReplicas(dataparallel.SimulatedDataParallel):
+class DetachedReplicas(simulated_devices.SimulatedDataParallel):
     """Broken: the copies on devices 1.. carry no gradient back, so only device 0's rows train."""
 
     broadcast = staticmethod(broadcast_without_graph)
 
     def replicate(self, module, device_ids):
-        with mock.patch.object(dataparallel._REPLICATE, "_broadcast_coalesced_reshape",
+        with mock.patch.object(simulated_devices._REPLICATE, "_broadcast_coalesced_reshape",
                                self.broadcast):
-            return dataparallel._REPLICATE.replicate(module, list(device_ids))
+            return simulated_devices._REPLICATE.replicate(module, list(device_ids))
 
 
 def broadcast_as_leaves(tensors, devices, detach=False):
@@ -420,7 +429,7 @@ class CopiesAsLeaves(DetachedReplicas):
     broadcast = staticmethod(broadcast_as_leaves)
 
 
-class BroadcastDroppingCopies(dataparallel.SimulatedBroadcast):
+class BroadcastDroppingCopies(simulated_devices.SimulatedBroadcast):
     """Broken: one node, as torch's, but its reduction returns replica 0's gradients alone."""
 
     @staticmethod
@@ -479,14 +488,14 @@ def test_dataparallel_negative_controls():
     assert max_param_diff(model.state_dict(), reference) > 1e-3
     model, tap, *_ = dataparallel.train_data_parallel(cfg, "cpu", 2,
                                                       dp_class=ReductionDropsCopies)
-    measured = [dataparallel.measured_per_step(r) for r in tap.records]
+    measured = [counting.measured_per_step(r) for r in tap.records]
     assert all(m["replica_grad_bytes"] == P8 and m["early_reductions"] == 0 for m in measured)
     assert [m["summed_grad_bytes"] for m in measured] == [0] * cfg.steps
     assert all(r.grad_sum_error > 1e-3 for r in tap.records)
     assert max_param_diff(model.state_dict(), reference) > 1e-3
     model, tap, *_ = dataparallel.train_data_parallel(cfg, "cpu", 2,
                                                       dp_class=PerParameterBroadcast)
-    measured = [dataparallel.measured_per_step(r) for r in tap.records]
+    measured = [counting.measured_per_step(r) for r in tap.records]
     # Every parameter but the one whose gradient is computed last: 5 of the 6 tensors.
     assert all(m["summed_grad_bytes"] == P8 and m["early_reductions"] == 5 for m in measured)
     assert max_param_diff(model.state_dict(), reference) <= TOL
@@ -591,8 +600,8 @@ def test_exercise_4_bytes_per_step():
     2(W - 1)/W · P · 8 bytes sent per GPU, 2(W - 1) · P · 8 over all W GPUs."""
     cfg = dataparallel.Config(d_hidden=4096, n_layers=8)
     P = 16 * 4096 + 4096 + 6 * (4096 * 4096 + 4096) + 4096 + 1
-    assert dataparallel.n_params(cfg) == P == 100_761_601
-    two, eight = (dataparallel.expected_per_step(cfg, w, 8) for w in (2, 8))
+    assert counting.n_params(cfg) == P == 100_761_601
+    two, eight = (counting.expected_per_step(cfg, w, 8) for w in (2, 8))
     assert two["copied_param_bytes"] == two["summed_grad_bytes"] == P * 8 == 806_092_808
     assert eight["copied_param_bytes"] == eight["summed_grad_bytes"] == 5_642_649_656
     # The lesson's arithmetic for DDP, checked here (no code of the chapter computes it): per

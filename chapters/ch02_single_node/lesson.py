@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt
 import torch
 from torch import nn
 
-from chapters.ch02_single_node import dataparallel, spawn, task, train
+from chapters.ch02_single_node import counting, dataparallel, spawn, task, train
 from chapters.ch02_single_node.make_diff import code_lines
 from chapters.ch02_single_node.task import PARITY_TOLERANCE, build_model
 from common.checkpoint import load_checkpoint
@@ -85,9 +85,9 @@ else:
 # Without two GPUs torch's `DataParallel` does not replicate (no accelerator: no devices, it
 # calls the module; one GPU: it calls the module on cuda:0), so `dataparallel.py` runs torch's
 # own `DataParallel.forward`, `scatter` and `gather` over *simulated* CPU devices
-# (`SimulatedDataParallel` replaces only the autograd Functions that move tensors between
-# devices, and `parallel_apply`, which needs an accelerator) and a
-# `MechanismTap` counts, at those four calls and at both ends of the backward, what each step
+# (`SimulatedDataParallel`, in `simulated_devices.py`, replaces only the autograd Functions
+# that move tensors between devices, and `parallel_apply`, which needs an accelerator) and a
+# `MechanismTap` (`counting.py`) counts, at those four calls and at both ends of the backward, what each step
 # copied and summed (bytes created, not bytes through one link). Below: 3 steps each, the
 # last step's counts beside their closed forms (P = 1,633 parameters of 8 bytes, B rows of 16
 # features in and 1 out, R devices that got rows; `torch.chunk` gives 5 rows over 4 devices as
@@ -109,8 +109,8 @@ for devices, batch in ((2, 48), (4, 48), (4, 5)):
     last = tap.records[-1]
     print(f"\n{devices} devices, batch {batch}: {' -> '.join(last.calls)}; rows per device "
           f"{last.chunk_rows}; replica threads {sorted({name for _, name, _ in last.forwards})}")
-    expected = dataparallel.expected_per_step(run_cfg, devices, 8)
-    for key, value in dataparallel.measured_per_step(last).items():
+    expected = counting.expected_per_step(run_cfg, devices, 8)
+    for key, value in counting.measured_per_step(last).items():
         print(f"  {key:<20} measured {value:>6}   closed form {expected[key]:>6}")
     difference = task.max_param_diff(trained.state_dict(), task.reference_state(run_cfg, torch.device("cpu")))
     print(f"  parameters after 3 steps vs one process on the batch: {difference:.1e}")
@@ -119,7 +119,7 @@ if torch.cuda.device_count() >= 2:  # torch's own DataParallel, counted by the s
     run_cfg = replace(cfg, devices=n, device="cuda")
     trained, tap, losses, _ = dataparallel.train_data_parallel(run_cfg, "cuda", n)
     print(f"\n{n} GPUs: replicas on {tap.records[-1].replica_devices}, "
-          f"{dataparallel.measured_per_step(tap.records[-1])}")
+          f"{counting.measured_per_step(tap.records[-1])}")
 else:
     print(f"\n{torch.cuda.device_count()} CUDA GPU(s): torch's own multi-GPU DataParallel needs 2 or more.")
 
@@ -157,9 +157,9 @@ print("".join(diff))
 
 # %% [markdown]
 # The setup, written inline as the lesson (from chapter 03 on it is one import of
-# `common.distributed.setup_distributed`). The device is chosen (by chapter 01's
-# `choose_device`) and set *before* `init_process_group`; the group gets a finite timeout;
-# `main` destroys it in `finally`.
+# `common.distributed.setup_distributed`). The device is chosen (by the rule chapter 01 teaches,
+# `common.distributed.choose_device_and_backend`) and set *before* `init_process_group`; the
+# group gets a finite timeout; `main` destroys it in `finally`.
 
 # %%
 print(inspect.getsource(train.setup_distributed))

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from chapters.ch01_overview.train import choose_device
 from chapters.ch02_single_node.task import (
     TaskConfig,
     build_data,
@@ -31,7 +30,11 @@ from chapters.ch02_single_node.task import (
 )
 from common.checkpoint import save_checkpoint
 from common.config import parse_config
-from common.distributed import DistInfo, DistributedSetupError
+from common.distributed import (
+    DistInfo,
+    DistributedSetupError,
+    choose_device_and_backend,
+)
 from common.log import log, setup_logging
 from common.results import RunRecorder
 from common.timing import Timer
@@ -52,8 +55,8 @@ def validate(cfg: Config, world_size: int) -> None:
 
 def one_process(device: str = "auto") -> DistInfo:
     """This process's view of a 'job' of one: rank 0 of 1, on the first GPU if there is one
-    (chapter 01's device choice for one local rank)."""
-    dev, _ = choose_device(0, 1, device)
+    (the device choice chapter 01 teaches, common.distributed's, for one local rank)."""
+    dev, _ = choose_device_and_backend(0, 1, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     return DistInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=dev,

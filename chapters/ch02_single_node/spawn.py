@@ -26,11 +26,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from chapters.ch01_overview.train import choose_device, teardown_distributed
 from chapters.ch02_single_node.task import TaskConfig, check_batch_divides
 from chapters.ch02_single_node.train import train
 from common.config import parse_config
-from common.distributed import DistInfo, DistributedSetupError, free_port
+from common.distributed import (
+    DistInfo,
+    DistributedSetupError,
+    choose_device_and_backend,
+    free_port,
+    teardown_distributed,
+)
 from common.log import log, setup_logging, shown_path
 from common.results import default_out_dir
 
@@ -66,7 +71,7 @@ def setup_distributed(rank: int, world_size: int, device: str = "auto", backend:
                       timeout_s: float = 300.0) -> DistInfo:
     """Join the group as `rank` of `world_size`: the rank comes from mp.spawn, not from the
     environment. One machine, so the local rank is the rank."""
-    dev, backend = choose_device(rank, world_size, device, backend)
+    dev, backend = choose_device_and_backend(rank, world_size, device, backend)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # BEFORE init: 'the current device' of NCCL calls (ch01)
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
@@ -108,7 +113,7 @@ def save_traceback(e: mp.ProcessRaisedException, out: str) -> str:
 def main(cfg: Config) -> int:
     setup_logging()
     try:  # the device choice every child will make, checked once here: one line, not N tracebacks
-        choose_device(0, cfg.nprocs, cfg.device, cfg.backend)
+        choose_device_and_backend(0, cfg.nprocs, cfg.device, cfg.backend)
     except DistributedSetupError as e:
         print(f"spawn.py: error: {e}", file=sys.stderr)
         return 2

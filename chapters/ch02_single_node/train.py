@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from chapters.ch01_overview.train import choose_device, teardown_distributed
 from chapters.ch02_single_node.task import (
     PARITY_TOLERANCE,
     SHARD_CHECK_STEPS,
@@ -50,7 +49,12 @@ from chapters.ch02_single_node.task import (
 )
 from common.checkpoint import save_checkpoint
 from common.config import parse_config
-from common.distributed import DistInfo, DistributedSetupError
+from common.distributed import (
+    DistInfo,
+    DistributedSetupError,
+    choose_device_and_backend,
+    teardown_distributed,
+)
 from common.log import log, setup_logging
 from common.results import RunRecorder
 from common.timing import Timer
@@ -80,9 +84,10 @@ def setup_distributed(device: str = "auto", backend: str = "auto", timeout_s: fl
             "per node) or chapter 01's train.py, which reads Slurm's variables")
     else:  # plain `python train.py`: a real group of one, so the same code runs
         rank, local_rank, world_size, local_world_size, launcher = 0, 0, 1, 1, "single"
-    # Chapter 01's device choice: cuda:local_rank when each local rank has a GPU, an error when
-    # GPUs were asked for and none is visible, else the CPU; the backend follows the device.
-    dev, backend = choose_device(local_rank, local_world_size, device, backend)
+    # Chapter 01's device choice (common.distributed's): cuda:local_rank when each local rank has
+    # a GPU, an error when GPUs were asked for and none is visible, else the CPU; the backend
+    # follows the device.
+    dev, backend = choose_device_and_backend(local_rank, local_world_size, device, backend)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # BEFORE init: 'the current device' of NCCL calls (ch01)
     timeout = datetime.timedelta(seconds=timeout_s)  # a dead peer becomes an error, not a hang
