@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-from chapters.ch04_model_parallel import schedule, train, wallclock
+from chapters.ch04_model_parallel import checks, schedule, train, wallclock
 from common.checkpoint import load_checkpoint
 from common.data import regression_data
 from common.launch import run_on_ranks, run_torchrun
@@ -222,8 +222,8 @@ def _four_stages() -> dict:
         "naive": lambda s: train.naive_step(s, X[0], Y[0], rank, world, act_like),
         "gpipe": lambda s: train.gpipe_step(s, X[0], Y[0], rank, world, act_like, m),
         "serial": lambda s: train.serial_step(s, X[0], Y[0], rank, world, act_like, m),
-        "pipe_gpipe": lambda s: train.pipelining_step(s, X[0], Y[0], info, m, ScheduleGPipe),
-        "pipe_1f1b": lambda s: train.pipelining_step(s, X[0], Y[0], info, m, Schedule1F1B),
+        "pipe_gpipe": lambda s: checks.pipelining_step(s, X[0], Y[0], info, m, ScheduleGPipe),
+        "pipe_1f1b": lambda s: checks.pipelining_step(s, X[0], Y[0], info, m, Schedule1F1B),
         # Broken 1: GPipe that forgets to scale each micro-batch loss by 1/m.
         "no_1_over_m": lambda s: train.gpipe_step(s, X[0], Y[0], rank, world, act_like, m, loss_scale=1.0),
     }

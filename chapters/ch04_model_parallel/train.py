@@ -31,17 +31,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-from common.checkpoint import save_checkpoint
+from chapters.ch04_model_parallel import checks
+from chapters.ch04_model_parallel.checks import PARITY_TOL
 from common.config import RunConfig, parse_config, require_at_least_one
 from common.data import regression_data
-from common.distributed import (
-    broadcast_number,
-    reduce_number,
-    setup_distributed,
-    teardown_distributed,
-)
+from common.distributed import broadcast_number, setup_distributed, teardown_distributed
 from common.log import log, setup_logging
 from common.models import MLP
 from common.results import RunRecorder
@@ -49,12 +45,6 @@ from common.seed import seed_everything
 from common.timing import synchronize
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
-# One step of a split model differs from the unsplit one only in the order of additions: the m
-# micro-batch gradients are summed in another order than the batch's B samples. Reordering a sum
-# of B terms moves it by at most about B·u·sum|terms| (u: 2^-53 in float64, 2^-24 in float32);
-# with B <= 128 and terms of order 1 that is ~1e-14 in float64, ~1e-5 worst case in float32
-# (errors of random sign grow like sqrt(B): ~1e-6). The lesson derives it.
-PARITY_TOL = {"float64": 1e-12, "float32": 1e-5}
 RUN_TWO = "torchrun --standalone --nproc_per_node=2 chapters/ch04_model_parallel/train.py"
 
 
@@ -224,66 +214,9 @@ def serial_step(stage, x, y, rank, world, act_like, n_micro, events=None) -> flo
     return total / (scale * n_micro)
 
 
-def pipelining_step(stage, x, y, info, n_micro, schedule_cls) -> float:
-    """The same step with torch.distributed.pipelining: a PipelineStage and a schedule."""
-    pipe_stage = PipelineStage(stage, info.rank, info.world_size, info.device)
-    schedule = schedule_cls(pipe_stage, n_microbatches=n_micro, loss_fn=F.mse_loss)
-    if info.rank == 0:
-        schedule.step(x)
-    elif info.rank == info.world_size - 1:
-        losses: list[torch.Tensor] = []
-        schedule.step(target=y, losses=losses)
-        return torch.stack(losses).mean().item()
-    else:
-        schedule.step()
-    return 0.0
-
-
-def stage_diff(model: nn.Module, stage: nn.Module, reference: nn.Module, grads: bool = True) -> float:
-    """Largest |grad − reference grad| (or |param − reference param|) over this stage's
-    parameters, maximised over ranks; a parameter that got no gradient counts as zero."""
-    ref = dict(reference.named_parameters())
-    mine = {id(p) for p in stage.parameters()}
-    diff = 0.0
-    for name, p in model.named_parameters():
-        if id(p) in mine:
-            a, b = (p.grad if p.grad is not None else torch.zeros_like(p), ref[name].grad) if grads else (p, ref[name])
-            diff = max(diff, (a - b).abs().max().item())
-    return reduce_number(diff, "max")  # on the communication device: NCCL takes CUDA tensors only
-
-
 def last_rank_value(value: float, info) -> float:
     """Every rank gets a number known on the last stage (the loss)."""
     return broadcast_number(float(value), src=info.world_size - 1)
-
-
-class _Sleep(torch.autograd.Function):
-    """Identity whose forward sleeps `forward_s` and whose backward sleeps `backward_s`."""
-
-    @staticmethod
-    def forward(ctx, x, forward_s: float, backward_s: float):
-        ctx.backward_s = backward_s
-        time.sleep(forward_s)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.backward_s)
-        return grad, None, None
-
-
-class SleepStage(nn.Module):
-    """A stage whose work per micro-batch is a fixed sleep: its layers still run (tiny ones),
-    but forward takes `forward_s` and backward `backward_s` whatever the cores are doing, so
-    the schedule alone decides the step time. A sleeping rank needs no core: two cores can
-    host any number of such stages."""
-
-    def __init__(self, layers: nn.Module, forward_s: float, backward_s: float):
-        super().__init__()
-        self.layers, self.forward_s, self.backward_s = layers, forward_s, backward_s
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(self.layers(x), self.forward_s, self.backward_s)
 
 
 def train_gpipe(stage, reference, X, Y, cfg: Config, info, act_like, rec) -> float:
@@ -327,41 +260,24 @@ def main(cfg: Config) -> int:
                  world, cfg.layers_per_stage, batch, m, cfg.micro_batch_size, info.device, info.backend)
 
         reference = copy.deepcopy(model)  # the unsplit model, on every rank (it is tiny)
-        ref_loss = F.mse_loss(reference(X[0]), Y[0])
-        ref_loss.backward()
         methods = {
             "naive split": lambda s, x, y: naive_step(s, x, y, rank, world, act_like),
             "hand GPipe": lambda s, x, y: gpipe_step(s, x, y, rank, world, act_like, m),
             "serial micro-batches (control)": lambda s, x, y: serial_step(s, x, y, rank, world, act_like, m),
-            "pipelining ScheduleGPipe": lambda s, x, y: pipelining_step(s, x, y, info, m, ScheduleGPipe),
-            "pipelining Schedule1F1B": lambda s, x, y: pipelining_step(s, x, y, info, m, Schedule1F1B),
+            "pipelining ScheduleGPipe": lambda s, x, y: checks.pipelining_step(s, x, y, info, m, ScheduleGPipe),
+            "pipelining Schedule1F1B": lambda s, x, y: checks.pipelining_step(s, x, y, info, m, Schedule1F1B),
         }
         tol = PARITY_TOL[cfg.dtype]
-        for name, step in methods.items():
-            copy_ = copy.deepcopy(model)
-            stage = build_stage(copy_, rank, world)
-            loss = last_rank_value(step(stage, X[0], Y[0]), info)
-            rec.check(f"{name}: loss == unsplit", "parity", abs(loss - ref_loss.item()), 0.0, tol)
-            rec.check(f"{name}: grads == unsplit (max |dgrad|)", "parity",
-                      stage_diff(copy_, stage, reference), 0.0, tol)
+        checks.record_step_parity(rec, model, reference, X[0], Y[0], methods, build_stage, info, tol)
 
         stage = build_stage(model, rank, world)
         max_loss_diff = train_gpipe(stage, reference, X, Y, cfg, info, act_like, rec)
-        train_tol = tol * max(1.0, cfg.steps / 20)  # each step adds at most one step's reordering
-        rec.check("GPipe training: losses == unsplit (max diff)", "parity", max_loss_diff, 0.0, train_tol)
-        rec.check("GPipe training: params == unsplit (max |dparam|)", "parity",
-                  stage_diff(model, stage, reference, grads=False), 0.0, train_tol)
+        checks.record_training_parity(rec, max_loss_diff, model, stage, reference, cfg.steps, tol)
 
         from chapters.ch04_model_parallel import wallclock  # imports this module
 
         wallclock.record_timings(cfg, info, rec)
-        mine = {id(p) for p in stage.parameters()}
-        params = {n: p.detach().cpu() for n, p in model.named_parameters() if id(p) in mine}
-        gathered = [None] * world
-        dist.all_gather_object(gathered, params)  # CPU tensors: pickled, whatever the backend
-        if info.is_main:
-            save_checkpoint(rec.out / "final_params.pt",
-                            {"params": {n: t for d in gathered for n, t in d.items()}})
+        checks.save_final_params(rec, model, stage, info)  # for the tests
         return rec.finish()
     finally:
         teardown_distributed()

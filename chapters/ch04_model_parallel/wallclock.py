@@ -8,7 +8,7 @@ idle. `record_timings` (called by `train.main`) times two kinds of stage:
 - real layers: the ranks need cores to compute at once, and every operation pays a message hop
   and the rank's own bookkeeping (`concurrency`, `message_hops`, `host_gaps` measure all three),
   so on a busy CPU the measured bubble sits far above (p−1)/(m+p−1) (reported, never asserted);
-- fixed-sleep stages (`train.SleepStage`): each forward and backward of a micro-batch is a sleep
+- fixed-sleep stages (`SleepStage`): each forward and backward of a micro-batch is a sleep
   of fixed length, which needs no core, so the schedule alone sets the step time and the
   measured bubble tracks (p−1)/(m+p−1) within a band (the one timing check the tests assert).
 """
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from chapters.ch04_model_parallel.schedule import Event, bubble_formula, gpipe_order, simulate
 from chapters.ch04_model_parallel.train import (
     Config,
-    SleepStage,
     build_stage,
     gpipe_step,
     n_micro_batches,
@@ -143,6 +143,35 @@ def measure(step_fn, stage, x, info, n_micro: int, repeats: int) -> Timed:
         bubbles.append(bubble(timelines[-1], info.world_size))
     timed = bubbles[1:]
     return Timed(statistics.median(timed), min(timed), max(timed), timelines[-1], timelines[1:])
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward sleeps `forward_s` and whose backward sleeps `backward_s`."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s: float, backward_s: float):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SleepStage(nn.Module):
+    """A stage whose work per micro-batch is a fixed sleep: its layers still run (tiny ones),
+    but forward takes `forward_s` and backward `backward_s` whatever the cores are doing, so
+    the schedule alone decides the step time. A sleeping rank needs no core: two cores can
+    host any number of such stages."""
+
+    def __init__(self, layers: nn.Module, forward_s: float, backward_s: float):
+        super().__init__()
+        self.layers, self.forward_s, self.backward_s = layers, forward_s, backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(self.layers(x), self.forward_s, self.backward_s)
 
 
 def real_stage(cfg: Config, info, max_micro: int):
