@@ -36,29 +36,16 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from chapters.ch04_model_parallel.schedule import (
-    bubble_fraction,
-    gpipe_order,
-    one_f_one_b_order,
-    simulate,
-)
-from chapters.ch04_model_parallel.train import stage_diff
+from chapters.ch04_model_parallel.checks import stage_diff
+from chapters.ch04_model_parallel.schedule import gpipe_order, one_f_one_b_order, simulate
+from chapters.ch17_pipeline_balance import checks
+from chapters.ch17_pipeline_balance.checks import count_live_activations
 from chapters.ch17_pipeline_balance.partition import (
     balanced_partition,
-    bisection_optimum,
     stage_costs,
     uniform_partition,
 )
-from chapters.ch17_pipeline_balance.schedules import (
-    interleaved_bubble_formula,
-    interleaved_order,
-    interleaved_peak,
-    one_f_one_b_peak,
-    one_f_one_b_step,
-    peak_in_flight,
-    torch_order,
-)
-from common.checkpoint import save_checkpoint
+from chapters.ch17_pipeline_balance.schedules import interleaved_order, torch_order
 from common.config import RunConfig, parse_config, require_at_least_one
 from common.data import regression_data
 from common.distributed import (
@@ -184,25 +171,6 @@ def pipeline_step(schedule, x, y, info) -> float:
     return reduce_number(value, "sum")  # exactly one rank holds the losses
 
 
-def count_live_activations(stage: PipelineStage, state: dict) -> None:
-    """Wrap the stage's forward and backward of one micro-batch to count, in `state`, the
-    micro-batches whose forward has run and whose backward has not: the activations this rank
-    holds. (Not a module hook: the stage's shape-inference forward would count too.)"""
-    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
-
-    def counted_forward(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        state["live"] += 1
-        state["peak"] = max(state["peak"], state["live"])
-        return out
-
-    def counted_backward(*args, **kwargs):
-        state["live"] -= 1
-        return backward(*args, **kwargs)
-
-    stage.forward_one_chunk, stage.backward_one_chunk = counted_forward, counted_backward
-
-
 def simulated_step(kind: str, costs: list[float], bounds: list[int], n_ranks: int, n_micro: int) -> float:
     """The step time the simulator predicts from per-block costs (forward + backward, split 1:2)
     with free communication: a lower bound for the wall clock."""
@@ -249,24 +217,7 @@ def main(cfg: Config) -> int:
         log.info("%d blocks, %d ranks, m = %d micro-batches, v = %d chunks per rank", len(widths), p, m, v)
         log.info("block costs (ms): %s", " ".join(f"{c:.3f}" for c in measured))
         log.info("uniform partition %s, balanced %s", uniform, balanced)
-        # the referee is another algorithm (brute force would try C(4p-1, p-1) cuts: 10^14 at
-        # p = 16); the DP adds prefix differences, the referee sums slices: a few ulps apart at most
-        rec.check("balanced partition == optimum by bisection (measured costs)", "parity",
-                  max(stage_costs(measured, balanced)), bisection_optimum(measured, p), 1e-12)
-        # the slowest stage beside the ideal share sum/p: in FLOPs (counted from the widths) and in
-        # ms (measured block costs)
-        for name, unit, costs in (("FLOPs, counted", "FLOPs", flops), ("ms, measured", "ms", measured)):
-            for label, bounds in (("uniform", uniform), ("balanced", balanced_partition(costs, p))):
-                rec.figure(f"slowest stage, {label} ({name})", max(stage_costs(costs, bounds)),
-                           expected=sum(costs) / p, unit=unit)
-        # the 1F1B step each cut gives on a simulated timeline, against its closed form (exact when
-        # the slowest stage is the last, as in the default model; a bound otherwise)
-        for label, b in (("uniform", uniform), ("balanced", balanced_partition(flops, p))):
-            c = stage_costs(flops, b)
-            span = max(e.end for e in simulate(one_f_one_b_order(p, m), c, [2 * x for x in c]))
-            formula, exact = one_f_one_b_step(c, m)
-            rec.check(f"simulated 1F1B step, {label} (FLOPs) == 3((m-1) max C + sum C)", "formula",
-                      span, formula, compare="==" if exact else "<=")
+        checks.record_partition(rec, measured, flops, uniform, balanced, p, m)
 
         # 2. The three schedules through torch.distributed.pipelining, against the unsplit model.
         blocks = build_blocks(widths, cfg.d_model, cfg.seed).to(info.device)
@@ -301,29 +252,7 @@ def main(cfg: Config) -> int:
                 orders[kind] = torch_order(schedule, p)
 
         # 3. Counted: activations in flight (the stages' real calls) and bubbles (simulated timelines).
-        rec.check("GPipe: live activations per rank == m", "count", peaks["GPipe"], [m] * p)
-        rec.check("1F1B: live activations per rank == min(p-r, m)", "count", peaks["1F1B"],
-                  [one_f_one_b_peak(p, m, r) for r in range(p)])
-        rec.check("Interleaved1F1B: live activations per rank == (2(p-r-1)+(v-1)p+1)/v", "count",
-                  peaks["Interleaved1F1B"], [interleaved_peak(p, m, v, r) for r in range(p)])
-        timelines = {"GPipe": simulate(gpipe_order(p, m)), "1F1B": simulate(one_f_one_b_order(p, m)),
-                     "Interleaved1F1B": simulate(interleaved_order(p, m, v))}
-        bubbles = {kind: bubble_fraction(events, p) for kind, events in timelines.items()}
-        b1, bi = bubbles["1F1B"], bubbles["Interleaved1F1B"]
-        # GPipe's bubble equals 1F1B's, so the value alone cannot tell the timelines apart; the
-        # activations held on the same timeline can (m per rank, all forwards first)
-        rec.check("GPipe timeline: live activations per rank == m", "count",
-                  [peak_in_flight(timelines["GPipe"], r) for r in range(p)], [m] * p)
-        rec.check("GPipe bubble (counted) == (p-1)/(m+p-1)", "formula", float(bubbles["GPipe"]),
-                  (p - 1) / (m + p - 1), 1e-12)
-        rec.check("1F1B bubble (counted) == (p-1)/(m+p-1)", "formula", float(b1), (p - 1) / (m + p - 1), 1e-12)
-        rec.check(f"interleaved v={v} bubble (counted) == (p-1)/(vm+p-1)", "formula", float(bi),
-                  float(interleaved_bubble_formula(p, m, v)), 1e-12)
-        rec.check("interleaved bubble < 1F1B bubble (counted)", "count", float(bi), float(b1), compare="<")
-        if "Interleaved1F1B" in orders:
-            bt = bubble_fraction(simulate(orders["Interleaved1F1B"]), p)
-            rec.check("torch's interleaved order: bubble (counted) == (p-1)/(vm+p-1)", "formula", float(bt),
-                      float(interleaved_bubble_formula(p, m, v)), 1e-12)
+        bubbles = checks.record_counted(rec, peaks, orders, p, m, v)
 
         # 4. Wall clock, reported beside the step the simulator predicts from the measured block
         #    costs with free communication (the gap is messages and the schedule's own work).
@@ -340,11 +269,7 @@ def main(cfg: Config) -> int:
         rec.check("1F1B wall clock: balanced < uniform", "timing",
                   rec.figures["1F1B step, balanced"]["measured"], median, compare="<")
         rec.metrics(0, loss=ref_loss.item(), lr=0.0)
-        gathered = [None] * p
-        dist.all_gather_object(gathered, grads)  # CPU tensors: pickled, whatever the backend
-        if info.is_main:
-            save_checkpoint(rec.out / "grads.pt", {k: {n: g for d in gathered for n, g in d[k].items()}
-                                                   for k in grads})
+        checks.save_grads(rec, grads, info)  # for the tests
         return rec.finish()
     finally:
         teardown_distributed()
