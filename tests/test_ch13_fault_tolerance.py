@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chapters.ch13_fault_tolerance import hang, train
+from chapters.ch13_fault_tolerance import checkpoints, hang, train
 from common.checkpoint import MANIFEST, CheckpointError, load_checkpoint, lock_folder, unlock_folder
 from common.config import parse_config
 from common.data import regression_data
@@ -422,7 +422,7 @@ def _fault_cases(folder: str, disk: str) -> dict:
     # (here an empty folder), still walks rank 0's list.
     view = root / ("pristine" if rank == 0 else "stale_view")
     view.mkdir(exist_ok=True)
-    out["candidates"] = [p.name for p in train.candidates(view)]
+    out["candidates"] = [p.name for p in checkpoints.candidates(view)]
     for name, fault in STEP10_FAULTS.items():
         ckpt = prepared(name, lambda c, fault=fault: fault(c / "step000010"))
         damaged = shas(ckpt / "step000010") if rank == 0 else None
@@ -434,7 +434,7 @@ def _fault_cases(folder: str, disk: str) -> dict:
     # After a fallback (and before any new save), `latest` names the step used, not a folder
     # that was moved aside.
     ckpt = prepared("load only", lambda c: flip_weight_bytes(c / "step000010" / "state.pt"))
-    used = train.load_state(ckpt, rank, 2)["step"]
+    used = checkpoints.load_state(ckpt, rank, 2)["step"]
     out["load only"] = (used, (ckpt / "latest").read_text(), sorted(p.name for p in ckpt.glob("step*")))
     # `latest` is a hint: torn, the folders speak for themselves (no fallback needed).
     out["torn latest"] = resume(prepared("torn latest", lambda c: (c / "latest").write_bytes(b"1\xff")))
@@ -465,16 +465,16 @@ def _fault_cases(folder: str, disk: str) -> dict:
     other = prepared("another model")
     saved = load_checkpoint(other / "step000010" / "state.pt")
     saved["shapes"]["model"]["0.weight"] = [64, 8]
-    uncommit, write_file, seen = train.uncommit, train.write_file, []
+    uncommit, write_file, seen = checkpoints.uncommit, checkpoints.write_file, []
     if rank == 0:
-        train.uncommit = lambda folder: (time.sleep(0.2), uncommit(folder))[1]
+        checkpoints.uncommit = lambda folder: (time.sleep(0.2), uncommit(folder))[1]
     else:
-        train.write_file = lambda path, *a, **k: (seen.append((path.parent / MANIFEST).exists()),
+        checkpoints.write_file = lambda path, *a, **k: (seen.append((path.parent / MANIFEST).exists()),
                                                  write_file(path, *a, **k))[1]
     try:
-        train.save_state(other, 10, saved, load_checkpoint(other / "step000010" / f"rng{rank}.pt"), rank)
+        checkpoints.save_state(other, 10, saved, load_checkpoint(other / "step000010" / f"rng{rank}.pt"), rank)
     finally:
-        train.uncommit, train.write_file = uncommit, write_file
+        checkpoints.uncommit, checkpoints.write_file = uncommit, write_file
     out["committed folder seen by rank 1's write"] = seen
     out["another model"] = resume(other)
     if disk:  # a full disk (a 256 KiB tmpfs) under the save of step 10, on rank 1 only
@@ -501,7 +501,7 @@ def _full_disk(disk: Path, pristine: Path, rank: int) -> dict:
 
     def save(step: int, rng: dict) -> dict:
         try:
-            train.save_state(disk, step, state, rng, rank)
+            checkpoints.save_state(disk, step, state, rng, rank)
             return {"error": None}
         except CheckpointError as e:
             return {"error": str(e), "collective": e.collective}
@@ -515,7 +515,7 @@ def _full_disk(disk: Path, pristine: Path, rank: int) -> dict:
     out = save(10, rng)
     # Phase 2: the data files of step 15 fit, then the disk fills up (a file takes what is left)
     # just before rank 0 writes the manifest.
-    write_manifest = train.write_manifest
+    write_manifest = checkpoints.write_manifest
 
     def fill_then_write(folder, *a, **k):
         try:
@@ -528,18 +528,18 @@ def _full_disk(disk: Path, pristine: Path, rank: int) -> dict:
         return write_manifest(folder, *a, **k)
 
     if rank == 0:
-        train.write_manifest = fill_then_write
+        checkpoints.write_manifest = fill_then_write
     try:
         out["manifest"] = save(15, load_checkpoint(disk / "step000005" / f"rng{rank}.pt"))
     finally:
-        train.write_manifest = write_manifest
+        checkpoints.write_manifest = write_manifest
     dist.barrier()
     if rank == 0:
         (disk / "ballast").unlink()
         out["step 5 untouched"] = before == shas(disk / "step000005")
         out["listing"] = {s: sorted(p.name for p in (disk / s).iterdir())
                           for s in ("step000010", "step000015")}
-    out["resumes from"] = train.load_state(disk, rank, 2)["step"]
+    out["resumes from"] = checkpoints.load_state(disk, rank, 2)["step"]
     return out
 
 
@@ -710,7 +710,7 @@ def test_young_daly_arithmetic():
     save then wants a checkpoint every sqrt(2 x 30 s x 86 400 s) = 2 277 s, about 38 minutes."""
     mtbf = 1000 * 86400 / 1000
     assert mtbf == 24 * 3600
-    interval = train.young_daly_interval(30, mtbf)
+    interval = checkpoints.young_daly_interval(30, mtbf)
     assert round(interval) == 2277 and round(interval / 60) == 38
     # Its point: the interval minimises saving + expected lost work, t_c/tau + tau/(2M).
     def overhead(tau):

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import matplotlib.pyplot as plt
 import torch
 
-from chapters.ch13_fault_tolerance import train
+from chapters.ch13_fault_tolerance import checkpoints, train
 from common.checkpoint import CheckpointError, load_checkpoint
 from common.distributed import setup_distributed, teardown_distributed
 from common.launch import run_torchrun
@@ -49,7 +49,7 @@ from common.results import REPO_ROOT
 # %%
 M = 1000 * 86400 / 1000  # seconds
 for delta in (0.008, 3, 30, 300):
-    tau = train.young_daly_interval(delta, M)
+    tau = checkpoints.young_daly_interval(delta, M)
     print(f"save {delta:>6} s -> checkpoint every {tau / 60:7.1f} min, "
           f"overhead {100 * (delta / tau + tau / (2 * M)):.2f} %")
 
@@ -64,8 +64,8 @@ for delta in (0.008, 3, 30, 300):
 
 # %%
 print(inspect.getsource(train.fault_due))
-print(inspect.getsource(train.save_state))
-print(inspect.getsource(train.read_step))
+print(inspect.getsource(checkpoints.save_state))
+print(inspect.getsource(checkpoints.read_step))
 
 # %% [markdown]
 # ## What a resume must restore
@@ -100,7 +100,7 @@ for name, restore in variants.items():
 
 # %%
 folder = work / "full"
-state = train.load_state(folder, rank=1, world_size=2)
+state = checkpoints.load_state(folder, rank=1, world_size=2)
 print("step", state["step"], "| saved by a world of", state["world_size"], "| rng for rank 1:", state["rng"])
 try:
     load_checkpoint(folder / f"step{state['step']:06d}" / "rng1.pt")
@@ -127,7 +127,7 @@ at = data.find(load_checkpoint(newest / "state.pt")["model"]["0.weight"].numpy()
 data[at + 32:at + 48] = bytes(b ^ 0xFF for b in data[at + 32:at + 48])
 (newest / "state.pt").write_bytes(bytes(data))
 print("torch.load of the damaged file: step", torch.load(newest / "state.pt", weights_only=True)["step"])
-resumed = train.load_state(folder, rank=0, world_size=1)
+resumed = checkpoints.load_state(folder, rank=0, world_size=1)
 print("resumed from", Path(resumed["folder"]).name, "| folders:",
       sorted(p.name for p in folder.iterdir() if p.is_dir()))
 try:  # the same checkpoint folder, run with another --out
