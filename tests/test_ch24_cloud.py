@@ -41,6 +41,20 @@ import torch.distributed as dist
 
 from chapters.ch24_cloud import launchers, train
 from chapters.ch24_cloud.fake_imds import FakeIMDS
+from chapters.ch24_cloud.object_store import (
+    MANIFEST,
+    ObjectStoreCheckpoints,
+    names_to_check,
+    run_identity,
+    step_folder,
+)
+from chapters.ch24_cloud.preemption import (
+    Preemption,
+    StopAtStep,
+    largest_checkpoint_bytes,
+    seconds_to_commit,
+)
+from chapters.ch24_cloud.spot_notice import TOKEN_TTL_S, SpotNoticePoller, spot_notice_url
 from common.checkpoint import CheckpointError, FolderInUseError, load_checkpoint, lock_folder
 from common.data import regression_data
 from common.launch import (
@@ -157,29 +171,29 @@ def _ranks(folder: str, imds_url: str) -> dict:
     a fake metadata endpoint (rank 0 is local rank 0, the one poller), with a grace too short
     for any save (the deadline's control), then its resume."""
     info, cfg = rank_info(dist.get_rank(), dist.get_world_size()), train.Config(steps=STEPS)
-    full = train.train(cfg, info, train.ObjectStoreCheckpoints(f"{folder}/full"), train.Preemption(),
+    full = train.train(cfg, info, ObjectStoreCheckpoints(f"{folder}/full"), Preemption(),
                        f"{folder}/full-out")
     out = {"full": {k: v.clone() for k, v in full["model"].state_dict().items()}}
     for name, restore in (("all", train.STATE_PARTS), ("no_data", ("model", "optimizer", "rng")),
                           ("no_rng", ("model", "optimizer", "data"))):
-        store = train.ObjectStoreCheckpoints(f"{folder}/{name}")
-        notice = train.StopAtStep(8) if info.rank == 1 else train.Preemption()
+        store = ObjectStoreCheckpoints(f"{folder}/{name}")
+        notice = StopAtStep(8) if info.rank == 1 else Preemption()
         first = train.train(cfg, info, store, notice, f"{folder}/{name}-out")
         out.setdefault("stopped_at", []).append(first["preempted_at"])
         resumed = train.train(train.Config(steps=STEPS, restore=restore), info, store,
-                              train.Preemption(), f"{folder}/{name}-out")
+                              Preemption(), f"{folder}/{name}-out")
         out[name] = {k: v.clone() for k, v in resumed["model"].state_dict().items()}
         out.setdefault("start", []).append(resumed["start"])
     # the newest step of "all" damaged in rank 1's RNG object, which rank 0 neither loads nor
     # checks (its share is rng0.pt and state.pt): one verdict for both, or they would resume
     # from different steps
-    store = train.ObjectStoreCheckpoints(f"{folder}/all")
+    store = ObjectStoreCheckpoints(f"{folder}/all")
     newest = store.committed_steps()[-1]
     if info.rank == 0:
-        flip_bytes(Path(folder, "all", train.step_folder(newest), "rng1.pt"))
+        flip_bytes(Path(folder, "all", step_folder(newest), "rng1.pt"))
     dist.barrier()
     with logged() as lines:
-        again = train.train(cfg, info, store, train.Preemption(), f"{folder}/all-out")
+        again = train.train(cfg, info, store, Preemption(), f"{folder}/all-out")
     out["agreed"] = {"newest": newest, "start": again["start"], "lines": lines,
                      "model": {k: v.clone() for k, v in again["model"].state_dict().items()}}
     # main's return value is the script's exit status (`sys.exit(main(...))`), which torchrun
@@ -194,9 +208,9 @@ def _ranks(folder: str, imds_url: str) -> dict:
             log_every=1, spot_notice=imds_url, spot_poll_s=0.02, grace_s=GRACE_TOO_SHORT))
     finally:
         train.teardown_distributed = teardown
-    store = train.ObjectStoreCheckpoints(bucket)
+    store = ObjectStoreCheckpoints(bucket)
     out["main_committed"] = store.committed_steps()
-    resumed = train.train(train.Config(steps=STEPS), info, store, train.Preemption(),
+    resumed = train.train(train.Config(steps=STEPS), info, store, Preemption(),
                           f"{folder}/main")
     out["main_resumed"] = {k: v.clone() for k, v in resumed["model"].state_dict().items()}
     out["main_resumed_from"] = resumed["start"]
@@ -268,7 +282,7 @@ def test_spot_notice_checkpoints_exits_143_and_resumes_to_the_undisturbed_result
     # carry it, answered 404 until the notice
     reqs = reference["imds_requests"]
     assert [(r["method"], r["path"], r["ttl"]) for r in reqs[:1]] == [
-        ("PUT", "/latest/api/token", str(train.TOKEN_TTL_S))]
+        ("PUT", "/latest/api/token", str(TOKEN_TTL_S))]
     assert sum(r["method"] == "PUT" for r in reqs) == 1
     assert reqs[0]["token"] is None
     token = reqs[1]["token"]
@@ -314,8 +328,8 @@ def test_spot_notice_poller_speaks_imdsv2_and_a_tokenless_poller_never_sees_the_
         assert status == 200 and raw(imds.url + action, headers={
             "X-aws-ec2-metadata-token": token})[0] == 404
         # the poller: a token, 404 (no notice); an expired token is replaced (401, new PUT, 404)
-        notice = train.Preemption(grace_s=30.0)
-        poller = train.SpotNoticePoller(imds.url, notice, interval_s=0.02)
+        notice = Preemption(grace_s=30.0)
+        poller = SpotNoticePoller(imds.url, notice, interval_s=0.02)
         assert poller.poll_once() is None
         imds.expire_tokens()
         assert poller.poll_once() is None
@@ -324,8 +338,8 @@ def test_spot_notice_poller_speaks_imdsv2_and_a_tokenless_poller_never_sees_the_
         # control: IMDSv1's plain GET is refused (401) when IMDSv2 is required, and never
         # becomes a notice, even once one is scheduled
         imds.arm()
-        blind_notice = train.Preemption(grace_s=30.0)
-        blind = train.SpotNoticePoller(imds.url, blind_notice, interval_s=0.02, imdsv2=False)
+        blind_notice = Preemption(grace_s=30.0)
+        blind = SpotNoticePoller(imds.url, blind_notice, interval_s=0.02, imdsv2=False)
         with pytest.raises(OSError, match="401"):
             blind.poll_once()
         blind.start()
@@ -354,13 +368,13 @@ def test_spot_notice_poller_bypasses_proxies_and_survives_a_broken_answer(monkey
     for name in ("http_proxy", "HTTP_PROXY"):
         monkeypatch.setenv(name, "http://127.0.0.1:9")  # the discard port: nothing listens
     with FakeIMDS(notice_after=1, broken_polls=2, notice_in_s=60) as imds:
-        proxied = train.SpotNoticePoller(imds.url, train.Preemption(), interval_s=0.02)
+        proxied = SpotNoticePoller(imds.url, Preemption(), interval_s=0.02)
         proxied._opener = urllib.request.build_opener()  # urlopen's default: the proxy
         with pytest.raises(OSError):
             proxied.poll_once()
         assert imds.requests == []  # it went to the proxy, never to the endpoint
-        notice = train.Preemption(grace_s=30.0)
-        poller = train.SpotNoticePoller(imds.url, notice, interval_s=0.02).start()
+        notice = Preemption(grace_s=30.0)
+        poller = SpotNoticePoller(imds.url, notice, interval_s=0.02).start()
         assert wait_for(lambda: notice.signal_time is not None, 10), poller.errors
         poller.stop()
     assert [e.split(":")[0] for e in poller.errors] == ["BadStatusLine"] * 2
@@ -390,7 +404,7 @@ def test_a_sigterm_while_the_main_thread_records_a_notice_does_not_deadlock():
     """Python runs a signal handler in the main thread between two bytecodes; when that thread is
     inside `notify` (holding the notice's lock), the handler's `notify` must get the lock again:
     a re-entrant lock. Control: a plain Lock in the same place waits for itself."""
-    def signal_while_holding(notice: train.Preemption) -> None:
+    def signal_while_holding(notice: Preemption) -> None:
         old = signal.getsignal(signal.SIGTERM)
         try:
             notice.install()
@@ -403,12 +417,12 @@ def test_a_sigterm_while_the_main_thread_records_a_notice_does_not_deadlock():
         finally:
             signal.signal(signal.SIGTERM, old)
 
-    notice = train.Preemption()
+    notice = Preemption()
     notice._lock = _TimedLock(notice._lock)  # the lock the class made, behind a time limit
     signal_while_holding(notice)
     assert notice.source == "SIGTERM" and notice.signal_time is not None
     import threading
-    plain = train.Preemption()
+    plain = Preemption()
     plain._lock = _TimedLock(threading.Lock())
     with pytest.raises(RuntimeError, match="deadlock"):
         signal_while_holding(plain)
@@ -416,16 +430,16 @@ def test_a_sigterm_while_the_main_thread_records_a_notice_does_not_deadlock():
 
 @pytest.mark.timeout(10)
 def test_spot_notice_option_and_ec2_detection(tmp_path):
-    assert train.spot_notice_url("") is None
-    assert train.spot_notice_url("aws") == "http://169.254.169.254"
-    assert train.spot_notice_url("http://127.0.0.1:8080") == "http://127.0.0.1:8080"
+    assert spot_notice_url("") is None
+    assert spot_notice_url("aws") == "http://169.254.169.254"
+    assert spot_notice_url("http://127.0.0.1:8080") == "http://127.0.0.1:8080"
     ec2, other = tmp_path / "ec2", tmp_path / "other"
     ec2.mkdir()
     other.mkdir()
     (ec2 / "sys_vendor").write_text("Amazon EC2\n")
     (other / "sys_vendor").write_text("QEMU\n")
-    assert train.spot_notice_url("auto", str(ec2)) == "http://169.254.169.254"
-    assert train.spot_notice_url("auto", str(other)) is None
+    assert spot_notice_url("auto", str(ec2)) == "http://169.254.169.254"
+    assert spot_notice_url("auto", str(other)) is None
     with pytest.raises(ValueError, match="--spot-notice"):
         train.Config(spot_notice="169.254.169.254")
 
@@ -455,7 +469,7 @@ def test_sigterm_to_torchrun_saves_within_grace_and_resume_matches_undisturbed(t
     # torchrun itself exits 1 (it re-raises the signal, torch 2.14.1): the launcher sees a failure;
     # the script's 143 reaches it only in this log line (test_main_exits_143... checks the status)
     assert proc.returncode != 0 and "exit code 143: stopped by the preemption notice" in output
-    store = train.ObjectStoreCheckpoints(bucket)
+    store = ObjectStoreCheckpoints(bucket)
     assert store.committed_steps()[-1] == stopped
     print(f"\nSIGTERM -> committed: {timing['measured']:.3f} s (grace {grace:.0f} s); "
           f"torchrun exit {proc.returncode}")
@@ -484,7 +498,7 @@ def test_sigterm_during_a_save_leaves_the_previous_checkpoint_and_a_second_run_i
            "--ckpt-url", str(bucket), "--out", str(out), "--grace-s", str(grace)]
     bad_bucket, bad_out = copy_saved(saved, tmp_path / "bad")
     flip_bytes(bad_bucket / "step000005" / "state.pt")
-    tear(bad_bucket / "step000010" / train.MANIFEST)
+    tear(bad_bucket / "step000010" / MANIFEST)
     bad_before = shas(bad_bucket)
     all_bad = [*base, "--ckpt-url", str(bad_bucket), "--out", str(bad_out)]
     same_out = [*base, "--ckpt-url", str(bucket), "--out", str(out)]
@@ -517,11 +531,11 @@ def test_sigterm_during_a_save_leaves_the_previous_checkpoint_and_a_second_run_i
     assert "none of the 2 checkpoints verifies" in consoles["all bad"]
     assert shas(bad_bucket) == bad_before  # refused, nothing deleted or rewritten
     assert (bucket / "step000010" / "state.pt").exists()  # the data objects were written ...
-    assert not (bucket / "step000010" / train.MANIFEST).exists()  # ... the commit was not
-    store = train.ObjectStoreCheckpoints(str(bucket))
+    assert not (bucket / "step000010" / MANIFEST).exists()  # ... the commit was not
+    store = ObjectStoreCheckpoints(str(bucket))
     assert store.committed_steps() == [5]
     model = train.new_model(train.Config(), "cpu")
-    state = store.load_latest(0, 1, train.run_identity(out, model, list(model.parameters())))
+    state = store.load_latest(0, 1, run_identity(out, model, list(model.parameters())))
     assert state["step"] == 5 and state["cursor"] == 5 * 8
 
 
@@ -547,12 +561,12 @@ def saved(tmp_path_factory) -> dict:
     what every fall-back to step 5 must give."""
     root = tmp_path_factory.mktemp("saved")
     with world_of_one() as info:
-        train.train(train.Config(steps=10), info, train.ObjectStoreCheckpoints(str(root / "bucket")),
-                    train.Preemption(), root / "out")
+        train.train(train.Config(steps=10), info, ObjectStoreCheckpoints(str(root / "bucket")),
+                    Preemption(), root / "out")
         bucket, out = copy_saved({"root": root}, root / "from5")
         shutil.rmtree(bucket / "step000010")
         resumed = train.train(train.Config(steps=FAULT_STEPS), info,
-                              train.ObjectStoreCheckpoints(str(bucket)), train.Preemption(), out)
+                              ObjectStoreCheckpoints(str(bucket)), Preemption(), out)
     assert resumed["start"] == 5
     return {"root": root, "from5": {k: v.clone() for k, v in resumed["model"].state_dict().items()}}
 
@@ -578,10 +592,10 @@ def tear(path: Path) -> None:
 def rehash(folder: Path, name: str) -> None:
     """Rewrite `name`'s manifest entry for the bytes it now holds: a damaged file hashed and
     uploaded faithfully (the store's own checksums would pass too)."""
-    manifest = json.loads((folder / train.MANIFEST).read_text())
+    manifest = json.loads((folder / MANIFEST).read_text())
     manifest["files"][name] = {"bytes": (folder / name).stat().st_size,
                                "sha256": sha256(folder / name)}
-    (folder / train.MANIFEST).write_text(json.dumps(manifest, indent=1))
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
 class Crafted:
@@ -614,7 +628,7 @@ FAULTS = {  # what is done to step 10, and the reason its skipped line must give
     "truncated object": (
         lambda d, tmp: tear(d / "state.pt"), "bytes, its manifest says"),
     "torn manifest": (
-        lambda d, tmp: tear(d / train.MANIFEST), "is torn or not a manifest"),
+        lambda d, tmp: tear(d / MANIFEST), "is torn or not a manifest"),
     "damaged before it was hashed (manifest matches)": (
         lambda d, tmp: (flip_bytes(d / "state.pt"), rehash(d, "state.pt")),
         "fails its CRC-32 check"),
@@ -635,7 +649,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved, tmp_p
     damaged = shas(bucket / "step000010")
     with world_of_one() as info, logged() as lines:
         resumed = train.train(train.Config(steps=FAULT_STEPS), info,
-                              train.ObjectStoreCheckpoints(str(bucket)), train.Preemption(), out)
+                              ObjectStoreCheckpoints(str(bucket)), Preemption(), out)
     skipped = [line for line in lines if line.startswith("skipping checkpoint")]
     assert len(skipped) == 1, lines
     assert skipped[0].startswith("skipping checkpoint step000010: ") and reason in skipped[0]
@@ -645,7 +659,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved, tmp_p
     assert max_diff(resumed["model"].state_dict(), saved["from5"]) == 0.0
     assert shas(bucket / "step000005") == step5  # the previous checkpoint: its bytes unchanged
     assert shas(bucket / "skipped-step000010") == damaged  # the bad one kept aside as it was
-    assert train.ObjectStoreCheckpoints(str(bucket)).committed_steps() == [5, 10, 15, 20]
+    assert ObjectStoreCheckpoints(str(bucket)).committed_steps() == [5, 10, 15, 20]
     assert not (tmp_path / "marker").exists()  # nothing a checkpoint carried ran
 
 
@@ -657,7 +671,7 @@ def test_the_crafted_pickle_runs_code_when_loaded_without_weights_only(saved, tm
     bucket, _ = copy_saved(saved, tmp_path)
     folder, marker = bucket / "step000010", tmp_path / "ran"
     crafted_state(folder, marker)
-    store = train.ObjectStoreCheckpoints(str(bucket))
+    store = ObjectStoreCheckpoints(str(bucket))
     entry = store.read_manifest(10)["files"]["state.pt"]
     data = store.verified_bytes(10, "state.pt", entry)  # size, SHA-256 and CRC-32s all pass
     assert not marker.exists()
@@ -669,11 +683,11 @@ def test_the_crafted_pickle_runs_code_when_loaded_without_weights_only(saved, tm
 def test_all_checkpoints_bad_is_refused_in_one_line_and_nothing_is_deleted(saved, tmp_path):
     bucket, out = copy_saved(saved, tmp_path)
     flip_bytes(bucket / "step000005" / "state.pt")
-    tear(bucket / "step000010" / train.MANIFEST)
+    tear(bucket / "step000010" / MANIFEST)
     before = shas(bucket)
     with world_of_one() as info, logged() as lines, pytest.raises(CheckpointError) as refused:
-        train.train(train.Config(steps=FAULT_STEPS), info, train.ObjectStoreCheckpoints(str(bucket)),
-                    train.Preemption(), out)
+        train.train(train.Config(steps=FAULT_STEPS), info, ObjectStoreCheckpoints(str(bucket)),
+                    Preemption(), out)
     message = str(refused.value)
     assert message.startswith("none of the 2 checkpoints verifies (the newest: ")
     assert "step000010/manifest.json is torn" in message and "\n" not in message
@@ -689,10 +703,10 @@ def test_another_runs_or_another_models_checkpoint_is_refused(saved, tmp_path):
     the model and its momentum buffers. Control: this run's own identity loads step 10."""
     bucket, out = copy_saved(saved, tmp_path)
     before = shas(bucket)
-    store = train.ObjectStoreCheckpoints(str(bucket))
+    store = ObjectStoreCheckpoints(str(bucket))
     with world_of_one() as info:
         with pytest.raises(CheckpointError) as refused:
-            train.train(train.Config(steps=FAULT_STEPS), info, store, train.Preemption(),
+            train.train(train.Config(steps=FAULT_STEPS), info, store, Preemption(),
                         tmp_path / "another-out")
     message = str(refused.value)
     assert f"{bucket}/step000010 belongs to run " in message and "\n" not in message
@@ -700,9 +714,9 @@ def test_another_runs_or_another_models_checkpoint_is_refused(saved, tmp_path):
     wider = MLP(8, 64, 1).double()
     with pytest.raises(CheckpointError, match="written for another model or optimizer: "
                        r"model\.0\.bias is \[64\] here, \[32\] in the checkpoint"):
-        store.load_latest(0, 1, train.run_identity(out, wider, list(wider.parameters())))
+        store.load_latest(0, 1, run_identity(out, wider, list(wider.parameters())))
     model = train.new_model(train.Config(), "cpu")
-    assert store.load_latest(0, 1, train.run_identity(out, model, list(model.parameters())))[
+    assert store.load_latest(0, 1, run_identity(out, model, list(model.parameters())))[
         "step"] == 10
     assert shas(bucket) == before
 
@@ -714,14 +728,14 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one(reference, tmp_path):
     folder = Path(reference["folder"])
     shutil.copytree(folder / "main-bucket", tmp_path / "bucket")
     shutil.copytree(folder / "main", tmp_path / "main")
-    store = train.ObjectStoreCheckpoints(str(tmp_path / "bucket"))
+    store = ObjectStoreCheckpoints(str(tmp_path / "bucket"))
     stopped = reference["main_summary"]["figures"]["preempted, checkpoint committed at step"][
         "measured"]
     for later in store.committed_steps():  # the steps its two-rank resume saved after that
         if later > stopped:
-            shutil.rmtree(tmp_path / "bucket" / train.step_folder(later))
+            shutil.rmtree(tmp_path / "bucket" / step_folder(later))
     with world_of_one() as info:
-        resumed = train.train(train.Config(steps=STEPS), info, store, train.Preemption(),
+        resumed = train.train(train.Config(steps=STEPS), info, store, Preemption(),
                               tmp_path / "main")
     assert resumed["start"] == stopped and len(resumed["losses"]) == STEPS - stopped
     assert store.read_manifest(stopped)["world_size"] == 2
@@ -735,18 +749,18 @@ def test_every_object_is_checked_by_some_rank_at_any_world_size():
     names = ["rng0.pt", "rng1.pt", "state.pt"]
     for world in (1, 2, 3, 4, 8):
         same = world == 2
-        parts = [train.names_to_check(names, r, world, {"state.pt"} | ({f"rng{r}.pt"} if same
+        parts = [names_to_check(names, r, world, {"state.pt"} | ({f"rng{r}.pt"} if same
                                                                        else set()))
                  for r in range(world)]
         assert set().union(*parts) == set(names)
         assert all("state.pt" in p for p in parts)
-    assert train.names_to_check(names, 3, 4, {"state.pt"}) == ["state.pt"]
+    assert names_to_check(names, 3, 4, {"state.pt"}) == ["state.pt"]
 
 
 @pytest.mark.timeout(30)
 def test_manifest_last_is_the_commit_on_an_object_store():
     """memory:// is an object store without rename: each pipe_file is one whole object."""
-    store = train.ObjectStoreCheckpoints(f"memory://ch24-{os.getpid()}")
+    store = ObjectStoreCheckpoints(f"memory://ch24-{os.getpid()}")
     model = MLP(8, 32, 1).double()
     identity = {"run_id": "r1", "shapes": {"model": {}}}
     shared = {"step": 5, "cursor": 40, "model": model.state_dict(), "optimizer": []}
@@ -766,7 +780,7 @@ def test_manifest_last_is_the_commit_on_an_object_store():
 
     # negative control: the commit first, then the data (a `latest` pointer updated too early):
     # the step counts as committed, its object is missing; the load says so and falls back
-    store.put("step000015/" + train.MANIFEST, json.dumps({"step": 15, "world_size": 1, **identity,
+    store.put("step000015/" + MANIFEST, json.dumps({"step": 15, "world_size": 1, **identity,
               "files": {n: {"bytes": 1, "sha256": "0"} for n in ("rng0.pt", "state.pt")}}).encode())
     assert store.committed_steps() == [5, 15]
     with logged() as lines:
@@ -775,9 +789,9 @@ def test_manifest_last_is_the_commit_on_an_object_store():
     assert len(skipped) == 1 and "step000015/rng0.pt is in the manifest but missing" in skipped[0]
     # kept aside whole (an object store's move: a copy and a delete), no longer listed
     assert store.committed_steps() == [5]
-    assert store.get("skipped-step000015/" + train.MANIFEST)
+    assert store.get("skipped-step000015/" + MANIFEST)
     # and objects that changed after their manifest was written are caught by their digest
-    store.put("step000020/" + train.MANIFEST, json.dumps({"step": 20, "world_size": 1, **identity,
+    store.put("step000020/" + MANIFEST, json.dumps({"step": 20, "world_size": 1, **identity,
               "files": {n: {"bytes": 1, "sha256": "0"} for n in ("rng0.pt", "state.pt")}}).encode())
     for name in ("rng0.pt", "state.pt"):
         store.put(f"step000020/{name}", b"x")
@@ -936,13 +950,13 @@ def test_grace_budget_worked_example():
     nodes is 42 GB per node; at 1 GB/s per node and a 5 s step."""
     per_node = 7e9 * 12 / 2
     assert per_node == 42e9
-    assert train.seconds_to_commit(step_s=5, save_s=per_node / 1e9) == 47
-    assert train.largest_checkpoint_bytes(30, 5, 1e9) == 25e9  # GCP spot, K8s default: too small
-    assert train.largest_checkpoint_bytes(120, 5, 1e9) == 115e9  # AWS spot: fits
-    assert train.largest_checkpoint_bytes(30, 31, 1e9) == 0.0  # a step longer than the grace
+    assert seconds_to_commit(step_s=5, save_s=per_node / 1e9) == 47
+    assert largest_checkpoint_bytes(30, 5, 1e9) == 25e9  # GCP spot, K8s default: too small
+    assert largest_checkpoint_bytes(120, 5, 1e9) == 115e9  # AWS spot: fits
+    assert largest_checkpoint_bytes(30, 31, 1e9) == 0.0  # a step longer than the grace
     # exercise 1: 60 GB per node at 2 GB/s, 3 s steps; 2 s margin
-    assert train.seconds_to_commit(step_s=3, save_s=60e9 / 2e9) == 33
-    assert train.largest_checkpoint_bytes(30, 3, 2e9, margin_s=2) == 50e9
+    assert seconds_to_commit(step_s=3, save_s=60e9 / 2e9) == 33
+    assert largest_checkpoint_bytes(30, 3, 2e9, margin_s=2) == 50e9
 
 
 @pytest.mark.timeout(10)

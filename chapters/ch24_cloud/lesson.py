@@ -37,6 +37,14 @@ from IPython.display import Image, display
 
 from chapters.ch24_cloud import launchers, train
 from chapters.ch24_cloud.fake_imds import FakeIMDS
+from chapters.ch24_cloud.object_store import (
+    MANIFEST,
+    ObjectStoreCheckpoints,
+    run_identity,
+    step_folder,
+)
+from chapters.ch24_cloud.preemption import Preemption, stop_agreed
+from chapters.ch24_cloud.spot_notice import SpotNoticePoller
 from common.checkpoint import CheckpointError
 from common.launch import last_logged_step, started, wait_until
 from common.results import REPO_ROOT
@@ -47,8 +55,8 @@ from common.results import REPO_ROOT
 # stop at the same step even if only one node was told, and they save together.
 
 # %%
-print(inspect.getsource(train.Preemption))
-print(inspect.getsource(train.stop_agreed))
+print(inspect.getsource(Preemption))
+print(inspect.getsource(stop_agreed))
 
 # %% [markdown]
 # ## AWS's notice comes before its SIGTERM: poll it (IMDSv2)
@@ -60,11 +68,11 @@ print(inspect.getsource(train.stop_agreed))
 # second poller without the token (IMDSv1's plain GET) gets 401 and never sees the notice.
 
 # %%
-print(inspect.getsource(train.SpotNoticePoller.poll_once))
+print(inspect.getsource(SpotNoticePoller.poll_once))
 with FakeIMDS(notice_after=3) as imds:
-    notice, blind_notice = train.Preemption(grace_s=30), train.Preemption(grace_s=30)
-    poller = train.SpotNoticePoller(imds.url, notice, interval_s=0.05).start()
-    blind = train.SpotNoticePoller(imds.url, blind_notice, interval_s=0.05, imdsv2=False).start()
+    notice, blind_notice = Preemption(grace_s=30), Preemption(grace_s=30)
+    poller = SpotNoticePoller(imds.url, notice, interval_s=0.05).start()
+    blind = SpotNoticePoller(imds.url, blind_notice, interval_s=0.05, imdsv2=False).start()
     give_up = time.monotonic() + 10
     while notice.signal_time is None and time.monotonic() < give_up:
         time.sleep(0.05)
@@ -106,7 +114,7 @@ print("resumed from step", summary["figures"]["resumed from step"]["measured"])
 # size and SHA-256, and whose checkpoint it is (the run id kept in `--out`, the model's shapes).
 
 # %%
-store = train.ObjectStoreCheckpoints(bucket)
+store = ObjectStoreCheckpoints(bucket)
 print("committed steps:", store.committed_steps())
 manifest = store.read_manifest(store.committed_steps()[0])
 print(json.dumps({k: v for k, v in manifest.items() if k != "shapes"}, indent=1))
@@ -121,17 +129,17 @@ print(json.dumps({k: v for k, v in manifest.items() if k != "shapes"}, indent=1)
 
 # %%
 newest = store.committed_steps()[-1]
-damaged = work / "bucket" / train.step_folder(newest) / "state.pt"
+damaged = work / "bucket" / step_folder(newest) / "state.pt"
 data = bytearray(damaged.read_bytes())
 for i in range(len(data) // 2, len(data) // 2 + 16):
     data[i] ^= 0xFF
 damaged.write_bytes(bytes(data))
 model = train.new_model(train.Config(), "cpu")
-mine = train.run_identity(work / "run", model, list(model.parameters()))
+mine = run_identity(work / "run", model, list(model.parameters()))
 print("newest", newest, "-> resume from", store.load_latest(0, 1, mine)["step"])
 print("kept aside:", sorted(p.name for p in (work / "bucket").glob("skipped-*")))
 try:
-    store.load_latest(0, 1, train.run_identity(work / "other", model, list(model.parameters())))
+    store.load_latest(0, 1, run_identity(work / "other", model, list(model.parameters())))
 except CheckpointError as e:
     print("another --out:", e)
 shutil.rmtree(work)  # the runs' folders and the bucket: nothing left behind
@@ -144,7 +152,7 @@ shutil.rmtree(work)  # the runs' folders and the bucket: nothing left behind
 # falls back to the step before.
 
 # %%
-mem = train.ObjectStoreCheckpoints("memory://ch24-notebook")
+mem = ObjectStoreCheckpoints("memory://ch24-notebook")
 identity = {"run_id": "notebook", "shapes": {}}
 shared = {"step": 5, "cursor": 40, "model": {"w": torch.zeros(3)}, "optimizer": []}
 mem.save(5, shared, {}, rank=0, meta=identity)
@@ -154,7 +162,7 @@ try:
 except SystemExit as e:
     print(e)
 print("committed:", mem.committed_steps(), "-> resume from", mem.load_latest(0, 1, identity)["step"])
-mem.put(f"step000015/{train.MANIFEST}", json.dumps({"step": 15, "world_size": 1, **identity, "files": {
+mem.put(f"step000015/{MANIFEST}", json.dumps({"step": 15, "world_size": 1, **identity, "files": {
     name: {"bytes": 1, "sha256": "0"} for name in ("rng0.pt", "state.pt")}}).encode())
 print("committed:", mem.committed_steps(), "-> resume from", mem.load_latest(0, 1, identity)["step"])
 

@@ -22,6 +22,8 @@ import torch
 
 from chapters.ch24_cloud import train
 from chapters.ch24_cloud.fake_imds import FakeIMDS
+from chapters.ch24_cloud.object_store import ObjectStoreCheckpoints, check_zip_bytes
+from chapters.ch24_cloud.preemption import Preemption, StopAtStep
 from common.launch import last_logged_step, started, wait_until
 from common.results import save_figure
 
@@ -39,17 +41,17 @@ def curves_on_ranks(folder: str) -> dict:
 
     from common.testing import rank_info
     info, cfg = rank_info(dist.get_rank(), dist.get_world_size()), train.Config(steps=STEPS)
-    full = train.train(cfg, info, train.ObjectStoreCheckpoints(f"{folder}/full"), train.Preemption(),
+    full = train.train(cfg, info, ObjectStoreCheckpoints(f"{folder}/full"), Preemption(),
                        f"{folder}/full-out")
     out = {"undisturbed": full["losses"]}
     for name, restore in (("preempted, resumed (full state)", train.STATE_PARTS),
                           ("resumed without data position", ("model", "optimizer", "rng")),
                           ("resumed without RNG state", ("model", "optimizer", "data"))):
-        store = train.ObjectStoreCheckpoints(f"{folder}/{len(out)}")
+        store = ObjectStoreCheckpoints(f"{folder}/{len(out)}")
         run_out = f"{folder}/{len(out)}-out"
-        head = train.train(cfg, info, store, train.StopAtStep(STOP_AT), run_out)["losses"]
+        head = train.train(cfg, info, store, StopAtStep(STOP_AT), run_out)["losses"]
         tail = train.train(train.Config(steps=STEPS, restore=restore), info, store,
-                           train.Preemption(), run_out)["losses"]
+                           Preemption(), run_out)["losses"]
         out[name] = head + tail
     return out
 
@@ -65,14 +67,14 @@ def save_seconds(size_mb: int, folder: str, repeats: int = 3) -> dict[str, list[
     meta = {"run_id": "plots", "shapes": {}}
     times = {"save": [], "verify": [], "load": []}
     for i in range(repeats):
-        store = train.ObjectStoreCheckpoints(f"file://{folder}/s{size_mb}-{i}")
+        store = ObjectStoreCheckpoints(f"file://{folder}/s{size_mb}-{i}")
         t = time.perf_counter()
         store.save(1, state, {}, rank=0, meta=meta)
         times["save"].append(time.perf_counter() - t)
         data = store.get("step000001/state.pt")
         t = time.perf_counter()
         hashlib.sha256(data).hexdigest()
-        train.check_zip_bytes("state.pt", data)
+        check_zip_bytes("state.pt", data)
         times["verify"].append(time.perf_counter() - t)
         t = time.perf_counter()
         store.read_step(1, 0, 1)
