@@ -24,8 +24,10 @@ import math
 
 import matplotlib.pyplot as plt
 
+from chapters.ch29_cost import checks as K
 from chapters.ch29_cost import cost as C
 from chapters.ch29_cost import train as T
+from chapters.ch29_cost import waste as W
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
 from common.testing import rank_info
@@ -64,10 +66,10 @@ for dp, tp, pp in [(64, 1, 1), (16, 4, 1), (8, 8, 1), (2, 8, 4)]:
 
 # %%
 save, restart, mtbf = 180.0, 600.0, 4 * H
-numeric_young = C.golden_section(lambda t: C.first_order_overhead(t, save, restart, mtbf), 1, 40 * H)
-numeric_exact = C.golden_section(lambda t: C.per_work_rate(t, save, restart, mtbf), 1, 40 * H)
-print(f"first-order model: argmin {numeric_young:.2f} s, Young sqrt(2δM) {C.young_interval(save, mtbf):.2f} s")
-print(f"exact model:       argmin {numeric_exact:.2f} s, Daly {C.daly_interval(save, mtbf):.2f} s")
+numeric_young = W.golden_section(lambda t: W.first_order_overhead(t, save, restart, mtbf), 1, 40 * H)
+numeric_exact = W.golden_section(lambda t: W.per_work_rate(t, save, restart, mtbf), 1, 40 * H)
+print(f"first-order model: argmin {numeric_young:.2f} s, Young sqrt(2δM) {W.young_interval(save, mtbf):.2f} s")
+print(f"exact model:       argmin {numeric_exact:.2f} s, Daly {W.daly_interval(save, mtbf):.2f} s")
 print(f"the wrong factor:  sqrt(δM) = {math.sqrt(save * mtbf):.2f} s")
 
 # %% [markdown]
@@ -76,10 +78,10 @@ print(f"the wrong factor:  sqrt(δM) = {math.sqrt(save * mtbf):.2f} s")
 # the model, and a model that loses a whole interval per failure must not.
 
 # %%
-tau = C.daly_interval(save, mtbf)
+tau = W.daly_interval(save, mtbf)
 args = (24 * H, tau, save, restart, mtbf)
-mean, se = C.mean_and_se(*C.simulate_waste(*args, range(4000))[:3])
-model_waste = C.expected_waste(*args)
+mean, se = W.mean_and_se(*W.simulate_waste(*args, range(4000))[:3])
+model_waste = W.expected_waste(*args)
 wrong = args[0] * (save / tau + (tau + restart) / mtbf)
 print(f"simulated {mean / H:.3f} ± {se / H:.3f} h, model {model_waste / H:.3f} h, "
       f"whole-interval model {wrong / H:.3f} h")
@@ -91,9 +93,9 @@ print(f"simulated {mean / H:.3f} ± {se / H:.3f} h, model {model_waste / H:.3f} 
 # script). No formula for τ goes into it; the formulas are then held against it.
 
 # %%
-m = T.measured_optimum(T.Config(opt_seeds=600), rank_info(0, 1))
+m = K.measured_optimum(T.Config(opt_seeds=600), rank_info(0, 1))
 print(f"measured optimum {m['optimum_s'] / H:.3f} ± {m['se_s'] / H:.3f} h")
-for name, t in [("Daly", C.daly_interval(save, mtbf)), ("Young", C.young_interval(save, mtbf)),
+for name, t in [("Daly", W.daly_interval(save, mtbf)), ("Young", W.young_interval(save, mtbf)),
                 ("sqrt(δM), factor 2 lost", math.sqrt(save * mtbf))]:
     print(f"{name:24s} {t / H:.3f} h, {100 * (t - m['optimum_s']) / m['optimum_s']:+.1f} %")
 plt.errorbar([t / H for t in m["taus"]], m["means"], yerr=[4 * e for e in m["ses"]], fmt="o")
@@ -120,7 +122,7 @@ for check in summary["checks"]:
 # %%
 data = json.loads((REPO_ROOT / "chapters" / "ch29_cost" / "figures" / "data.json").read_text())
 grid = [0.1 + 0.05 * i for i in range(60)]
-plt.plot(grid, [C.expected_waste(24 * H, t * H, save, restart, mtbf) / H for t in grid], "k-", label="model")
+plt.plot(grid, [W.expected_waste(24 * H, t * H, save, restart, mtbf) / H for t in grid], "k-", label="model")
 plt.errorbar([r["tau_h"] for r in data["rows"]], [r["mean_h"] for r in data["rows"]],
              yerr=[4 * r["se_h"] for r in data["rows"]], fmt="o", label="simulated")
 plt.xlabel("τ (h)")

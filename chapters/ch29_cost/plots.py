@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from chapters.ch29_cost import cost as C
+from chapters.ch29_cost import waste as W
 from chapters.ch29_cost.train import Config, layouts
 from common.results import save_figure
 
@@ -20,9 +21,9 @@ def measure() -> dict:
     cfg, H = Config(), C.HOUR
     rows = []
     for tau in TAUS_H:
-        sums = C.simulate_waste(cfg.work_h * H, tau * H, cfg.save_s, cfg.restart_s, cfg.mtbf_h * H,
+        sums = W.simulate_waste(cfg.work_h * H, tau * H, cfg.save_s, cfg.restart_s, cfg.mtbf_h * H,
                                 range(SEEDS))
-        mean, se = C.mean_and_se(*sums[:3])
+        mean, se = W.mean_and_se(*sums[:3])
         rows.append({"tau_h": tau, "mean_h": mean / H, "se_h": se / H})
     return {"seeds": SEEDS, "rows": rows}
 
@@ -36,17 +37,17 @@ def make_figures(fig_dir: Path, data: dict) -> list[Path]:
     args = (cfg.save_s, cfg.restart_s, cfg.mtbf_h * H)
     grid = [0.1 + 0.02 * i for i in range(150)]
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    ax.plot(grid, [C.expected_waste(cfg.work_h * H, t * H, *args) / H for t in grid], "k-",
+    ax.plot(grid, [W.expected_waste(cfg.work_h * H, t * H, *args) / H for t in grid], "k-",
             label="Daly's model (exact for this process)")
-    ax.plot(grid, [cfg.work_h * C.first_order_overhead(t * H, *args) for t in grid], "k:",
+    ax.plot(grid, [cfg.work_h * W.first_order_overhead(t * H, *args) for t in grid], "k:",
             label="Young's first-order model")
     rows = data["rows"]
     ax.errorbar([r["tau_h"] for r in rows], [r["mean_h"] for r in rows],
                 yerr=[4 * r["se_h"] for r in rows], fmt="o", color="#c44e52",
                 label=f"simulated, mean of {data['seeds']} seeds (± 4 SE)")
-    ax.axvline(C.young_interval(cfg.save_s, cfg.mtbf_h * H) / H, color="#4c72b0", ls="--",
+    ax.axvline(W.young_interval(cfg.save_s, cfg.mtbf_h * H) / H, color="#4c72b0", ls="--",
                label="Young sqrt(2δM)")
-    ax.axvline(C.daly_interval(cfg.save_s, cfg.mtbf_h * H) / H, color="#55a868", ls="--",
+    ax.axvline(W.daly_interval(cfg.save_s, cfg.mtbf_h * H) / H, color="#55a868", ls="--",
                label="Daly")
     ax.set_xlabel("checkpoint interval τ (hours of work)")
     ax.set_ylabel(f"waste in a {cfg.work_h:g} h run (h)")
