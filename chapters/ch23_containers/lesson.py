@@ -78,7 +78,7 @@ for name, what in (("ch23-ddp", "PyTorchJob container not named pytorch"),
 
 # %% [markdown]
 # ## What each launcher gives a pod
-# The operators' own code, transcribed in `orchestration.py`: here is worker 1 of the PyTorchJob,
+# The operators' own code, transcribed in `launchers.py`: here is worker 1 of the PyTorchJob,
 # of the Volcano Job, pod 1 of the indexed Job and task 5 of a 2-node Slurm step, and what
 # `read_launch_env` makes of each.
 

@@ -1,7 +1,7 @@
 """Figures for the chapter 23 lesson (regenerate with `python tools/figures.py ch23`).
 
 Nothing here is measured: the figure is computed at draw time from the chapter's manifests and
-the launcher mappings in orchestration.py (deterministic), read by common's setup.
+the launcher mappings in launchers.py (deterministic), read by common's setup.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def launch_readings(info) -> list[tuple[str, dict]]:
 
 
 def world_problems(readings: list[tuple[str, dict]]) -> list[str]:
-    """The live version of orchestration.check_world: this world as its ranks read it."""
+    """The live version of launchers.check_world: this world as its ranks read it."""
     problems = []
     ranks = sorted(r["rank"] for _, r in readings)
     if ranks != list(range(len(readings))):

@@ -7,11 +7,10 @@ socket, so a Slurm or munge already running on the machine is left alone; ports 
 are refused with a sentence. Needs root (the daemons run as root, munged as `munge`) and
 Debian's `slurm-wlm` and `munge` (`./course setup --system`).
 
-The config is the smallest one that runs real jobs on a laptop or a CI machine: process
-tracking by /proc (`proctrack/linuxproc`), no task binding (`task/none`), CPUs as consumable
-resources (`select/cons_tres`), no cgroup, no accounting (so `sacct` does not work: use
-`scontrol show job`). `SlurmdParameters=config_overrides` lets the node declare more CPUs than
-the machine has (default: at least 4), so a 2-core machine still runs two 2-rank jobs.
+Its files are clusterconf.py's (the smallest slurm.conf that runs real jobs on a laptop or a CI
+machine: no cgroup, no accounting, so `sacct` does not work: use `scontrol show job`); its
+daemons are stopped by PID with daemons.py's `stop_pids`. This module starts them and follows
+jobs (`sbatch`, `wait`), and is the command line.
 
 From Python:
 
@@ -35,102 +34,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pwd
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-DAEMONS = ("munged", "slurmctld", "slurmd")
-COMMANDS = (*DAEMONS, "sbatch", "srun", "scontrol", "scancel")
+from chapters.ch23_containers.slurm.clusterconf import (
+    NODE,
+    ClusterError,
+    free_ports,
+    port_free,  # noqa: F401  (re-exported: the tests import it from here)
+    slurm_conf,  # noqa: F401  (re-exported: the tests import it from here)
+    write_cluster_files,
+)
+from chapters.ch23_containers.slurm.daemons import (
+    _alive,
+    missing_requirements,
+    processes_under,
+    stop_pids,
+)
+
 DEFAULT_DIR = Path(tempfile.gettempdir()) / "course-slurm"
-NODE = "localhost"
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
-
-
-class ClusterError(RuntimeError):
-    """The cluster cannot start or a job cannot be followed; the message says why and where."""
-
-
-def missing_requirements() -> str | None:
-    """None when this machine can run the cluster, else the reason (for a test's probe)."""
-    if os.geteuid() != 0:
-        return "the local Slurm cluster needs root (its daemons run as root, munged as munge)"
-    missing = [c for c in COMMANDS if shutil.which(c) is None]
-    if missing:
-        return f"{', '.join(missing)} not installed (./course setup --system installs slurm-wlm and munge)"
-    try:
-        pwd.getpwnam("munge")
-    except KeyError:
-        return "there is no munge user (the munge package creates it)"
-    return None
-
-
-def port_free(port: int) -> bool:
-    """Can a daemon bind this TCP port on every address (as slurmctld and slurmd do)?"""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_ports(n: int, start: int = 16817) -> list[int]:
-    """The first `n` free ports from `start` on (Slurm's own defaults are 6817 and 6818)."""
-    out, port = [], start
-    while len(out) < n and port < start + 2000:
-        if port_free(port):
-            out.append(port)
-        port += 1
-    if len(out) < n:
-        raise ClusterError(f"no {n} free TCP ports between {start} and {start + 2000}")
-    return out
-
-
-def slurm_conf(root: Path, ctld_port: int, slurmd_port: int, cpus: int, memory_mb: int) -> str:
-    """The cluster's slurm.conf: one node, one partition, no cgroup, no accounting."""
-    host = socket.gethostname().split(".")[0]  # slurmctld must run on a host named here
-    return f"""\
-# Written by chapters/ch23_containers/slurm/localcluster.py: a one-node practice cluster.
-ClusterName=course
-SlurmctldHost={host}(127.0.0.1)
-SlurmUser=root
-SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
-AuthType=auth/munge
-AuthInfo=socket={root}/munge/munge.socket
-CredType=cred/munge
-StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
-SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
-SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
-PlugStackConfig={root}/plugstack.conf
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/builtin
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-MpiDefault=none
-ReturnToService=2
-SlurmdParameters=config_overrides
-KillWait=5
-MinJobAge=600
-InactiveLimit=0
-NodeName={NODE} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
-PartitionName=course Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
-"""
 
 
 def parse_fields(text: str) -> dict[str, str]:
@@ -183,25 +112,7 @@ class LocalSlurm:
     def _write_files(self) -> None:
         if self.ports is None:
             self.ports = tuple(free_ports(2))
-        taken = [p for p in self.ports if not port_free(p)]
-        if taken:
-            raise ClusterError(f"port(s) {taken} are taken (another Slurm?); pick others with --ports")
-        munge = pwd.getpwnam("munge")
-        self.root.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root, 0o755)  # munged (as munge) must reach its folder inside
-        for sub in ("state", "spool"):
-            (self.root / sub).mkdir(exist_ok=True)
-        mdir = self.root / "munge"
-        mdir.mkdir(exist_ok=True)
-        os.chmod(mdir, 0o755)  # munged: "execute permissions for all required" on its socket dir
-        key = mdir / "munge.key"
-        key.write_bytes(os.urandom(1024))  # a fresh key: this cluster trusts nothing else
-        os.chmod(key, 0o400)
-        for p in (mdir, key):
-            os.chown(p, munge.pw_uid, munge.pw_gid)
-        (self.root / "plugstack.conf").write_text("")
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
-        self.conf.write_text(slurm_conf(self.root, *self.ports, self.cpus, max(1024, mem // 2)))
+        write_cluster_files(self.root, self.ports, self.cpus)
 
     def _start(self, name: str, args: list[str], **kw) -> None:
         log = open(self.root / f"{name}.console", "wb")
@@ -315,60 +226,6 @@ class LocalSlurm:
                                    f"its output ends: {tail}")
             time.sleep(0.5)
 
-
-def processes_under(root: Path) -> list[int]:
-    """PIDs of processes that still use this cluster's folder (a job step or batch script that
-    outlived slurmd: its command line, working directory or an open file lies under `root`)."""
-    root_s, out = str(Path(root).resolve()), []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            text = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            links = [os.readlink(d / "cwd")] + [os.readlink(f) for f in (d / "fd").iterdir()]
-        except OSError:
-            continue
-        if root_s in text or any(link.startswith(root_s + "/") for link in links):
-            out.append(int(d.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    """Is the process there and not a zombie?"""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def stop_pids(pids: dict[str, int], procs: dict[str, subprocess.Popen] | None = None,
-              grace: float = 10.0) -> list[str]:
-    """SIGTERM each daemon by PID (slurmd, slurmctld, then munged), SIGKILL what is left after
-    `grace` s; reap our own children. Returns the names that needed SIGKILL."""
-    procs = procs or {}
-    order = [n for n in reversed(DAEMONS) if n in pids] + [n for n in pids if n not in DAEMONS]
-    for name in order:
-        try:
-            os.kill(pids[name], signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    killed = []
-    for name in order:
-        deadline = time.monotonic() + grace
-        while _alive(pids[name]) and time.monotonic() < deadline:
-            if name in procs and procs[name].poll() is not None:
-                break
-            time.sleep(0.1)
-        if name in procs and procs[name].poll() is None or name not in procs and _alive(pids[name]):
-            try:
-                os.kill(pids[name], signal.SIGKILL)
-                killed.append(name)
-            except ProcessLookupError:
-                pass
-        if name in procs:
-            procs[name].wait(timeout=5)
-    return killed
 
 
 # --- command line ------------------------------------------------------------------------------
