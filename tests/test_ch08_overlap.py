@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from chapters.ch08_overlap import bucketed, train
+from chapters.ch08_overlap import bucketed, checks, instruments, train
 from chapters.ch08_overlap.bucketed import BucketedDDP, EventLog
 from common import distributed as common_distributed
 from common.checkpoint import load_checkpoint
@@ -286,7 +286,7 @@ def _controls() -> dict:
     for kind, cls, overlap in (("True", BucketedDDP, True), ("False", BucketedDDP, False),
                                ("wait_in_hook", WaitInHook, True)):
         model, events = gpt(cfg, vocab, seed=0), EventLog()
-        train.add_backward_sleep(model, 20.0)
+        instruments.add_backward_sleep(model, 20.0)
         events.watch(model)
         wrapper = cls(model, 16 / 1024, overlap=overlap)
         events.watch_wrapper(model)
@@ -359,7 +359,7 @@ def _controls() -> dict:
             events.poll()
             logs.append(events.events)
     out["ddp_launches"] = [sum(e["kind"] == "launch" for e in log) for log in logs]
-    out["ddp_predicted"] = train.ddp_rebuilt_bucket_count(logs[0], model, 16)
+    out["ddp_predicted"] = checks.ddp_rebuilt_bucket_count(logs[0], model, 16)
     out["ddp_reported"] = len(ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes", "").split(","))
     out["ddp_overlapped"] = overlapped(logs[1])
 

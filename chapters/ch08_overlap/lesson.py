@@ -28,7 +28,7 @@ import json
 import matplotlib.pyplot as plt
 import torch
 
-from chapters.ch08_overlap import bucketed, plots, train
+from chapters.ch08_overlap import bucketed, checks, plots, train
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
 
@@ -70,7 +70,7 @@ print(inspect.getsource(bucketed.BucketedDDP.finish_gradient_sync))
 # %%
 print(inspect.getsource(bucketed.EventLog.observe_all_reduce))
 print(inspect.getsource(bucketed.EventLog.poll))
-print(inspect.getsource(train.hidden_under_backward))
+print(inspect.getsource(checks.hidden_under_backward))
 
 # %% [markdown]
 # ## The real run: four ways on two processes
@@ -106,7 +106,7 @@ plt.show()
 first = next(e for e in logs["bucketed"] if e["kind"] == "launch")
 print("first bucketed launch:", first)
 print("DDP's first step:", [e["what"] for e in logs["ddp_first_step"] if e["kind"] == "launch"])
-print("hidden under backward in this step:", {k: train.hidden_under_backward(logs[k]) for k in kinds})
+print("hidden under backward in this step:", {k: checks.hidden_under_backward(logs[k]) for k in kinds})
 
 # %% [markdown]
 # ## Step times: overlap alone, and fewer messages alone (reported, never asserted)

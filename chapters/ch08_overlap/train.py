@@ -7,7 +7,8 @@ as soon as it is full, while backward carries on. This script trains the same mo
 the naive loop, the same buckets launched only after backward (the control: fewer messages, no
 overlap), the hand-written `BucketedDDP` (the same buckets, overlapped) and torch DDP; proves all
 equal one process; logs when every all-reduce was launched and seen complete relative to the end
-of backward; writes a profiler trace of each and times them.
+of backward; writes a profiler trace of each and times them. The checks and the one-process
+reference are in checks.py; the backward sleep and the exposed-sync timer in instruments.py.
 
 Run:
     python chapters/ch08_overlap/train.py                                  # one process
@@ -25,25 +26,30 @@ import copy
 import json
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from chapters.ch03_data_parallel.train import all_reduce_gradients, max_param_diff
+from chapters.ch03_data_parallel.train import all_reduce_gradients
 from chapters.ch08_overlap.bucketed import BucketedDDP, EventLog, build_buckets
+from chapters.ch08_overlap.checks import (
+    VARIANTS,
+    check_order,
+    check_parity,
+    report_timing,
+    train_single,
+)
+from chapters.ch08_overlap.instruments import ExposedTimer, add_backward_sleep
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, parse_config
 from common.data import CharTokenizer, text_corpus, token_windows
 from common.distributed import (
     broadcast_from_rank0,
-    gather_numbers,
     reduce_number,
     setup_distributed,
     teardown_distributed,
@@ -56,7 +62,6 @@ from common.seed import seed_everything
 from common.timing import Timer, synchronize
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
-VARIANTS = ("naive", "deferred", "bucketed", "ddp")
 
 
 @dataclass
@@ -103,28 +108,6 @@ def validate(cfg: Config, world_size: int) -> None:
     it. (Every collective used is an all-reduce, a broadcast or DDP's start-up all-gather.)"""
 
 
-class SleepInBackward(torch.autograd.Function):
-    """Identity forward; its backward sleeps, then passes the gradient on."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
-def add_backward_sleep(model: TinyGPT, ms: float) -> None:
-    """Make the backward through each block's input sleep `ms` milliseconds: the block's own
-    gradients are ready by then, so buckets launched from them can travel meanwhile."""
-    if ms > 0:
-        for block in model.blocks:
-            block.register_forward_pre_hook(lambda _m, args: (SleepInBackward.apply(args[0], ms / 1e3),))
-
-
 def build_model(cfg: Config, vocab_size: int, device: torch.device) -> TinyGPT:
     """A TinyGPT with a tied head and a frozen position embedding: the two cases a wrapper
     must get right (one gradient for two uses; a parameter with no gradient at all)."""
@@ -165,27 +148,6 @@ def wrap(kind: str, model: nn.Module, cap_kb: int, info):
     # now sees each bucket's dist.all_reduce (DDP's built-in one is called from C++).
     ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     return ddp, lambda: None  # DDP waits inside backward
-
-
-class ExposedTimer:
-    """Times the sync after backward. Its start waits for the *compute stream* only (backward's
-    kernels), not for the whole device: `torch.cuda.synchronize()` (what `common.timing.Timer`
-    does) would also wait for the all-reduces already running on NCCL's stream, and hide exactly
-    the communication that overlap leaves exposed. Its end synchronises the whole device. On the
-    CPU both are no-ops and it is a plain clock."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.elapsed = device, 0.0
-
-    def __enter__(self) -> "ExposedTimer":
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        synchronize(self.device)
-        self.elapsed = time.perf_counter() - self._t0
 
 
 def train_step(model: nn.Module, sync, opt, x, y, events: EventLog, device) -> float:
@@ -255,60 +217,6 @@ def trace_variant(kind: str, init: nn.Module, X, Y, cfg: Config, info, cap_kb: i
             prof.export_chrome_trace(str(path))  # .gz: compressed, open it in ui.perfetto.dev
 
 
-def train_single(init: nn.Module, X, Y, cfg: Config) -> tuple[nn.Module, list[float]]:
-    """The reference: one process, the whole global batch, the same SGD."""
-    model = copy.deepcopy(init)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    losses = []
-    for step in range(cfg.steps):
-        opt.zero_grad()
-        _, loss = model(X[step], Y[step])
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return model, losses
-
-
-def hidden_under_backward(events: list[dict]) -> int:
-    """All-reduces of one step's log that overlapped backward's compute: launched, then at least
-    one more gradient produced, then seen complete, all before backward ended. An all-reduce
-    waited for inside the hook that launched it is seen complete before the next gradient
-    (`EventLog.watch_wrapper`), so it does not count; nor does one launched after backward."""
-    end = next(e["seq"] for e in events if e["kind"] == "backward_end")
-    launched = {e["what"]: e["seq"] for e in events if e["kind"] == "launch"}
-    grads = [e["seq"] for e in events if e["kind"] == "grad"]
-    return sum(1 for e in events if e["kind"] == "done" and e["seq"] < end
-               and any(launched[e["what"]] < g < e["seq"] for g in grads))
-
-
-def launch_order(events: list[dict]) -> dict:
-    """The overlap evidence, read from one step's event log: all-reduces launched, and hidden
-    under backward, before backward ended; gradients that existed at the first launch; bytes."""
-    end = next(e["seq"] for e in events if e["kind"] == "backward_end")
-    launches = [e for e in events if e["kind"] == "launch"]
-    return {"launches": len(launches),
-            "before_backward_end": sum(e["seq"] < end for e in launches),
-            "hidden": hidden_under_backward(events),
-            "grads_at_first_launch": launches[0]["grads_ready"] if launches else -1,
-            "grads": sum(e["kind"] == "grad" for e in events),
-            "bytes": sum(e["bytes"] for e in launches)}
-
-
-def grad_arrival_order(events: list[dict], model: nn.Module) -> list[nn.Parameter]:
-    """The parameters in the order their gradients became ready (one step's log)."""
-    params = dict(model.named_parameters())
-    return [params[e["what"]] for e in events if e["kind"] == "grad"]
-
-
-def ddp_rebuilt_bucket_count(first_step: list[dict], model: nn.Module, cap_kb: int) -> int:
-    """How many buckets DDP uses from its second step on: it rebuilds them after the first step
-    from the order the gradients arrived, packed with its own rule (a bucket closes once it
-    reaches the cap), which `_compute_bucket_assignment_by_size` exposes."""
-    order = grad_arrival_order(first_step, model)
-    buckets, _ = dist._compute_bucket_assignment_by_size(order, [cap_kb * 1024])
-    return len(buckets)
-
-
 def bucket_names(model: nn.Module, cap_bytes: int) -> list[list[str]]:
     names = {id(p): n for n, p in model.named_parameters()}
     return [[names[id(p)] for p in b] for b in build_buckets(trainable_params(model.parameters()), cap_bytes)]
@@ -340,68 +248,9 @@ def main(cfg: Config) -> int:
                 rec.metrics(step, loss=loss, lr=cfg.lr)
                 log.info("step %3d  loss %.5f", step, loss)
 
-        # Parity: every variant, at every bucket size, ends where one process does.
-        tol = 1e-10 if cfg.dtype == "float64" else 1e-5
-        for kind in VARIANTS:
-            rec.check(f"{kind} == one process (max |dparam|)", "parity",
-                      max_param_diff(runs[kind]["model"], single), 0.0, tol)
-        rec.check("bucketed == one process, every swept bucket size", "parity",
-                  max(max_param_diff(r["model"], single) for r in sweep.values()), 0.0, tol)
-
-        # Order: what was launched (and finished) before backward ended, in the last step.
-        order = {kind: launch_order(runs[kind]["logs"][-1]) for kind in VARIANTS}
-        nb, b, d = len(buckets), order["bucketed"], order["deferred"]
-        rec.check("gradients per step = trainable tensors", "count", b["grads"], len(params))
-        rec.check("bucketed launches per step = buckets", "count", b["launches"], nb)
-        rec.check("bucketed launches before backward returned", "count", b["before_backward_end"], nb)
-        rec.check("bucketed: gradients ready at first launch", "count", b["grads_at_first_launch"],
-                  [1, len(params) - 1], compare="between")
-        rec.check("deferred launches per step = buckets", "count", d["launches"], nb)
-        rec.check("deferred launches before backward returned", "count", d["before_backward_end"], 0)
-        rec.check("naive launches per step = trainable tensors", "count", order["naive"]["launches"],
-                  len(params))
-        rec.check("naive launches before backward returned", "count", order["naive"]["before_backward_end"], 0)
-        ddp_first = launch_order(runs["ddp"]["logs"][0])
-        rec.check("DDP launches in its first step (one bucket)", "count", ddp_first["launches"], 1)
-        ddp_buckets = ddp_rebuilt_bucket_count(runs["ddp"]["logs"][0], runs["ddp"]["model"], cfg.bucket_kb)
-        rec.check("DDP launches before backward returned, last step", "count",
-                  order["ddp"]["before_backward_end"], ddp_buckets)
-        for kind in VARIANTS:
-            rec.check(f"{kind} bytes per step = trainable params x bytes", "formula",
-                      order[kind]["bytes"], n_bytes)
-
-        # Time (reported, never fatal): overlap alone, and overlap plus fewer messages.
-        # A bucket completes only when every rank has launched it: the rank that runs ahead
-        # sees fewer complete before its own backward ends. Per rank, the median over steps.
-        done = [launch_order(log_)["hidden"] for log_ in runs["bucketed"]["logs"][1:]]
-        done_per_rank = gather_numbers(statistics.median(done or [0]))
-        rec.check("bucketed: hidden under backward (median step, min rank)", "timing",
-                  min(done_per_rank), 0, compare=">")
-        ratio = {k: runs[k]["ms"] / runs[ref]["ms"] for k, ref in
-                 (("bucketed", "deferred"), ("deferred", "naive"), ("ddp", "naive"))}
-        hidden = runs["bucketed"]["exposed_ms"] / runs["deferred"]["exposed_ms"]
-        rec.check("bucketed / deferred exposed sync (overlap alone)", "timing", hidden, 1.0, compare="<")
-        rec.check("bucketed / deferred step time (overlap alone)", "timing", ratio["bucketed"], 1.0, compare="<")
-        rec.check("deferred / naive step time (fewer messages alone)", "timing", ratio["deferred"], 1.0, compare="<")
-
-        for kind in VARIANTS:
-            r = runs[kind]
-            rec.figure(f"{kind} step time (median, min-max)", r["ms"], unit="ms",
-                       spread=(r["ms_min"], r["ms_max"]))
-        for kind in ("naive", "deferred", "bucketed"):  # DDP waits inside backward: nothing to time
-            rec.figure(f"{kind} exposed sync (median, last rank in)", runs[kind]["exposed_ms"], unit="ms")
-        rec.figure("bucketed / deferred step time", ratio["bucketed"], table=False)  # its check shows it
-        rec.figure("deferred / naive step time", ratio["deferred"], table=False)
-        rec.figure("DDP / naive step time", ratio["ddp"])
-        rec.figure("buckets (BucketedDDP)", nb)
-        rec.figure("DDP buckets per step after the first", ddp_buckets)
-        rec.figure("bucketed: hidden under backward, rank 0's steps", done)
-        rec.figure("bucketed: hidden under backward, median per rank", done_per_rank)
-        for kb, r in sweep.items():
-            n = len(build_buckets(params, kb * 1024))
-            rec.figure(f"bucketed step time, cap {kb} KiB ({n} bucket{'s' * (n != 1)})", r["ms"],
-                       unit="ms")
-            rec.figure(f"bucketed / naive, cap {kb} KiB", r["ms"] / runs["naive"]["ms"])
+        check_parity(rec, runs, sweep, single, cfg.dtype)
+        ddp_buckets = check_order(rec, runs, len(params), n_bytes, len(buckets), cfg.bucket_kb)
+        report_timing(rec, runs, sweep, params, len(buckets), ddp_buckets)
         if cfg.profile_steps:
             for kind in VARIANTS:
                 trace_variant(kind, init, X, Y, cfg, info, cfg.bucket_kb, rec.out / f"trace_{kind}.json.gz")
