@@ -23,7 +23,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chapters.ch06_hybrid_zero import deepspeed_zero, memory, mesh, train, zero, zeropp
+from chapters.ch06_hybrid_zero import (
+    checks,
+    deepspeed_zero,
+    memory,
+    mesh,
+    train,
+    zero,
+    zero23,
+    zeropp,
+)
 from chapters.ch06_hybrid_zero.probe import StepProbe
 from common.checkpoint import load_checkpoint
 from common.launch import run_on_ranks, run_torchrun
@@ -165,7 +174,7 @@ def test_two_ranks_every_stage_matches_an_independent_reference(tmp_path):
     same = [res.check(f"ZeRO-{k} bf16 == FSDP2 MixedPrecisionPolicy(bf16, fp32)")["measured"] for k in (2, 3)]
     controls = [res.check(n)["measured"] for n in ("control: FSDP2 without the policy differs",
                                                    "control: ZeRO-3 without compute_dtype differs")]
-    assert max(same) < train.MIXED_TOL < 10 * train.MIXED_TOL < min(controls)
+    assert max(same) < checks.MIXED_TOL < 10 * checks.MIXED_TOL < min(controls)
     for name in ("ZeRO-2", "ZeRO-3", "FSDP2"):  # gathers in bf16, reductions in fp32
         got = res.check(f"{name} bf16 bytes [gather, reduce-scatter, other]")["measured"]
         assert got == bf16_traffic(name, expected, 2), name
@@ -201,7 +210,7 @@ def _cnn_and_optimizer_api(rank: int, world: int) -> dict:
             model = copy.deepcopy(rank0)
             opt = zero.ZeroOneOptimizer(model.parameters(), torch.optim.SGD, **sgd)
         else:
-            model = (zero.ZeroTwo if name.startswith("cnn2") else zero.ZeroThree)(copy.deepcopy(cnn))
+            model = (zero23.ZeroTwo if name.startswith("cnn2") else zero23.ZeroThree)(copy.deepcopy(cnn))
             out[f"{name} parameters"] = [(tuple(p.shape), p is model.shard) for p in model.parameters()]
             opt = torch.optim.SGD(model.parameters(), **sgd)
         for x, y in zip(imgs, labels):
@@ -215,7 +224,7 @@ def _cnn_and_optimizer_api(rank: int, world: int) -> dict:
             opt.step()
         out[name] = max_diff(train.full_parameters(model), dict(single.named_parameters()))
     try:
-        zero.ZeroTwo(copy.deepcopy(cnn)).reduce_gradients()
+        zero23.ZeroTwo(copy.deepcopy(cnn)).reduce_gradients()
         out["reduce before backward"] = "no error"
     except RuntimeError as e:
         out["reduce before backward"] = str(e)
@@ -326,7 +335,7 @@ def _cnn_and_optimizer_api(rank: int, world: int) -> dict:
 
     # ZeRO-2/3 checkpoints: state_dict() is this rank's slice; a resume equals the
     # uninterrupted run bit for bit; another rank's slice is refused.
-    for cls in (zero.ZeroTwo, zero.ZeroThree):
+    for cls in (zero23.ZeroTwo, zero23.ZeroThree):
         runs = []
         for resume in (False, True):
             model = cls(copy.deepcopy(base))
@@ -377,7 +386,7 @@ def _cnn_and_optimizer_api(rank: int, world: int) -> dict:
     net = Net()
     single = copy.deepcopy(net)
     ref_opt = torch.optim.SGD(single.parameters(), lr=0.1)
-    model = zero.ZeroThree(copy.deepcopy(net))
+    model = zero23.ZeroThree(copy.deepcopy(net))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for s in range(3):
         ref_opt.zero_grad()
@@ -450,7 +459,7 @@ def _ranks_that_hold_nothing(rank: int, world: int) -> dict:
             model = fully_shard(m, mesh=init_device_mesh("cpu", (world,)))
             opt = torch.optim.Adam(model.parameters(), lr=0.1)
         else:
-            model = (zero.ZeroTwo if name == "ZeRO-2" else zero.ZeroThree)(m)
+            model = (zero23.ZeroTwo if name == "ZeRO-2" else zero23.ZeroThree)(m)
             opt = torch.optim.Adam(model.parameters(), lr=0.1)
         original = zero.reduce_scatter_flat
         if name == "ZeRO-1 unreduced":
@@ -493,18 +502,18 @@ def _three_ranks() -> dict:
     finally:
         zero.all_gather_flat = original
     # Broken: ZeRO-2 and ZeRO-3 that skip the reduction (each rank keeps only its own gradient).
-    original = zero.reduce_scatter_param_grad
+    original = zero23.reduce_scatter_param_grad
 
     def local_only(grad, i, layout, grad_shard):
         start, end = layout.my_range(i)
         lo, hi = layout.pieces(i)[layout.rank]
         grad_shard[start:end] += grad.reshape(-1)[lo:hi].to(grad_shard.dtype) * layout.world_size
-    zero.reduce_scatter_param_grad = local_only
+    zero23.reduce_scatter_param_grad = local_only
     try:
         run("ZeRO-2", "skip_reduce2")
         run("ZeRO-3", "skip_reduce3")
     finally:
-        zero.reduce_scatter_param_grad = original
+        zero23.reduce_scatter_param_grad = original
     # Broken: FSDP2 with its gradient reduce-scatter switched off.
     original_steps = train.train_steps
 
@@ -517,36 +526,36 @@ def _three_ranks() -> dict:
     finally:
         train.train_steps = original_steps
     # Broken: a ZeRO-2 that reduce-scatters but keeps the whole gradient too.
-    original_reduce = zero._Sharded._reduce
+    original_reduce = zero23._Sharded._reduce
 
     def keep(self, p, i):
         if self._acc is None:
             self._acc = torch.zeros_like(self.shard)
-        zero.reduce_scatter_param_grad(p.grad, i, self.layout, self._acc)
-    zero._Sharded._reduce = keep
+        zero23.reduce_scatter_param_grad(p.grad, i, self.layout, self._acc)
+    zero23._Sharded._reduce = keep
     try:
         run("ZeRO-2", "keeps_grads")
     finally:
-        zero._Sharded._reduce = original_reduce
+        zero23._Sharded._reduce = original_reduce
     # Broken: a ZeRO-3 that gathers the whole model up front and frees nothing after forward.
-    original_init, original_after = zero.ZeroThree.__init__, zero.ZeroThree._after_forward
+    original_init, original_after = zero23.ZeroThree.__init__, zero23.ZeroThree._after_forward
 
     def up_front(self, module, compute_dtype=None):
         original_init(self, module, compute_dtype)
         self.register_forward_pre_hook(lambda _m, _a: self.gather(self.layout.params))
-    zero.ZeroThree.__init__ = up_front
-    zero.ZeroThree._after_forward = lambda self, params, output: None
+    zero23.ZeroThree.__init__ = up_front
+    zero23.ZeroThree._after_forward = lambda self, params, output: None
     try:
         run("ZeRO-3", "gathers_all")
     finally:
-        zero.ZeroThree.__init__, zero.ZeroThree._after_forward = original_init, original_after
+        zero23.ZeroThree.__init__, zero23.ZeroThree._after_forward = original_init, original_after
 
     mixed = train.mixed_precision_runs(cfg, X, Y, vocab, info)
     out["mixed"] = {k: r["diff"] for k, r in mixed.items()}
     out["mixed traffic"] = {k: r["traffic"] for k, r in mixed.items()}
     out["mixed rest"] = mixed["FSDP2 bf16"]["rest"]
     # Broken: a bf16 wrapper that reduce-scatters in bf16 instead of fp32.
-    original = zero.reduce_scatter_param_grad
+    original = zero23.reduce_scatter_param_grad
 
     def bf16_reduce(grad, i, layout, grad_shard):
         flat = grad.reshape(-1).to(torch.bfloat16)
@@ -555,13 +564,13 @@ def _three_ranks() -> dict:
         mine = torch.empty(end - start, dtype=flat.dtype)
         dist.reduce_scatter(mine, pieces, op=dist.ReduceOp.SUM)
         grad_shard[start:end] += mine.to(grad_shard.dtype)
-    zero.reduce_scatter_param_grad = bf16_reduce
+    zero23.reduce_scatter_param_grad = bf16_reduce
     try:
         r = train.run_stage("ZeRO-3", cfg, X, Y, vocab, info, torch.float32, torch.bfloat16)
         out["bf16 reduce traffic"] = r["traffic"]
         out["bf16 reduce diff"] = max_diff(r["params"], mixed["FSDP2 bf16"]["params"])
     finally:
-        zero.reduce_scatter_param_grad = original
+        zero23.reduce_scatter_param_grad = original
     out["api"] = _cnn_and_optimizer_api(rank, world)
     out["nothing"] = _ranks_that_hold_nothing(rank, world)
 
@@ -631,13 +640,13 @@ def test_three_ranks_uneven_shards_wrappers_and_negative_controls():
     # mixed precision against FSDP2's policy, and the controls
     for r in res:
         m = r["mixed"]
-        assert max(m["ZeRO-2 bf16"], m["ZeRO-3 bf16"]) < train.MIXED_TOL, m
-        assert min(m["FSDP2 fp32"], m["ZeRO-3 fp32"]) > 10 * train.MIXED_TOL, m
+        assert max(m["ZeRO-2 bf16"], m["ZeRO-3 bf16"]) < checks.MIXED_TOL, m
+        assert min(m["FSDP2 fp32"], m["ZeRO-3 fp32"]) > 10 * checks.MIXED_TOL, m
         for name in ("ZeRO-2", "ZeRO-3", "FSDP2"):  # gathers in bf16, reductions in fp32
             assert r["mixed traffic"][f"{name} bf16"] == bf16_traffic(name, ref, 3), name
         # reducing in bf16 halves the reduce-scatter's bytes: the count rejects it
         assert r["bf16 reduce traffic"][1] == z["psi"] * 2 != bf16_traffic("ZeRO-3", ref, 3)[1]
-        assert r["bf16 reduce diff"] > 10 * train.MIXED_TOL  # and so does the parity check
+        assert r["bf16 reduce diff"] > 10 * checks.MIXED_TOL  # and so does the parity check
     # FSDP2's policy keeps fp32 states at rest: 4 + 4 + 8 bytes a parameter, over the ranks
     rest = [sum(r["mixed rest"][k] for r in res) for k in ("params", "grads", "optim")]
     assert rest == fsdp2_rest_over_ranks(ref, 3, 4)
@@ -712,7 +721,7 @@ def test_deepspeed_zero_stages_match_ddp(tmp_path, quiet_console):
     failed = [c["name"] for c in res.summary["checks"] if not c["ok"]]
     assert not failed, res.output[-3000:]
     for stage in (1, 2, 3):
-        # float32: a calibrated 1% of one Adam step (train.parity_tolerance, see the lesson)
+        # float32: a calibrated 1% of one Adam step (checks.parity_tolerance, see the lesson)
         assert res.check(f"DeepSpeed ZeRO-{stage} == DDP + Adam (max |dparam|)")["measured"] < 1e-4
     # stages 1-2 reduce each slice to its owner and all-gather (2Ψ); stage 3 keeps this tiny
     # model's tensors whole (under its persistence threshold) and all-gathers them once, the

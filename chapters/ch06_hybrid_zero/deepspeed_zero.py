@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chapters.ch06_hybrid_zero import train
+from chapters.ch06_hybrid_zero import checks, train
 from chapters.ch06_hybrid_zero.probe import StepProbe
 from common.config import check_global_batch, parse_config
 from common.distributed import reduce_number, setup_distributed, teardown_distributed
@@ -139,13 +139,13 @@ def main(cfg: Config) -> int:
         for step, loss in enumerate(losses):
             rec.metrics(step, loss=loss, lr=cfg.lr)
         reference = train.full_parameters(model)
-        tol = train.parity_tolerance(cfg)
+        tol = checks.parity_tolerance(cfg)
         psi_bytes = sum(p.numel() * p.element_size() for p in reference.values()) - \
             reference["pos_emb.weight"].numel() * reference["pos_emb.weight"].element_size()
         for stage in progress(cfg.stages, len(cfg.stages), "DeepSpeed ZeRO stages trained", info.is_main, 1):
             got, probe = train_deepspeed(stage, cfg, X, Y, vocab, info, info.rank)
             rec.check(f"DeepSpeed ZeRO-{stage} == DDP + Adam (max |dparam|)", "parity",
-                      reduce_number(train.max_diff(got, reference), "max"), 0.0, tol)
+                      reduce_number(checks.max_diff(got, reference), "max"), 0.0, tol)
             rec.figure(f"DeepSpeed ZeRO-{stage} volume / (psi b)", round(probe.total_volume / psi_bytes, 3),
                        round(expected_volume(stage, train.build_model(cfg, vocab, info.device)), 3),
                        "x psi bytes")
@@ -154,7 +154,7 @@ def main(cfg: Config) -> int:
                        + "".join(f" {k}(not counted)" for k in sorted(probe.uncounted)))
         if info.world_size > 1:  # negative control: the same check must reject unsharded data
             got, _ = train_deepspeed(cfg.stages[-1], cfg, X, Y, vocab, info, 0)
-            diff = reduce_number(train.max_diff(got, reference), "max")
+            diff = reduce_number(checks.max_diff(got, reference), "max")
             rec.check(f"negative control: ZeRO-{cfg.stages[-1]} on one shard differs", "parity",
                       diff, 10 * tol, compare=">")
         rec.figure("final loss", losses[-1])

@@ -28,7 +28,7 @@ import json
 import matplotlib.pyplot as plt
 import torch
 
-from chapters.ch06_hybrid_zero import deepspeed_zero, memory, mesh, plots, zero, zeropp
+from chapters.ch06_hybrid_zero import deepspeed_zero, memory, mesh, plots, zero, zero23, zeropp
 from common.checkpoint import load_checkpoint
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
@@ -54,9 +54,9 @@ for i, p in enumerate(params):
 # loop calls `reduce_gradients()`, which averages the slice and hands it to the optimizer.
 
 # %%
-print(inspect.getsource(zero.reduce_scatter_param_grad))
-print(inspect.getsource(zero._Sharded._reduce))
-print(inspect.getsource(zero._Sharded.reduce_gradients))
+print(inspect.getsource(zero23.reduce_scatter_param_grad))
+print(inspect.getsource(zero23._Sharded._reduce))
+print(inspect.getsource(zero23._Sharded.reduce_gradients))
 
 # %% [markdown]
 # ## ZeRO-3: gather a module's weights just in time
@@ -65,7 +65,7 @@ print(inspect.getsource(zero._Sharded.reduce_gradients))
 # hook on the output's gradient that gathers them again before backward needs them.
 
 # %%
-print(inspect.getsource(zero.ZeroThree.gather))
+print(inspect.getsource(zero23.ZeroThree.gather))
 
 # %% [markdown]
 # ## The memory calculator and the ZeRO paper's table
