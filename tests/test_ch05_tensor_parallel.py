@@ -25,6 +25,7 @@ from chapters.ch05_tensor_parallel import (
     block,
     checks,
     dtensor_tp,
+    tp_comm,
     tp_layers,
     train,
     vocab_parallel,
@@ -201,11 +202,11 @@ def _four_ranks() -> dict:
     rank, t = dist.get_rank(), dist.get_world_size()
     info = rank_info(rank, t)
     out = {"ops": _operators(rank, t)}
-    tp_layers.use_ring(True)
+    tp_comm.use_ring(True)
     try:
         out["ops ring"] = _operators(rank, t)
     finally:
-        tp_layers.use_ring(False)
+        tp_comm.use_ring(False)
     cfg = train.Config(steps=1, collectives="ring")
     torch.manual_seed(cfg.seed)
     dense = block.DenseModel(cfg.d_model, cfg.n_heads, cfg.ffn_mult * cfg.d_model, cfg.n_layers,
@@ -559,7 +560,7 @@ def test_shard_state_splits_whole_heads():
 
 
 def test_counter_records_the_tensors_handed_in():
-    c = tp_layers.CommCounter()
+    c = tp_comm.CommCounter()
     shard, whole = torch.zeros(5, dtype=torch.float64), torch.zeros(10, dtype=torch.float64)
     c.record("all_gather", shard, whole)
     c.phase = "backward"

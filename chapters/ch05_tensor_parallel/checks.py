@@ -37,6 +37,25 @@ def tolerance(cfg) -> float:
     return UNIT_ROUNDOFF[cfg.dtype] * longest_sum(cfg) * VALUE_BOUND * cfg.n_layers
 
 
+def largest_value(model: torch.nn.Module, x: torch.Tensor) -> float:
+    """The largest |value| entering or leaving a linear or LayerNorm in one forward: the M
+    that the parity tolerance assumes (VALUE_BOUND)."""
+    seen = [0.0]
+
+    def hook(module, inputs, output):
+        seen[0] = max(seen[0], inputs[0].abs().max().item(), output.abs().max().item())
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()
+               if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm))]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen[0]
+
+
 class Expect:
     """How a variant's local tensors relate to the dense ones."""
 

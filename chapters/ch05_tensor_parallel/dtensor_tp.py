@@ -3,7 +3,7 @@
 ColwiseParallel / RowwiseParallel are Megatron's column / row layers (they insert f and g);
 SequenceParallel shards LayerNorm along the sequence, and PrepareModuleInput all-gathers the
 sequence before attention and the MLP, as the hand-written f̄ does. Collectives are counted
-with `CommDebugMode`, the DTensor counterpart of `tp_layers.COMM`.
+with `CommDebugMode`, the DTensor counterpart of `tp_comm.COMM`.
 
 Under sequence parallelism the LayerNorm weights are replicated but see only this rank's
 tokens, so after backward their gradients are `Partial(sum)`: each rank's local tensor is its
@@ -114,8 +114,8 @@ def local_numel(model: nn.Module) -> int:
 @contextmanager
 def phase(name: str, modes: dict | None = None):
     """Count the collectives of one phase of a step: the hand-written ones in
-    `tp_layers.COMM` under `name`, DTensor's in a CommDebugMode stored as `modes[name]`."""
-    from chapters.ch05_tensor_parallel.tp_layers import COMM
+    `tp_comm.COMM` under `name`, DTensor's in a CommDebugMode stored as `modes[name]`."""
+    from chapters.ch05_tensor_parallel.tp_comm import COMM
 
     COMM.phase = name
     if modes is None:

@@ -1,9 +1,9 @@
 """Tensor parallelism by hand: the f/g conjugate operators, column- and row-parallel linear
 layers, and Megatron's transformer block, with and without sequence parallelism.
 
-The four operators are autograd functions; every collective they run goes through `COMM`,
-which records, per phase, the calls, the elements of the whole tensor, and the bytes of the
-tensor this rank handed to the collective (numel × element_size of what went in):
+The four operators are autograd functions over the counted collectives of tp_comm.py (every
+call recorded in `COMM`: per phase, the calls, the elements of the whole tensor, and the bytes of
+the tensor this rank handed to the collective):
 
     f  copy_to_tp           forward: identity        backward: all-reduce
     g  reduce_from_tp       forward: all-reduce      backward: identity
@@ -11,8 +11,8 @@ tensor this rank handed to the collective (numel × element_size of what went in
     ḡ  reduce_scatter_to_sp forward: reduce-scatter  backward: all-gather
 
 What a library collective puts on the wire is its own business (NCCL picks ring or tree). With
-`use_ring(True)` the sums and gathers run as chapter 07's ring, written with send/recv, and
-`COMM` also records the bytes this rank's sends carried: the ring formula measured, not assumed.
+`tp_comm.use_ring(True)` the sums and gathers run as a ring written with send/recv, and `COMM`
+also records the bytes this rank's sends carried: the ring formula measured, not assumed.
 
 Tensor-parallel group = the whole world here; with a device mesh it is the mesh's TP axis
 (chapter 06).
@@ -20,109 +20,12 @@ Tensor-parallel group = the whole world here; with a device mesh it is the mesh'
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from chapters.ch05_tensor_parallel.block import causal_attention, dropout_seed, seeded_dropout
-
-STATS = ("calls", "elements", "bytes_in", "wire_bytes")
-
-
-class CommCounter:
-    """This rank's collectives by (phase, op): `calls`; `elements` of the whole tensor (the
-    all-gather's output, the reduce-scatter's input); `bytes_in`, the bytes of the tensor this
-    rank handed to the collective; `wire_bytes`, the bytes its sends carried (ring mode only)."""
-
-    def __init__(self):
-        self.phase = "forward"
-        self.reset()
-
-    def reset(self) -> None:
-        for what in STATS:
-            setattr(self, what, Counter())
-
-    def record(self, op: str, given: torch.Tensor, whole: torch.Tensor, wire: int = 0) -> None:
-        key = (self.phase, op)
-        self.calls[key] += 1
-        self.elements[key] += whole.numel()
-        self.bytes_in[key] += given.numel() * given.element_size()
-        self.wire_bytes[key] += wire
-
-    def total(self, what: str, phase: str | None = None, op: str | None = None) -> float:
-        """Sum of `what` (one of STATS) over matching phases and ops."""
-        return sum(v for (p, o), v in getattr(self, what).items()
-                   if phase in (None, p) and op in (None, o))
-
-
-COMM = CommCounter()
-_RING = None  # chapter 07's P2P (it counts the bytes it sends) while use_ring(True)
-
-
-def use_ring(on: bool) -> None:
-    """Route the sums and gathers below through chapter 07's hand-written ring (send/recv,
-    so NCCL on GPUs); False returns to the library collectives."""
-    global _RING
-    if on:
-        from chapters.ch07_communication.collectives import P2P
-        _RING = P2P()
-    else:
-        _RING = None
-
-
-def _wire(before: int) -> int:
-    return _RING.bytes_sent - before if _RING is not None else 0
-
-
-def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """The sum (or max) of x over the TP ranks, in a new tensor: never reduce in place a
-    tensor autograd saved."""
-    given = x.contiguous().clone()
-    sent = _RING.bytes_sent if _RING is not None else 0
-    if _RING is not None and op == "sum":
-        from chapters.ch07_communication.collectives import ring_all_reduce
-        out = ring_all_reduce(given, _RING)
-    else:
-        out = given
-        dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    COMM.record("all_reduce", x, x, _wire(sent))
-    return out
-
-
-def all_gather_seq(x: torch.Tensor) -> torch.Tensor:
-    """(B, S/t, h) on each rank -> (B, S, h) on every rank, ranks in order along dim 1."""
-    t, x = dist.get_world_size(), x.contiguous()
-    sent = _RING.bytes_sent if _RING is not None else 0
-    if _RING is not None:
-        from chapters.ch07_communication.collectives import ring_all_gather
-        B, s, h = x.shape  # the ring concatenates flat shards: rank r's (B, s, h) is block r
-        out = ring_all_gather(x.reshape(-1), _RING).view(t, B, s, h).transpose(0, 1).reshape(B, t * s, h)
-    else:
-        parts = [torch.empty_like(x) for _ in range(t)]
-        dist.all_gather(parts, x)
-        out = torch.cat(parts, dim=1)
-    COMM.record("all_gather", x, out, _wire(sent))
-    return out
-
-
-def reduce_scatter_seq(x: torch.Tensor) -> torch.Tensor:
-    """(B, S, h) partial sums on each rank -> this rank's (B, S/t, h) slice of the total."""
-    t = dist.get_world_size()
-    sent = _RING.bytes_sent if _RING is not None else 0
-    if _RING is not None:
-        from chapters.ch07_communication.collectives import ring_reduce_scatter
-        B, S, h = x.shape  # lay the sequence slices out as t contiguous blocks, one per rank
-        given = x.reshape(B, t, S // t, h).transpose(0, 1).contiguous()
-        out = ring_reduce_scatter(given, _RING).view(B, S // t, h)
-    else:
-        given = x.contiguous()
-        out = torch.empty_like(given.chunk(t, dim=1)[0].contiguous())
-        dist.reduce_scatter(out, [c.contiguous() for c in given.chunk(t, dim=1)])
-    COMM.record("reduce_scatter", given, x, _wire(sent))
-    return out
+from chapters.ch05_tensor_parallel.tp_comm import all_gather_seq, all_reduce, reduce_scatter_seq
 
 
 class CopyToTP(torch.autograd.Function):

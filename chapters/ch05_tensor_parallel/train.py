@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chapters.ch05_tensor_parallel import checks, dtensor_tp, tp_layers, vocab_parallel
+from chapters.ch05_tensor_parallel import checks, dtensor_tp, tp_comm, tp_layers, vocab_parallel
 from chapters.ch05_tensor_parallel.activations import SavedTensors
 from chapters.ch05_tensor_parallel.block import DenseModel
 from chapters.ch05_tensor_parallel.tp_layers import (
@@ -119,25 +119,6 @@ def make_batches(cfg: Config, device: torch.device):
     return X.to(device, DTYPES[cfg.dtype]), Y.to(device, DTYPES[cfg.dtype])
 
 
-def largest_value(model: torch.nn.Module, x: torch.Tensor) -> float:
-    """The largest |value| entering or leaving a linear or LayerNorm in one forward: the M
-    that the parity tolerance assumes (see checks.py)."""
-    seen = [0.0]
-
-    def hook(module, inputs, output):
-        seen[0] = max(seen[0], inputs[0].abs().max().item(), output.abs().max().item())
-
-    handles = [m.register_forward_hook(hook) for m in model.modules()
-               if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm))]
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen[0]
-
-
 def seq_shard(x: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     """This rank's contiguous slice of the sequence (dim 1)."""
     return x.chunk(tp, dim=1)[rank]
@@ -182,7 +163,7 @@ def train(model, data, cfg: Config, info, kind: str, sp: bool, sync: bool = True
     for step in range(cfg.steps):
         x, y = (seq_shard(t[step], rank, tp) if sp else t[step] for t in (X, Y))
         x = x.clone().requires_grad_(step == 0)
-        tp_layers.COMM.reset()
+        tp_comm.COMM.reset()
         modes = out["modes"] if kind == "dtensor" and step == 0 else None
         saved = SavedTensors(exclude=model.parameters()) if kind != "dtensor" else nullcontext()
         with Timer(info.device) as timer:
@@ -205,7 +186,7 @@ def train(model, data, cfg: Config, info, kind: str, sp: bool, sync: bool = True
                 opt.step()
             opt.zero_grad()
         if step == 0:
-            out["comm"] = copy.deepcopy(tp_layers.COMM)
+            out["comm"] = copy.deepcopy(tp_comm.COMM)
         times.append(timer.elapsed * 1e3)
         # the logged loss only (not part of the technique): under SP each rank holds a share
         losses.append(reduce_number(loss.detach()) if sp else loss.item())
@@ -227,16 +208,16 @@ def train_all_versions(dense: DenseModel, cfg: Config, info) -> tuple[dict, dict
     data = make_batches(cfg, info.device)
     refs = {"dense": train(copy.deepcopy(dense), data, cfg, info, "dense", sp=False),
             "dense p=0": train(copy.deepcopy(dense_p0), data, cfg, info, "dense", sp=False)}
-    refs["dense"]["largest value"] = largest_value(dense, data[0][0])
+    refs["dense"]["largest value"] = checks.largest_value(dense, data[0][0])
     runs, mesh = {}, dtensor_tp.make_mesh(info)
-    tp_layers.use_ring(cfg.collectives == "ring")
+    tp_comm.use_ring(cfg.collectives == "ring")
     try:
         for name, sp in (("hand TP", False), ("hand TP+SP", True)):
             model = build_hand_tp(dense, cfg, rank, tp, sp)
             runs[name] = (train(model, data, cfg, info, "hand", sp), "dense",
                           checks.Expect(rank, tp, sp, sharded=True))
     finally:
-        tp_layers.use_ring(False)
+        tp_comm.use_ring(False)
     for name, sp in (("DTensor TP", False), ("DTensor TP+SP", True)):
         model = dtensor_tp.parallelize(copy.deepcopy(dense_p0), mesh, sp)
         runs[name] = (train(model, data, cfg, info, "dtensor", sp), "dense p=0",

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chapters.ch05_tensor_parallel import tp_layers
+from chapters.ch05_tensor_parallel import tp_comm, tp_layers
 
 
 class DenseLM(nn.Module):
@@ -142,7 +142,7 @@ def train_lm(model: nn.Module, data, cfg, kind: str) -> dict:
     out, losses = {"modes": {}}, []
     context = loss_parallel if kind == "dtensor" else nullcontext
     for step in range(cfg.steps):
-        tp_layers.COMM.reset()
+        tp_comm.COMM.reset()
         modes = out["modes"] if kind == "dtensor" and step == 0 else None
         with context():
             with dtensor_tp.phase("forward", modes):
@@ -154,7 +154,7 @@ def train_lm(model: nn.Module, data, cfg, kind: str) -> dict:
         if step == 0:
             with dtensor_tp.phase("inspection"):
                 out.update(grads={n: dtensor_tp.to_full(p.grad) for n, p in model.named_parameters()},
-                           comm=copy.deepcopy(tp_layers.COMM))
+                           comm=copy.deepcopy(tp_comm.COMM))
         opt.step()
         opt.zero_grad()
         losses.append((loss.full_tensor() if isinstance(loss, DTensor) else loss).item())
