@@ -41,7 +41,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chapters.ch12_checkpointing import deepspeed_ckpt, resume, resume_dcp, train
+from chapters.ch12_checkpointing import (
+    checkpoint_files,
+    checks,
+    deepspeed_ckpt,
+    resumable,
+    resume,
+    resume_dcp,
+    train,
+)
 from chapters.ch12_checkpointing import delta as deltas
 from common.checkpoint import (
     MANIFEST,
@@ -260,7 +268,7 @@ def test_dcp_script_checks_and_sizes(dcp_run):
     n = n_params()
     assert n == 32 * 256 + 256 + 256 * 256 + 256 + 256 + 1
     expected = 3 * 4 * n + 6 * 4  # weights + Adam m, v (fp32) + one step scalar per tensor
-    assert train.dcp_payload_bytes(res.out_dir / "dcp") == expected
+    assert checks.dcp_payload_bytes(res.out_dir / "dcp") == expected
     assert len(list((res.out_dir / "dcp").glob("*.distcp"))) == 2  # one file per rank
     assert res.check("async DCP reload == state at save time")["measured"] == 0
     assert res.check("training moved on during the async writes")["measured"] > 0
@@ -334,7 +342,7 @@ def test_two_rank_checkpoint_loads_on_one_and_four_ranks(dcp_run, tmp_path):
     # 2-rank run wrote; DCP reads each stored chunk whole, so a quarter costs a half.
     for r in (2, 3):
         assert set(results[r]["reads"]) == {"__1_0.distcp"}, results[r]["reads"]
-    shard_bytes = train.expected_bytes(n_params(), 6) / 4
+    shard_bytes = checks.expected_bytes(n_params(), 6) / 4
     assert all(sum(r["reads"].values()) > 1.8 * shard_bytes for r in results)
     # Exercise 2: the full state dict hands out Adam's live `step` tensor, not a copy.
     assert results[0]["step_is_live"] == [True, 2.0]
@@ -403,7 +411,7 @@ def _resume_phase(ckpt_dir: str, out: str, kill_at: int, held: str = "", crafted
 def dcp_shapes(cfg: resume_dcp.Config) -> dict:
     """The training shapes of resume_dcp.py's run, from an unsharded copy of its model: global
     shapes, whatever the world."""
-    model = resume_dcp.mlp(cfg)
+    model = resumable.mlp(cfg)
     return training_shapes(model, torch.optim.AdamW(model.parameters()))
 
 
@@ -515,7 +523,7 @@ def test_crafted_dcp_folders_run_no_code(resume_dcp_run, tmp_path):
     train.parse_config(resume_dcp.Config, ["--ckpt-dir", str(folder)], validate=resume_dcp.validate,
                        world_size=2)
     for read in (resume_dcp.stored_keys, lambda p, _: read_dcp_metadata(p),
-                 lambda p, _: train.dcp_payload_bytes(p)):
+                 lambda p, _: checks.dcp_payload_bytes(p)):
         with pytest.raises(CheckpointError, match="is not DCP metadata .*not allowed"):
             read(crafted, ".rng.torch")
     with course_log() as lines:
@@ -644,7 +652,7 @@ def test_killed_save_keeps_previous_and_resume_in_new_process_is_bit_identical(t
     assert load_checkpoint(atomic / "step_000004.pt")["step"] == 4
     assert not (atomic / "step_000008.pt").exists()
     tmp_files = list(atomic.glob(".*.tmp"))
-    assert len(tmp_files) == 1 and tmp_files[0].stat().st_size == resume.KILL_AFTER_BYTES
+    assert len(tmp_files) == 1 and tmp_files[0].stat().st_size == checkpoint_files.KILL_AFTER_BYTES
     # Negative control: torch.save straight over the file lost the previous checkpoint too.
     with pytest.raises(CheckpointError):
         load_checkpoint(naive / "latest.pt")

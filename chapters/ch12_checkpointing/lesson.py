@@ -30,8 +30,16 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
+from chapters.ch12_checkpointing import (
+    checkpoint_files,
+    checks,
+    plots,
+    resumable,
+    resume,
+    resume_dcp,
+    train,
+)
 from chapters.ch12_checkpointing import delta as deltas
-from chapters.ch12_checkpointing import plots, resume, resume_dcp, train
 from common.checkpoint import (
     CheckpointError,
     atomic_write,
@@ -90,11 +98,11 @@ X, Y = regression_data(cfg.n_samples, 16, 1, seed=cfg.seed)
 run = resume.new_run(cfg)
 for step in (4, 8):
     resume.train(cfg, run, X, Y, step)
-    resume.save_training_state(ckpt_dir, resume.training_state(run, "lesson-run"))
+    checkpoint_files.save_training_state(ckpt_dir, resume.training_state(run, "lesson-run"))
 (ckpt_dir / ".step_000012.pt.x1y2.tmp").write_bytes(b"the first 4096 bytes of a killed save")
-print("incomplete saves removed:", [p.name for p in resume.remove_incomplete(ckpt_dir)])
+print("incomplete saves removed:", [p.name for p in checkpoint_files.remove_incomplete(ckpt_dir)])
 shapes = training_shapes(run["model"], run["opt"])
-path, state = resume.newest_checkpoint(ckpt_dir, "lesson-run", shapes)
+path, state = checkpoint_files.newest_checkpoint(ckpt_dir, "lesson-run", shapes)
 print("resume from:", path.name, "| step in it:", state["step"])
 
 # %% [markdown]
@@ -112,10 +120,10 @@ middle = len(data) // 2
 data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
 newest.write_bytes(bytes(data))
 print("torch.load takes it: step", torch.load(newest, weights_only=True)["step"])
-path, state = resume.newest_checkpoint(ckpt_dir, "lesson-run", shapes)
+path, state = checkpoint_files.newest_checkpoint(ckpt_dir, "lesson-run", shapes)
 print("the loader resumes from:", path.name)
 try:
-    resume.newest_checkpoint(ckpt_dir, "another-run", shapes)
+    checkpoint_files.newest_checkpoint(ckpt_dir, "another-run", shapes)
 except CheckpointError as e:
     print("refused:", e)
 
@@ -194,7 +202,7 @@ assert not marker.exists(), "the crafted .metadata ran its call"
 # %%
 loaded = train.load_into_one_process(out_dir / "dcp", manifest["run_id"])
 saved = load_checkpoint(out_dir / "full_state.pt")
-print("max |loaded − saved| =", train.max_state_diff(loaded, saved))
+print("max |loaded − saved| =", checks.max_state_diff(loaded, saved))
 
 # %% [markdown]
 # ## A multi-rank resume, and per-rank state under one key
@@ -204,7 +212,7 @@ print("max |loaded − saved| =", train.max_state_diff(loaded, saved))
 # once: the controls show both ranks loading one `pos`, and a rank resuming with the other's RNG.
 
 # %%
-print(inspect.getsource(resume_dcp.training_state))
+print(inspect.getsource(resumable.training_state))
 rd_dir = REPO_ROOT / "runs" / "notebooks" / "ch12" / "resume_dcp"
 rd = run_torchrun(REPO_ROOT / "chapters/ch12_checkpointing/resume_dcp.py", nproc=2, out_dir=rd_dir)
 print(rd.output[rd.output.index("figure"):])

@@ -20,10 +20,7 @@ Run:
     srun --ntasks=16 --ntasks-per-node=8 python chapters/ch12_checkpointing/train.py --out /shared/fs/ch12
 """
 
-import hashlib
-import statistics
 import sys
-import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,7 +29,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -41,11 +37,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from chapters.ch12_checkpointing import checks
 from chapters.ch12_checkpointing import delta as deltas
+from chapters.ch12_checkpointing.checks import max_state_diff, planned_reads, save_local_shards
+from chapters.ch12_checkpointing.sharded_model import build_sharded, train_steps
 from common.checkpoint import (
     CheckpointError,
     check_identity,
@@ -53,21 +51,14 @@ from common.checkpoint import (
     error_line,
     load_checkpoint,
     load_dcp,
-    read_dcp_metadata,
     run_id,
-    safe_load_planner,
     save_checkpoint,
     training_shapes,
     verify_dcp,
 )
 from common.config import RunConfig, parse_config
 from common.data import regression_data
-from common.distributed import (
-    gather_numbers,
-    reduce_number,
-    setup_distributed,
-    teardown_distributed,
-)
+from common.distributed import reduce_number, setup_distributed, teardown_distributed
 from common.log import log, setup_logging
 from common.models import MLP
 from common.results import RunRecorder
@@ -112,31 +103,6 @@ def validate(cfg: Config, world_size: int) -> None:
     reshards a checkpoint onto any world."""
 
 
-def shard_model(cfg: Config, device: torch.device) -> MLP:
-    """The same MLP on every world size, each Linear sharded by FSDP2 (dim 0 over the ranks)."""
-    torch.manual_seed(cfg.seed)
-    model = MLP(cfg.d_in, cfg.d_hidden, 1, n_layers=3).to(device)
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    return fully_shard(model)
-
-
-def build_sharded(cfg: Config, device: torch.device):
-    model = shard_model(cfg, device)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def train_steps(model, opt, data, steps: int) -> float:
-    X, Y = data
-    for _ in range(steps):
-        loss = F.mse_loss(model(X), Y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return loss.item()
-
-
 def sharded_state(model, opt) -> dict:
     """Model and optimizer as DTensor shards keyed by parameter name (DCP's input)."""
     model_sd, optim_sd = get_state_dict(model, opt)
@@ -175,37 +141,11 @@ def load_sharded(path, model, opt, rid: str) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def max_state_diff(a, b) -> float:
-    """Max |a − b| over every tensor of two nested state dicts (inf if their structure differs)."""
-    if isinstance(a, dict):
-        if not isinstance(b, dict) or a.keys() != b.keys():
-            return float("inf")
-        return max([max_state_diff(a[k], b[k]) for k in a] or [0.0])
-    if isinstance(a, torch.Tensor):
-        if not isinstance(b, torch.Tensor) or a.shape != b.shape:
-            return float("inf")
-        return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-    return 0.0 if a == b else float("inf")
-
-
 def adam_template(model) -> dict:
     """Adam's state has each parameter's shape and sharding, so the load template can be built
     without an optimizer (get_state_dict would create one with a zero-lr step)."""
     return {"state": {n: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
                           "step": torch.tensor(0.0)} for n, p in model.named_parameters()}}
-
-
-def planned_reads(state: dict, path) -> dict[str, int]:
-    """What `dcp.load(state, path)` will read on this rank: bytes per data file. DCP's file
-    reader reads each stored chunk that overlaps this rank's shard whole, then narrows it."""
-    meta = read_dcp_metadata(path)  # the restricted unpickler: reading a plan runs no code
-    planner = safe_load_planner()
-    planner.set_up_planner(state, meta, is_coordinator=False)
-    reads: dict[str, int] = {}
-    for item in planner.create_local_plan().items:
-        info = meta.storage_data[item.storage_index]
-        reads[info.relative_path] = reads.get(info.relative_path, 0) + info.length
-    return reads
 
 
 def reshard_check(path, rid: str, cfg: Config | None = None, device: torch.device | None = None) -> dict:
@@ -242,39 +182,6 @@ def load_into_one_process(path, rid: str, cfg: Config | None = None) -> dict:
         load_dcp(state, path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return snapshot(sharded_state(model, opt))
-
-
-def save_local_shards(model, path: Path, rank: int) -> Path:
-    """What plain torch.save gives you under FSDP: this rank's slice of every tensor, and
-    nothing saying how the slices fit together (the limit DCP's metadata removes)."""
-    return save_checkpoint(path / f"rank{rank}.pt",
-                           {n: p.to_local().clone() for n, p in model.named_parameters()})
-
-
-def dcp_payload_bytes(path) -> int:
-    """Tensor bytes the checkpoint's metadata describes (global shapes × dtype sizes)."""
-    meta = read_dcp_metadata(path)
-    return sum(m.size.numel() * m.properties.dtype.itemsize
-               for m in meta.state_dict_metadata.values() if hasattr(m, "size"))
-
-
-def expected_bytes(n_params: int, n_tensors: int, dtype_bytes: int = 4) -> int:
-    """params × dtype (weights) + 2 × params × dtype (Adam's m and v) + one step scalar per tensor."""
-    return n_params * dtype_bytes * 3 + n_tensors * 4
-
-
-def files_bytes(path: Path, pattern: str) -> list[int]:
-    return [p.stat().st_size for p in sorted(path.glob(pattern))]
-
-
-def sha256_rate(n_bytes: int = 16 << 20) -> float:
-    """Bytes per second this CPU hashes with SHA-256 (hashlib, one thread): the cost model of a
-    manifest (each rank hashes its own shard) and of a verification (the ranks share the files)."""
-    block = bytes(n_bytes)  # SHA-256's speed does not depend on the bytes
-    hashlib.sha256(block[:1 << 20]).digest()  # warm-up
-    t0 = time.perf_counter()
-    hashlib.sha256(block).digest()
-    return n_bytes / (time.perf_counter() - t0)
 
 
 @contextmanager
@@ -337,12 +244,6 @@ def timed_saves(cfg: Config, model, opt, data, out: Path, info, async_pg, meta: 
     return times
 
 
-def spread(values: list[float]) -> list[float]:
-    """[median, min, max] in ms."""
-    ms = sorted(v * 1e3 for v in values)
-    return [round(statistics.median(ms), 2), round(ms[0], 2), round(ms[-1], 2)]
-
-
 def main(cfg: Config) -> int:
     info = setup_distributed(cfg.device, cfg.backend, cfg.timeout)
     try:
@@ -350,10 +251,7 @@ def main(cfg: Config) -> int:
         rec = RunRecorder(cfg, __file__, info)
         if cfg.load_from:  # reshard a checkpoint written by any world size onto this one
             res = reshard_check(cfg.load_from, run_id(rec.out), cfg, info.device)
-            rec.check(f"loaded on {info.world_size} ranks == saved state", "parity",
-                      reduce_number(res.get("max_diff", 0.0), "max"), 0.0)
-            rec.figure("bytes read from the checkpoint, per rank",
-                       gather_numbers(sum(res["reads"].values())), unit="bytes")
+            checks.record_reshard(rec, res, info.world_size)
             return rec.finish()
         seed_everything(cfg.seed)
         X, Y = regression_data(cfg.batch_size * info.world_size, cfg.d_in, 1, seed=cfg.seed)
@@ -383,39 +281,10 @@ def main(cfg: Config) -> int:
         reloaded = full_state(fresh, fresh_opt)  # a collective: outside any `if rank == 0`
         load_sharded(rec.out / "dcp_async", fresh, fresh_opt, rid)
         reloaded_async = full_state(fresh, fresh_opt)
-        blocking_diff = max_state_diff(reloaded, saved) if info.is_main else 0.0
-        async_diff = max_state_diff(reloaded_async, saved) if info.is_main else 0.0
-        drift = max_state_diff(moved_on["model"], saved["model"]) if info.is_main else 1.0
-        rec.check("DCP reload == saved state (max |diff|)", "parity", blocking_diff, 0.0)
-        rec.check("async DCP reload == state at save time", "parity", async_diff, 0.0)
-        rec.check("training moved on during the async writes", "parity", drift, 0.0, compare=">")
+        checks.record_reload(rec, saved, reloaded, reloaded_async, moved_on, info.is_main)
 
         # 3. Sizes beside the formula, times with their spread.
-        n_params = sum(p.numel() for p in model.parameters())
-        n_tensors = len(list(model.parameters()))
-        expected = expected_bytes(n_params, n_tensors)
-        rec.check("DCP tensor bytes = params x 4 x (1 + 2 Adam) + steps", "formula",
-                  dcp_payload_bytes(rec.out / "dcp"), expected)
-        shard_files = files_bytes(rec.out / "dcp", "*.distcp")
-        rec.figure("DCP shard files", shard_files, expected=expected / info.world_size, unit="bytes")
-        rec.figure("DCP all files", sum(files_bytes(rec.out / "dcp", "*")), expected=expected, unit="bytes")
-        rec.figure("torch.save of the full state", (rec.out / "full_state.pt").stat().st_size
-                   if info.is_main else 0, expected=expected, unit="bytes")
-        rec.figure("first blocking save (cold)", round(times["block_cold"] * 1e3, 2), unit="ms")
-        rec.figure("first async save, until written (cold)", round(times["async_cold"] * 1e3, 2), unit="ms")
-        rec.figure("blocking save [median, min, max]", spread(times["block"]), unit="ms")
-        rec.figure("async save: training waits [median, min, max]", spread(times["async"]), unit="ms")
-        rec.figure("async save: until written [median, min, max]", spread(times["async_total"]), unit="ms")
-        # Integrity's price: hashing each rank's shard (the manifest) and every file (a verify),
-        # beside what SHA-256 at this CPU's rate predicts for the largest shard.
-        rate, per_rank = sha256_rate(), sum(files_bytes(rec.out / "dcp", "*")) / info.world_size
-        rec.figure("SHA-256 rate, one thread", round(rate / 1e6, 1), unit="MB/s")
-        rec.figure("manifest: hash own shard + write [median, min, max]", spread(times["manifest"]),
-                   expected=round(max(shard_files) / rate * 1e3, 2), unit="ms")
-        rec.figure("verify before load [median, min, max]", spread(times["verify"]),
-                   expected=round(per_rank / rate * 1e3, 2), unit="ms")
-        rec.check("async stalls training less than a blocking save (median)", "timing",
-                  spread(times["async"])[0], spread(times["block"])[0], compare="<")
+        checks.record_sizes_and_times(rec, model, times, info.world_size, info.is_main)
         if info.is_main:
             deltas.record_delta(cfg, rec, rec.out)
         return rec.finish()
