@@ -36,7 +36,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from chapters.ch01_overview.train import count_flops, mlp_step_flops  # taught in chapter 01
+from chapters.ch01_overview.flops import count_flops, mlp_step_flops  # taught in chapter 01
 from chapters.ch15_profiling import compiled
 from chapters.ch15_profiling.trace_breakdown import (
     breakdown,
