@@ -26,7 +26,7 @@ import json
 import matplotlib.pyplot as plt
 import torch
 
-from chapters.ch03_data_parallel import plots, tap, token_loss, train
+from chapters.ch03_data_parallel import data_parallel, plots, tap, token_loss, train
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
 
@@ -36,7 +36,7 @@ from common.results import REPO_ROOT
 # but in buckets and overlapped with backward (chapter 08).
 
 # %%
-print(inspect.getsource(train.all_reduce_gradients))
+print(inspect.getsource(data_parallel.all_reduce_gradients))
 
 # %% [markdown]
 # ## Sharding a global batch
@@ -46,7 +46,7 @@ print(inspect.getsource(train.all_reduce_gradients))
 # %%
 global_batch = torch.arange(12)
 for rank in range(3):
-    print(f"rank {rank}:", [m.tolist() for m in train.micro_batches(global_batch, rank, 3, 2)])
+    print(f"rank {rank}:", [m.tolist() for m in data_parallel.micro_batches(global_batch, rank, 3, 2)])
 
 # %% [markdown]
 # Accumulating k micro-batches equals one k-times larger batch only if each micro-batch's mean

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 
+from chapters.ch03_data_parallel.data_parallel import micro_batches
 from chapters.ch03_data_parallel.token_loss import token_batches
-from chapters.ch03_data_parallel.train import Config, micro_batches, scaled_lr
+from chapters.ch03_data_parallel.train import Config, scaled_lr
 from common.results import save_figure
 
 

@@ -18,8 +18,8 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from chapters.ch03_data_parallel.data_parallel import max_param_diff, micro_batches, wrap_ddp
 from chapters.ch03_data_parallel.tap import AllReduceTap
-from chapters.ch03_data_parallel.train import DTYPES, max_param_diff, micro_batches, wrap_ddp
 from common.models import MLP
 
 SEQ_LEN = 8
@@ -29,7 +29,7 @@ def token_batches(cfg, device: torch.device):
     """Per-token regression on padded sequences: x (steps, B, T, d), y (steps, B, T, 1) and a
     mask (steps, B, T) of real tokens; lengths are random in 1..T, so counts differ."""
     g = torch.Generator().manual_seed(cfg.seed + 1)
-    dtype = DTYPES[cfg.dtype]
+    dtype = getattr(torch, cfg.dtype)
     shape = (cfg.steps, cfg.global_batch_size, SEQ_LEN)
     x = torch.randn(*shape, cfg.d_in, generator=g, dtype=torch.float64)
     y = x.sum(-1, keepdim=True).sin() + 0.1 * torch.randn(*shape, 1, generator=g, dtype=torch.float64)
@@ -96,7 +96,7 @@ def compare(cfg, info, modes=("global", "naive")) -> dict:
     compares them with a reference of its own)."""
     x, y, mask = token_batches(cfg, info.device)
     torch.manual_seed(cfg.seed)
-    model = MLP(cfg.d_in, 16, 1, n_layers=2).to(info.device, DTYPES[cfg.dtype])
+    model = MLP(cfg.d_in, 16, 1, n_layers=2).to(info.device, getattr(torch, cfg.dtype))
     reference = copy.deepcopy(model)
     train_tokens_single(reference, x, y, mask, cfg)
     result, states, k = {}, {}, cfg.grad_accum_steps

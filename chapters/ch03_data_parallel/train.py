@@ -27,12 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+from chapters.ch03_data_parallel import token_loss
+from chapters.ch03_data_parallel.data_parallel import (
+    all_reduce_gradients,
+    max_param_diff,
+    micro_batches,
+    wrap_ddp,
+)
 from chapters.ch03_data_parallel.tap import AllReduceTap
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, check_global_batch, parse_config, require_at_least_one
@@ -43,6 +47,9 @@ from common.models import MLP
 from common.results import RunRecorder
 from common.seed import seed_everything
 from common.timing import Timer
+
+# Chapters 08, 11 and 14 still import all_reduce_gradients (08 also max_param_diff) from this
+# module, which uses them; they are written in data_parallel.py.
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -89,21 +96,6 @@ def scaled_lr(step: int, cfg: Config) -> float:
     """Linear scaling rule with linear warm-up (Goyal et al., 2017)."""
     peak = cfg.base_lr * cfg.global_batch_size / cfg.base_batch_size
     return peak * min(1.0, (step + 1) / cfg.warmup_steps)
-
-
-def micro_batches(x: torch.Tensor, rank: int, world_size: int, k: int) -> list[torch.Tensor]:
-    """This rank's contiguous shard of a global batch, cut into k equal micro-batches."""
-    shard = x.chunk(world_size)[rank]
-    return list(shard.chunk(k))
-
-
-def all_reduce_gradients(model: nn.Module, world_size: int) -> None:
-    """The whole of data parallelism: average every gradient over the ranks (one all-reduce
-    per parameter tensor; `AllReduceTap` counts them where they are made)."""
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad /= world_size
 
 
 def make_optimizer(model: nn.Module, cfg: Config):
@@ -156,14 +148,6 @@ def train_hand_dp(model: nn.Module, X, Y, cfg: Config, rank: int, world_size: in
     return {"all_reduce_calls": tap.calls, "bytes": tap.nbytes, "lrs": lrs, "step_times": times}
 
 
-def wrap_ddp(model: nn.Module, info) -> DDP:
-    """DDP, with its default all-reduce registered as a Python communication hook (the same
-    division by W and SUM that its C++ reducer does) so that `AllReduceTap` sees it."""
-    ddp = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
-    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    return ddp
-
-
 def train_ddp(model: nn.Module, X, Y, cfg: Config, info, use_no_sync: bool = True,
               divide_by_k: bool = True) -> dict:
     """DDP with gradient accumulation: `no_sync` on the first k-1 micro-batches skips their
@@ -194,10 +178,6 @@ def train_ddp(model: nn.Module, X, Y, cfg: Config, info, use_no_sync: bool = Tru
             times.append(timer.elapsed)
     return {"calls": tap.calls, "bytes": tap.nbytes, "calls_per_micro": calls_per_micro,
             "step_times": times}
-
-
-def max_param_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
 def global_batches(cfg: Config, device: torch.device):
@@ -267,8 +247,6 @@ def main(cfg: Config) -> int:
         # The optimizer's rates against the ramp the lesson states, built without scaled_lr.
         lr_err = (torch.tensor(hand_log["lrs"], dtype=torch.float64) - warmup_ramp(cfg)).abs().max()
         rec.check("lr schedule == linear scaling x warm-up", "formula", lr_err.item(), 0.0, 1e-12)
-
-        from chapters.ch03_data_parallel import token_loss  # imports this module's helpers
 
         tok = token_loss.compare(cfg, info)
         rec.check("global-token normalisation == one process", "parity", tok["global"], 0.0, tol)
