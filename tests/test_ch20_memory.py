@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from chapters.ch20_memory import offload, recompute, train
+from chapters.ch20_memory import data_shard, offload, recompute, train
 from common.distributed import setup_distributed, teardown_distributed
 from common.launch import run_torchrun
 
@@ -375,7 +375,7 @@ def test_each_rank_builds_only_its_rows_of_the_full_data(d, tokens, world):
         rows = train.rank_rows(steps, tokens, rank, world)
         assert sum(b - a for a, b in rows) == steps * tokens
         g = torch.Generator().manual_seed(5)
-        part = train.randn_rows(g, steps * n, d, rows, chunk=40)  # rounded to 32
+        part = data_shard.randn_rows(g, steps * n, d, rows, chunk=40)  # rounded to 32
         assert torch.equal(part, X.view(-1, d)[torch.cat([torch.arange(a, b) for a, b in rows])])
         xs, ys = train.regression_shard(steps * n, d, d, rows, seed=5, dtype=torch.float64, chunk=40)
         xs, ys = xs.view(steps, tokens, d), ys.view(steps, tokens, d)
@@ -396,7 +396,7 @@ def test_randn_rows_controls_pieces_must_be_whole_runs_of_16_and_keep_the_tail()
     g = torch.Generator().manual_seed(1)
     full, after = torch.randn(n, d, generator=g, dtype=torch.float64), torch.randn(3, generator=g)
     g = torch.Generator().manual_seed(1)
-    assert torch.equal(train.randn_rows(g, n, d, rows, chunk=32), full[20:30])
+    assert torch.equal(data_shard.randn_rows(g, n, d, rows, chunk=32), full[20:30])
     assert torch.equal(torch.randn(3, generator=g), after)
     # control 1: pieces of 24 elements (Box-Muller pairs runs of 16 that then straddle pieces)
     g = torch.Generator().manual_seed(1)
