@@ -3,8 +3,8 @@
 Written atomically. `atomic_write` writes to a temporary file in the same folder, flushes it to
 disk, then renames it over the target in one step (`os.replace` is atomic on POSIX and Windows):
 a crash mid-write leaves the previous file intact, never half a file. A write that fails (a full
-disk) raises `CheckpointError` naming the file. Every checkpoint, manifest and summary.json of
-the course goes through it.
+disk) raises `CheckpointError` naming the file. `save_checkpoint`, the manifests and
+summary.json are written through it.
 
 One run per folder. `lock_folder` takes an exclusive `flock` on a folder (`parse_config` takes
 one on `--out` and a checkpoint folder on global rank 0, before any process group; `RunRecorder`

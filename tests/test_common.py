@@ -595,6 +595,21 @@ def test_packages_import_only_torch_and_stdlib():
     assert os.path.basename(launch.__file__) == "launch.py"
 
 
+def test_facades_re_export_the_same_objects():
+    """checkpoint, results and log re-export names that live in smaller modules: the very same
+    objects, so `except common.checkpoint.CheckpointError` catches what common.files raises."""
+    from common import check_table, checkpoint_dcp, errors, files, log, manifest, paths
+
+    same = [(checkpoint.CheckpointError, errors.CheckpointError),
+            (checkpoint.FolderInUseError, errors.FolderInUseError),
+            (checkpoint.atomic_write, files.atomic_write), (checkpoint.lock_folder, files.lock_folder),
+            (checkpoint.verify_manifest, manifest.verify_manifest),
+            (checkpoint.save_dcp, checkpoint_dcp.save_dcp), (log.one_line_errors, errors.one_line_errors),
+            (results.check_ok, check_table.check_ok), (results.REPO_ROOT, paths.REPO_ROOT),
+            (results.default_out_dir, paths.default_out_dir)]
+    assert all(a is b for a, b in same)
+
+
 def test_data_build_writes_corpus_tokens_and_tokenizer(tmp_path):
     import runpy
 
