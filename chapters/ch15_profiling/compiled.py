@@ -1,5 +1,6 @@
 """torch.compile beside eager: graph breaks found by torch._dynamo.explain, and a compiled
-training step compared with the eager one from the same weights.
+training step compared with the eager one from the same weights; `compile_check` records both
+in a run's checks table.
 
 On CPU, the default `inductor` backend generates and compiles C++ (gcc): tens of seconds for
 even a tiny model, once per process. `aot_eager` captures the same graphs (Dynamo, AOTAutograd)
@@ -182,3 +183,28 @@ def fsdp2_compile_experiment() -> dict:
             "compiled autograd via _enable": fsdp2_compiled_vs_eager("torchtitan", compiled_autograd="enable"),
             "skip_fsdp_hooks": getattr(torch._dynamo.config, "skip_fsdp_hooks", None),
             "torch": torch.__version__}
+
+
+def compile_check(model, X, Y, cfg, info, rec) -> None:
+    """torch.compile on the DDP model (DDPOptimizer splits the graph at bucket boundaries)
+    against eager DDP from the same weights, and Dynamo's graph-break report of the model."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from common.log import library_output, log
+
+    log.info("torch.compile (%s): tracing and compiling the model (may take a minute the first "
+             "time) ...", cfg.compile_backend)
+    with library_output():  # Dynamo's and inductor's warnings and the C++ compiler's output
+        report = graph_breaks(model, X[0])
+        demo = graph_breaks(item_in_forward(model), X[0])
+    rec.figure("graph breaks with .item() in forward", demo["breaks"], expected=1)
+    # Sibling of the zero-count check below: the same counter, on a forward that must break.
+    rec.check("graph breaks counted in a forward with .item()", "count", demo["breaks"], 1, compare=">=")
+    rec.check("graph breaks in the model's forward", "count", report["breaks"], 0)
+    ids = [info.device.index] if info.device.type == "cuda" else None
+    with library_output():
+        diff = compiled_vs_eager(model, X, Y, cfg.lr, cfg.compile_backend,
+                                          wrap=lambda m: DDP(m, device_ids=ids))
+    log.info("torch.compile (%s) vs eager DDP: %s", cfg.compile_backend, diff)
+    # float32, 2 steps: fusion reorders sums of up to d_hidden products (see the lesson's bound)
+    rec.check("compiled DDP == eager DDP (max |dparam|)", "parity", diff["max_param_diff"], 0.0, 1e-5)

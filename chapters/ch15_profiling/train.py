@@ -175,27 +175,6 @@ def time_collectives(numels: list[int], info, repeats: int) -> float:
     return statistics.median(times)
 
 
-def compile_check(model, X, Y, cfg: Config, info, rec: RunRecorder) -> None:
-    """torch.compile on the DDP model (DDPOptimizer splits the graph at bucket boundaries)
-    against eager DDP from the same weights, and Dynamo's graph-break report of the model."""
-    log.info("torch.compile (%s): tracing and compiling the model (may take a minute the first "
-             "time) ...", cfg.compile_backend)
-    with library_output():  # Dynamo's and inductor's warnings and the C++ compiler's output
-        report = compiled.graph_breaks(model, X[0])
-        demo = compiled.graph_breaks(compiled.item_in_forward(model), X[0])
-    rec.figure("graph breaks with .item() in forward", demo["breaks"], expected=1)
-    # Sibling of the zero-count check below: the same counter, on a forward that must break.
-    rec.check("graph breaks counted in a forward with .item()", "count", demo["breaks"], 1, compare=">=")
-    rec.check("graph breaks in the model's forward", "count", report["breaks"], 0)
-    ids = [info.device.index] if info.device.type == "cuda" else None
-    with library_output():
-        diff = compiled.compiled_vs_eager(model, X, Y, cfg.lr, cfg.compile_backend,
-                                          wrap=lambda m: DDP(m, device_ids=ids))
-    log.info("torch.compile (%s) vs eager DDP: %s", cfg.compile_backend, diff)
-    # float32, 2 steps: fusion reorders sums of up to d_hidden products (see the lesson's bound)
-    rec.check("compiled DDP == eager DDP (max |dparam|)", "parity", diff["max_param_diff"], 0.0, 1e-5)
-
-
 def record_trace(rec: RunRecorder, cfg: Config, info, path, buckets_per_step: int, step_numels,
                  timed: float, n_params: int) -> None:
     """Rank 0: the breakdown read from its trace, checked against the independent sweep, the
@@ -300,7 +279,7 @@ def main(cfg: Config) -> int:
                 record_trace(rec, cfg, info, path, buckets_per_step, step_numels, timed, n_params)
 
         if cfg.compile:
-            compile_check(model, X, Y, cfg, info, rec)
+            compiled.compile_check(model, X, Y, cfg, info, rec)
         return rec.finish()
     finally:
         teardown_distributed()
