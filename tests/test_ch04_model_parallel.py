@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-from chapters.ch04_model_parallel import checks, schedule, train, wallclock
+from chapters.ch04_model_parallel import checks, gpipe, schedule, train, wallclock
 from common.checkpoint import load_checkpoint
 from common.data import regression_data
 from common.launch import run_on_ranks, run_torchrun
@@ -234,15 +234,15 @@ def _four_stages() -> dict:
         out[name] = {"loss": step(stage), "grads": _stage_grads(copy_, stage)}
 
     # Broken 2: a stage that sends back no gradient (zeros in its place).
-    original = train.send_backward
-    train.send_backward = lambda grad, r: dist.isend(torch.zeros_like(grad), dst=r - 1)
+    original = gpipe.send_backward
+    gpipe.send_backward = lambda grad, r: dist.isend(torch.zeros_like(grad), dst=r - 1)
     try:
         copy_ = copy.deepcopy(model)
         stage = train.build_stage(copy_, rank, world)
         train.gpipe_step(stage, X[0], Y[0], rank, world, act_like, m)
         out["no_grad_sent"] = {"grads": _stage_grads(copy_, stage)}
     finally:
-        train.send_backward = original
+        gpipe.send_backward = original
 
     # Fixed-sleep stages, m = 4 (short steps): GPipe overlaps, the serial control does not.
     stage, x = wallclock.sleep_stage(cfg, info, 4)
@@ -251,14 +251,14 @@ def _four_stages() -> dict:
 
     # Exercise 5's answer: blocking sends (on gloo, send returns once the receiver has posted
     # its receive). The stages still overlap.
-    originals = train.send_forward, train.send_backward
-    train.send_forward = lambda act, r: _blocking_send(act, r + 1)
-    train.send_backward = lambda grad, r: _blocking_send(grad, r - 1)
+    originals = gpipe.send_forward, gpipe.send_backward
+    gpipe.send_forward = lambda act, r: _blocking_send(act, r + 1)
+    gpipe.send_backward = lambda grad, r: _blocking_send(grad, r - 1)
     try:
         out["sleep"]["blocking"] = wallclock.measure(train.gpipe_step, stage, x[: 4 * cfg.micro_batch_size],
                                                      info, 4, 1)
     finally:
-        train.send_forward, train.send_backward = originals
+        gpipe.send_forward, gpipe.send_backward = originals
 
     # The lesson's pitfalls, on gloo. A blocking send returns only once the receiver has posted
     # its receive (one clock on one machine: the order of the two readings is exact)...

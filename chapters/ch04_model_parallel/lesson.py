@@ -26,7 +26,7 @@ import json
 
 import matplotlib.pyplot as plt
 
-from chapters.ch04_model_parallel import plots, schedule, train
+from chapters.ch04_model_parallel import gpipe, plots, schedule, train
 from common.launch import run_torchrun
 from common.results import REPO_ROOT
 
@@ -38,8 +38,8 @@ from common.results import REPO_ROOT
 # input gradient to send.
 
 # %%
-print(inspect.getsource(train.stage_forward))
-print(inspect.getsource(train.stage_backward))
+print(inspect.getsource(gpipe.stage_forward))
+print(inspect.getsource(gpipe.stage_backward))
 
 # %% [markdown]
 # ## GPipe: the same two functions, over m micro-batches
@@ -47,7 +47,7 @@ print(inspect.getsource(train.stage_backward))
 # the whole batch's mean loss.
 
 # %%
-print(inspect.getsource(train.gpipe_step))
+print(inspect.getsource(gpipe.gpipe_step))
 
 # %% [markdown]
 # ## The bubble, counted

@@ -24,14 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from chapters.ch04_model_parallel.gpipe import build_stage, gpipe_step, serial_step
 from chapters.ch04_model_parallel.schedule import Event, bubble_formula, gpipe_order, simulate
-from chapters.ch04_model_parallel.train import (
-    Config,
-    build_stage,
-    gpipe_step,
-    n_micro_batches,
-    serial_step,
-)
 from common.distributed import reduce_number
 from common.log import progress
 from common.models import MLP
@@ -174,7 +168,7 @@ class SleepStage(nn.Module):
         return _Sleep.apply(self.layers(x), self.forward_s, self.backward_s)
 
 
-def real_stage(cfg: Config, info, max_micro: int):
+def real_stage(cfg, info, max_micro: int):
     """This rank's stage of a wider float32 MLP, and an input for up to `max_micro` micro-batches."""
     seed_everything(cfg.seed)
     n_layers = info.world_size * cfg.layers_per_stage
@@ -183,7 +177,7 @@ def real_stage(cfg: Config, info, max_micro: int):
     return build_stage(model, info.rank, info.world_size), x
 
 
-def sleep_stage(cfg: Config, info, max_micro: int):
+def sleep_stage(cfg, info, max_micro: int):
     """This rank's stage of a small MLP wrapped in fixed sleeps (`sleep_ms` for every forward
     and every backward of a micro-batch), and an input for up to `max_micro` micro-batches."""
     seed_everything(cfg.seed)
@@ -194,10 +188,11 @@ def sleep_stage(cfg: Config, info, max_micro: int):
     return stage, x
 
 
-def record_timings(cfg: Config, info, rec: RunRecorder) -> None:
-    """Time GPipe on real layers and on fixed-sleep stages, for m in {1, 2, m, 2m}; record what
-    a message and a rank's own bookkeeping cost (the overheads the formula leaves out)."""
-    p, m = info.world_size, n_micro_batches(cfg, info.world_size)
+def record_timings(cfg, info, rec: RunRecorder, m: int) -> None:
+    """Time GPipe on real layers and on fixed-sleep stages, for m in {1, 2, m, 2m} (`cfg`: the
+    run's `train.Config`, `m` its micro-batch count); record what a message and a rank's own
+    bookkeeping cost (the overheads the formula leaves out)."""
+    p = info.world_size
     counts = sorted({1, 2, m, 2 * m})
     stage, x = real_stage(cfg, info, max(counts))
     for k in progress(counts, len(counts), "timing GPipe on real layers, m values", info.is_main, 1):
