@@ -48,8 +48,8 @@ from common.results import RunRecorder
 from common.seed import seed_everything
 from common.timing import Timer
 
-# Chapters 08, 11 and 14 still import all_reduce_gradients (08 also max_param_diff) from this
-# module, which uses them; they are written in data_parallel.py.
+# Chapter 23 runs this script's training from this module, max_param_diff included (written in
+# data_parallel.py with the rest of the technique).
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# positions and shard_sequence are re-exported for chapter 25 (composed.py imports them from here)
+# positions and shard_sequence are re-exported: chapter 25 (composed.py, reference.py) imports them from here
 from chapters.ch18_long_context.layouts import chunk_ids, positions, shard_sequence  # noqa: F401
 from chapters.ch18_long_context.timeline import RingCounter
 
