@@ -30,9 +30,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 from chapters.ch03_data_parallel.data_parallel import all_reduce_gradients
 from chapters.ch20_memory.copytap import CopyTap, nbytes, working_tensors
+from chapters.ch20_memory.data_shard import rank_rows, regression_shard
 from chapters.ch20_memory.recompute import ResidualMLP
 from common.config import RunConfig, parse_config, require_at_least_one
-from common.data import regression_data
 from common.distributed import reduce_number, setup_distributed, teardown_distributed
 from common.log import log, setup_logging
 from common.results import RunRecorder
@@ -66,16 +66,12 @@ class Config(RunConfig):
         require_at_least_one(self, "d_model", "d_ff", "n_layers", "tokens")
 
 
-def shard(t: torch.Tensor, info) -> torch.Tensor:
-    return t.chunk(info.world_size)[info.rank]
-
-
 def train_on_device(model, X, Y, cfg: Config, info):
     """The reference: data parallel (chapter 03's all-reduce) with Adam on the device."""
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     for step in range(cfg.steps):
         opt.zero_grad()
-        F.mse_loss(model(shard(X[step], info)), shard(Y[step], info)).backward()
+        F.mse_loss(model(X[step]), Y[step]).backward()  # X[step]: this rank's rows
         all_reduce_gradients(model, info.world_size)
         opt.step()
     return model, opt
@@ -90,7 +86,7 @@ def train_zero_offload(model, X, Y, cfg: Config, info, copy_back: bool = True):
     opt = torch.optim.Adam(master, lr=cfg.lr)
     for step in range(cfg.steps):
         model.zero_grad()
-        F.mse_loss(model(shard(X[step], info)), shard(Y[step], info)).backward()
+        F.mse_loss(model(X[step]), Y[step]).backward()  # X[step]: this rank's rows
         all_reduce_gradients(model, info.world_size)
         for p, m in zip(model.parameters(), master):
             m.grad = p.grad.to(HOST, copy=True)
@@ -120,7 +116,7 @@ def train_fsdp(model, X, Y, cfg: Config, info):
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     for step in range(cfg.steps):
         opt.zero_grad()
-        F.mse_loss(model(shard(X[step], info)), shard(Y[step], info)).backward()
+        F.mse_loss(model(X[step]), Y[step]).backward()  # X[step]: this rank's rows
         opt.step()
     return model, opt
 
@@ -216,8 +212,12 @@ def run(cfg: Config, info) -> int:
     seed_everything(cfg.seed)
     dtype, n = DTYPES[cfg.dtype], cfg.tokens * info.world_size
     base = ResidualMLP(cfg.d_model, cfg.d_ff, cfg.n_layers).to(info.device, dtype)
-    X, Y = regression_data(cfg.steps * n, cfg.d_model, cfg.d_model, seed=cfg.seed, dtype=dtype)
-    X, Y = X.view(cfg.steps, n, -1).to(info.device), Y.view(cfg.steps, n, -1).to(info.device)
+    # this rank's rows of every step only (train.py's regression_shard: the same numbers as the
+    # whole data's chunk(world)[rank], without building the other ranks' rows)
+    rows = rank_rows(cfg.steps, cfg.tokens, info.rank, info.world_size)
+    X, Y = regression_shard(cfg.steps * n, cfg.d_model, cfg.d_model, rows, seed=cfg.seed, dtype=dtype)
+    shape = (cfg.steps, cfg.tokens, cfg.d_model)
+    X, Y = X.view(shape).to(info.device), Y.view(shape).to(info.device)
     log.info("world %d on %s/%s, host %s: %d blocks %dx%d, Adam, %d steps", info.world_size,
              info.device, info.backend, HOST, cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.steps)
     if info.device == HOST:

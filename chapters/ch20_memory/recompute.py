@@ -178,3 +178,9 @@ class StorageCensus(TorchDispatchMode):
         skip = {StorageWeakRef(t.untyped_storage()).cdata for t in exclude}
         alive = {ref.cdata: n for ref, n in self.refs if not ref.expired() and ref.cdata not in skip}
         return sum(alive.values())
+
+
+def recompute_flop_ratio(strategy: str) -> float:
+    """Matmul FLOPs with recomputation over without: forward 1, backward 2, full recomputation
+    reruns the forward (+1); the selective policies rerun no matmul."""
+    return 4 / 3 if strategy in ("full", "torch_full") else 1.0

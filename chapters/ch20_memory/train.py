@@ -34,6 +34,7 @@ from chapters.ch20_memory.recompute import (
     StorageCensus,
     hooks_see_everything,
     predicted_saved_bytes,
+    recompute_flop_ratio,
     run_block,
     saved_tensor_bytes,
 )
@@ -173,12 +174,6 @@ def step_time_us(model: ResidualMLP, x, y, strategy: str, device) -> tuple[float
     stats = benchmark(lambda: loss_fn(model, x, y, strategy).backward(), warmup=2, repeats=7,
                       device=device)
     return stats.median * 1e6, stats.min * 1e6, stats.max * 1e6
-
-
-def recompute_flop_ratio(strategy: str) -> float:
-    """Matmul FLOPs with recomputation over without: forward 1, backward 2, full recomputation
-    reruns the forward (+1); the selective policies rerun no matmul."""
-    return 4 / 3 if strategy in ("full", "torch_full") else 1.0
 
 
 def cuda_peak_bytes(model: ResidualMLP, x, y, strategy: str) -> int:
