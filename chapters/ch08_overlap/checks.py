@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from chapters.ch03_data_parallel.train import max_param_diff
+from chapters.ch03_data_parallel.data_parallel import max_param_diff
 from chapters.ch08_overlap.bucketed import build_buckets
 from common.distributed import gather_numbers
 from common.results import RunRecorder

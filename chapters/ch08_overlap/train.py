@@ -35,7 +35,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from chapters.ch03_data_parallel.train import all_reduce_gradients
+from chapters.ch03_data_parallel.data_parallel import all_reduce_gradients
 from chapters.ch08_overlap.bucketed import BucketedDDP, EventLog, build_buckets
 from chapters.ch08_overlap.checks import (
     VARIANTS,

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from chapters.ch03_data_parallel.train import all_reduce_gradients
+from chapters.ch03_data_parallel.data_parallel import all_reduce_gradients
 from chapters.ch11_data_loading.datasets import TokenWindows, ensure_tokens, read_tokens
 from chapters.ch11_data_loading.sampling import ShardSampler, check_shards, epoch_shards
 from common.checkpoint import save_checkpoint
