@@ -1,13 +1,21 @@
 """Shared plumbing for the course, one module per concern (nothing here is a lesson):
 
 distributed  setup/teardown: torchrun, Slurm or one process; device and backend choice
+collectives  one number reduced/broadcast/gathered, broadcast_from_rank0 (re-exported by distributed)
 config       typed dataclass configs and their documented --flags
 log          rank-aware logging and progress
 seed         seeding and RNG state capture
 results      summary.json, metrics.jsonl, TensorBoard and the checks table
 models       MLP, SmallCNN, TinyGPT
 data         offline synthetic, image and text data
-checkpoint   atomic save, safe load
+checkpoint   atomic save, safe load (and the names of the five modules below, re-exported)
+checkpoint_dcp  DCP saved with a manifest, loaded safely
+manifest     manifest.json: every file's size and SHA-256
+files        atomic writes, one run per folder (locks), folder checks
+errors       the errors a run's files raise, and one_line_errors
+paths        REPO_ROOT and the default output folder runs/<chapter>/<script>/
+preflight    what parse_config checks and locks before a real run
+check_table  a check's verdict and the printed table
 timing       timers, throughput, matmul peak, MFU
 launch       torchrun launches and N-rank gloo runs, for tests and notebooks
 """
