@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chapters.ch03_data_parallel.train import all_reduce_gradients
+from chapters.ch03_data_parallel.data_parallel import all_reduce_gradients
 from chapters.ch14_monitoring import monitor
 from common.checkpoint import save_checkpoint
 from common.config import RunConfig, config_dict, parse_config
