@@ -94,7 +94,7 @@ def build_composed(run: Run, layout: Layout, mesh, broken: str = "none", device=
         apply_tp(model, mesh["tp"], layout.tp_plan)                           # 2. tensor
     positions, cp_group = torch.arange(run.seq_len), None  # attention sees the whole s/cp
     if layout.cp > 1:                                                        # 3. context
-        from chapters.ch18_long_context.ring import positions as zigzag_positions
+        from chapters.ch18_long_context.layouts import positions as zigzag_positions
 
         positions = zigzag_positions(run.seq_len, coords["cp"], layout.cp, "zigzag")
         cp_group = mesh["cp"].get_group()

@@ -65,7 +65,7 @@ def batch(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def local_batch(run: Run, layout: Layout, coords: dict, step: int):
     """This rank's share of the global batch: its dp rows, its cp zigzag shard of each row."""
-    from chapters.ch18_long_context.ring import shard_sequence
+    from chapters.ch18_long_context.layouts import shard_sequence
 
     x, y = batch(run, step)
     rows = run.global_batch // layout.dp

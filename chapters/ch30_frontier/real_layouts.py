@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from chapters.ch04_model_parallel.train import build_stage, gpipe_step
+from chapters.ch04_model_parallel.gpipe import build_stage, gpipe_step
 from chapters.ch05_tensor_parallel.tp_layers import copy_to_tp, reduce_from_tp
 from chapters.ch07_communication.cost_model import fit_latency_bandwidth, ring_alpha_beta
 from chapters.ch30_frontier.planner import Cluster, Layout, ModelSpec

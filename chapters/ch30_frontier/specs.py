@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chapters.ch20_memory.train import recompute_flop_ratio
+from chapters.ch20_memory.recompute import recompute_flop_ratio
 
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")  # Korthikanti et al.'s selective; chapter 20's full
