@@ -4,6 +4,7 @@ refuses bad input, every README link resolves, the environment files agree."""
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import re
 import runpy
@@ -226,3 +227,105 @@ def test_no_command_binds_one_gpu_per_task():
     assert per_task_gpu_commands("    srun --nodes=2 \\\n        --gpus-per-task=1 python train.py")
     assert per_task_gpu_commands("NCCL_DEBUG=INFO srun --gpus-per-task=1 python train.py")
     assert not per_task_gpu_commands("- **`srun --gpus-per-task=1` for the ranks of one job.**")
+
+
+# Issue 23: files a reader can hold in their head, and an import graph without circles.
+LONG_FILE_LINES, LONG_FILES_ALLOWED = 300, 5
+WHY_WHOLE = "Why this file stays whole:"
+CODE = sorted(p for d in ("chapters", "common", "tools") for p in (ROOT / d).rglob("*.py"))
+
+
+def test_files_stay_under_300_lines_or_say_why_they_stay_whole():
+    """STYLE.md: 80-300 lines a script. A longer file is one cohesive story, says so at its top
+    (WHY_WHOLE in its first 40 lines), and there are at most LONG_FILES_ALLOWED of them."""
+    long = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in CODE
+            if len(p.read_text().splitlines()) > LONG_FILE_LINES}
+    unexplained = [f"{p} ({n} lines)" for p, n in long.items()
+                   if WHY_WHOLE not in "\n".join((ROOT / p).read_text().splitlines()[:40])]
+    assert not unexplained, f"over {LONG_FILE_LINES} lines without '{WHY_WHOLE}' at the top: {unexplained}"
+    assert len(long) <= LONG_FILES_ALLOWED, f"{len(long)} files over {LONG_FILE_LINES} lines: {long}"
+
+
+def repo_module(name: str, importer: Path) -> Path | None:
+    """The repository file an `import name` in `importer` resolves to, or None (a library)."""
+    parts = name.split(".")
+    if parts[0] in ("chapters", "common", "tools"):
+        for cand in (ROOT.joinpath(*parts).with_suffix(".py"), ROOT.joinpath(*parts) / "__init__.py"):
+            if cand.exists():
+                return cand
+        return None
+    sibling = importer.parent / f"{parts[0]}.py"  # a script's own folder is on its sys.path
+    return sibling if sibling.exists() and sibling != importer else None
+
+
+@functools.cache
+def import_graph() -> dict[Path, set[Path]]:
+    """Every import in every file, at any depth (a function-level import that dodges a circle is
+    still an edge), `from package import module` resolved to the module."""
+    graph: dict[Path, set[Path]] = {}
+    for path in CODE:
+        edges = graph.setdefault(path, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            edges.update(t for t in (repo_module(n, path) for n in names) if t and t.name != "__init__.py")
+    return graph
+
+
+def test_import_graph_has_no_circle():
+    graph = import_graph()
+    state: dict[Path, int] = {}  # 1 on the stack, 2 done
+    circles = []
+
+    def visit(node: Path, stack: list[Path]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                circles.append(" -> ".join(p.relative_to(ROOT).as_posix()
+                                           for p in stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def chapter_number(path: Path) -> int | None:
+    m = re.match(r"ch(\d\d)_", path.relative_to(ROOT).parts[1]) if path.is_relative_to(ROOT / "chapters") else None
+    return int(m.group(1)) if m else None
+
+
+# Where a chapter's workload *is* an earlier chapter's training run, it imports that script.
+RUNS_ANOTHER_CHAPTERS_TRAINING = {
+    "chapters/ch23_containers/train.py": "chapters/ch03_data_parallel/train.py",  # ch03's run, containerised
+}
+
+
+def test_chapters_build_on_earlier_chapters_only_and_never_on_a_training_script():
+    """A chapter imports common/ and earlier chapters' technique modules: never a later chapter,
+    never another chapter's train.py (launch plumbing lives in common/; the one exception is a
+    chapter whose workload is that chapter's run, RUNS_ANOTHER_CHAPTERS_TRAINING), and common/
+    no chapter."""
+    wrong = []
+    for src, targets in import_graph().items():
+        n = chapter_number(src)
+        for dst in targets:
+            m = chapter_number(dst)
+            if m is None:
+                continue
+            if n is None and src.is_relative_to(ROOT / "common"):
+                wrong.append(f"{src.relative_to(ROOT)} imports a chapter: {dst.relative_to(ROOT)}")
+            elif n is not None and m > n:
+                wrong.append(f"{src.relative_to(ROOT)} imports a later chapter: {dst.relative_to(ROOT)}")
+            elif (n is not None and m != n and dst.name == "train.py" and RUNS_ANOTHER_CHAPTERS_TRAINING.get(
+                    src.relative_to(ROOT).as_posix()) != dst.relative_to(ROOT).as_posix()):
+                wrong.append(f"{src.relative_to(ROOT)} imports another chapter's training script: "
+                             f"{dst.relative_to(ROOT)}")
+    assert not wrong, "\n".join(wrong)
