@@ -8,7 +8,7 @@ seed         seeding and RNG state capture
 results      summary.json, metrics.jsonl, TensorBoard and the checks table
 models       MLP, SmallCNN, TinyGPT
 data         offline synthetic, image and text data
-checkpoint   atomic save, safe load (and the names of the five modules below, re-exported)
+checkpoint   atomic save, safe load (and the names of checkpoint_dcp, manifest, files and errors, re-exported)
 checkpoint_dcp  DCP saved with a manifest, loaded safely
 manifest     manifest.json: every file's size and SHA-256
 files        atomic writes, one run per folder (locks), folder checks

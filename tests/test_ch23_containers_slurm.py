@@ -250,9 +250,10 @@ def test_multi_node_rendezvous_on_first_host():
 
 @pytest.mark.timeout(60)
 def test_cluster_config_and_command_line(capsys):
+    from chapters.ch23_containers.slurm import clusterconf
     from chapters.ch23_containers.slurm import localcluster as lc
 
-    conf = lc.slurm_conf(Path("/tmp/x"), 16817, 16818, 8, 4096)
+    conf = clusterconf.slurm_conf(Path("/tmp/x"), 16817, 16818, 8, 4096)
     for line in ("ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
                  "SelectType=select/cons_tres", "AccountingStorageType=accounting_storage/none",
                  "SlurmctldPort=16817", "SlurmdPort=16818", "AuthInfo=socket=/tmp/x/munge/munge.socket",
@@ -274,7 +275,7 @@ def test_cluster_config_and_command_line(capsys):
         s.bind(("", 0))
         s.listen()
         port = s.getsockname()[1]
-        assert not lc.port_free(port)
+        assert not clusterconf.port_free(port)
         with pytest.raises(lc.ClusterError, match="taken"):
             lc.LocalSlurm(Path(tmp) / "c", ports=(port, port + 1))._write_files()
         assert not (Path(tmp) / "c").exists()

@@ -102,7 +102,7 @@ def _first_step(how: str, local: bool, rank: int, world: int) -> float:
     model = CLIP()
     ddp = DDP(model)
     images, ids, _ = data.make_pairs(48, 30, data.split_combinations()[0])
-    img, txt, scale = ddp(train.shard(images, rank, world), train.shard(ids, rank, world))
+    img, txt, scale = ddp(data.shard(images, rank, world), data.shard(ids, rank, world))
     contrastive.distributed_clip_loss(img, txt, scale, how, local).backward()
     return first_step_gap(model, images, ids)
 
@@ -121,7 +121,7 @@ def _train_steps(how: str, rank: int, world: int, steps: int = 2) -> float:
         reference_loss(*ref(images, ids)).backward()
         opt_ref.step()
         opt.zero_grad()
-        img, txt, scale = ddp(train.shard(images, rank, world), train.shard(ids, rank, world))
+        img, txt, scale = ddp(data.shard(images, rank, world), data.shard(ids, rank, world))
         contrastive.distributed_clip_loss(img, txt, scale, how, local=True).backward()
         opt.step()
     return max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ddp.module.parameters()))

@@ -56,9 +56,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # this checkout's code, whatever is installed
 
-# the check's parts; their names are re-exported: tests and the costs file read them from here
+# the check's parts; what main() does not use is re-exported for tests/test_gpu_check.py, which
+# reads them (and patches execute and NEEDS) through this module
 from tools.gpu_plan import (  # noqa: E402, F401
-    COSTS,
     CUDA_START_S,
     EXPECTED,
     GLOO_ON_CUDA,
@@ -67,32 +67,24 @@ from tools.gpu_plan import (  # noqa: E402, F401
     LENT_GPUS,
     SYSTEM,
     TIMING,
-    TIMING_AT_WORLD_1,
     UNMEASURED_S,
     Run,
     default_jobs,
     estimate,
     load_costs,
     plan,
-    refusal,
-    seeing_gpus,
 )
 from tools.gpu_report import (  # noqa: E402, F401
-    MULTI_NODE_CANNOT_TEST,
     ONE_GPU_CANNOT_TEST,
-    cannot_test,
-    chapter_results,
     machine,
     print_plan,
-    report_rows,
     write_report,
 )
-from tools.gpu_runner import ERROR_LINE, execute, first_error_line, run_env  # noqa: E402, F401
+from tools.gpu_runner import execute, first_error_line, run_env  # noqa: E402, F401
 from tools.gpu_scripts import (  # noqa: E402, F401
     NEEDS,
     chapter_scripts,
     imported_packages,
-    missing_packages,
     script_id,
 )
 

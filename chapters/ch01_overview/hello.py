@@ -17,19 +17,16 @@ from common.config import RunConfig as Config
 from common.config import build_parser
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Any number of processes can add up their ranks."""
-
-
 def main(cfg: Config) -> int:
     rank = int(os.environ.get("RANK", 0))  # torchrun sets these for every process it starts
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # the process's number on its machine
-    use_cuda = torch.cuda.is_available() if cfg.device == "auto" else cfg.device == "cuda"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
+    use_cuda = torch.cuda.device_count() >= local_world if cfg.device == "auto" else cfg.device == "cuda"
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     backend = ("nccl" if use_cuda else "gloo") if cfg.backend == "auto" else cfg.backend
     if use_cuda:
-        torch.cuda.set_device(device)  # BEFORE init: NCCL works on "the current device"
+        torch.cuda.set_device(device)  # BEFORE init: until set, "the current device" is GPU 0
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # no torchrun: a world of one, which
     os.environ.setdefault("MASTER_PORT", "0")  # hosts the group's store on any free port
     dist.init_process_group(backend, rank=rank, world_size=world_size,

@@ -48,9 +48,6 @@ from common.results import RunRecorder
 from common.seed import seed_everything
 from common.timing import Timer
 
-# Chapter 23 runs this script's training from this module, max_param_diff included (written in
-# data_parallel.py with the rest of the technique).
-
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 

@@ -41,8 +41,6 @@ from common.models import MLP
 from common.results import RunRecorder
 from common.seed import seed_everything
 
-# Chapter 30 (real_layouts.py) still imports build_stage and gpipe_step from this module.
-
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 RUN_TWO = "torchrun --standalone --nproc_per_node=2 chapters/ch04_model_parallel/train.py"
 

@@ -6,7 +6,9 @@ What a library collective puts on the wire is its own business (NCCL picks ring 
 `use_ring(True)` the sums and gathers run as a ring written here with send/recv (chapter 07
 writes the collectives by hand in full: rings, trees and hierarchies, for tensors of any length),
 and `COMM` also records the bytes this rank's sends carried: the ring formula measured, not
-assumed.
+assumed. Its `ring_reduce_scatter_` and `ring_all_gather_` take the same steps with the same
+message sizes as chapter 07's: a copy on purpose, because chapter 05 comes first and a chapter
+never imports a later one.
 
 Tensor-parallel group = the whole world here; with a device mesh it is the mesh's TP axis
 (chapter 06).

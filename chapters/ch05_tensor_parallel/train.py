@@ -74,8 +74,8 @@ class Config(RunConfig):
     max_grad_norm: float = 0.5
     """Clip the global gradient norm to this (0: no clipping); every version clips alike."""
     collectives: str = "library"
-    """library (torch.distributed) or ring (chapter 07's ring by hand: the bytes each rank
-    sends are counted; send/recv, so NCCL on GPUs)."""
+    """library (torch.distributed) or ring (a ring written with send/recv in tp_comm.py, as
+    chapter 07 teaches: the bytes each rank sends are counted; NCCL on GPUs)."""
     dtype: str = "float64"
     """float64 makes every parity check exact to ~1e-15; float32 to ~5e-7 (tolerances: see the lesson)."""
 

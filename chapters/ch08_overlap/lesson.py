@@ -97,7 +97,7 @@ print(result.output[result.output.index("figure"):])
 # the log: a 20 ms sleep and a tiny copy each take one slot.
 
 # %%
-kinds = list(train.VARIANTS)
+kinds = list(checks.VARIANTS)
 logs = json.loads((out_dir / "events.json").read_text())
 fig, ax = plt.subplots(figsize=(10.5, 3.2))
 plots.draw_timeline(ax, logs)

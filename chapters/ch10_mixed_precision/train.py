@@ -163,7 +163,7 @@ def train_fsdp(model: nn.Module, X, Y, cfg: Config, info, param_dtype=None,
     `MixedPrecisionPolicy(param_dtype, reduce_dtype)` (None: keep fp32). With bf16/fp32 it
     all-gathers the parameters as bf16 for forward/backward, reduce-scatters the gradients in
     fp32 and keeps the sharded fp32 parameters as master weights. Returns the losses, the
-    dtypes it used where they matter (see POLICY), the bytes reduce-scattered per step and the
+    dtypes it used where they matter (see `checks.POLICY`), the bytes reduce-scattered per step and the
     full parameters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

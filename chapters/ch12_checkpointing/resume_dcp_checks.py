@@ -4,7 +4,7 @@ under one shared key, a loader on the global RNG); which rank's copy DCP kept un
 off the metadata (`stored_keys`, `stored_files`, through the restricted unpickler) and compared
 with the losses; and the one-key demonstration with each rank's position.
 
-Helper module of chapter 12 (no main guard); `resume_dcp.py` and the tests import it.
+Helper module of chapter 12 (no main guard); `resume_dcp.py` imports it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 FSDP2, with AdamW, and the steps that train it between saves. Nothing here is about checkpoints;
 `train.py` is.
 
-Helper module of chapter 12 (no main guard); `train.py` and the tests import it.
+Helper module of chapter 12 (no main guard); `train.py` imports it (the tests reach it through
+`train`).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def record_checks(rec, cfg, info, result: dict, ckpt_dir: Path) -> None:
     rec.figure("Young/Daly interval for that save at M = 24 h (formula)",
                round(young_daly_interval(save, 24 * 3600), 1), unit="s")
     if saves:  # what verifying before use costs, against that save
-        checks = verify_seconds(ckpt_dir / f"step{cfg.steps:06d}", info)
+        verify_times = verify_seconds(ckpt_dir / f"step{cfg.steps:06d}", info)
         rec.figure("checkpoint verify before use, median (slowest rank)",
-                   round(statistics.median(checks) * 1e3, 2), unit="ms",
-                   spread=(round(min(checks) * 1e3, 2), round(max(checks) * 1e3, 2)))
+                   round(statistics.median(verify_times) * 1e3, 2), unit="ms",
+                   spread=(round(min(verify_times) * 1e3, 2), round(max(verify_times) * 1e3, 2)))

@@ -14,7 +14,9 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+from common.log import library_output, log
 from common.models import MLP
 
 
@@ -188,10 +190,6 @@ def fsdp2_compile_experiment() -> dict:
 def compile_check(model, X, Y, cfg, info, rec) -> None:
     """torch.compile on the DDP model (DDPOptimizer splits the graph at bucket boundaries)
     against eager DDP from the same weights, and Dynamo's graph-break report of the model."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from common.log import library_output, log
-
     log.info("torch.compile (%s): tracing and compiling the model (may take a minute the first "
              "time) ...", cfg.compile_backend)
     with library_output():  # Dynamo's and inductor's warnings and the C++ compiler's output
@@ -204,7 +202,7 @@ def compile_check(model, X, Y, cfg, info, rec) -> None:
     ids = [info.device.index] if info.device.type == "cuda" else None
     with library_output():
         diff = compiled_vs_eager(model, X, Y, cfg.lr, cfg.compile_backend,
-                                          wrap=lambda m: DDP(m, device_ids=ids))
+                                 wrap=lambda m: DDP(m, device_ids=ids))
     log.info("torch.compile (%s) vs eager DDP: %s", cfg.compile_backend, diff)
     # float32, 2 steps: fusion reorders sums of up to d_hidden products (see the lesson's bound)
     rec.check("compiled DDP == eager DDP (max |dparam|)", "parity", diff["max_param_diff"], 0.0, 1e-5)

@@ -1,8 +1,8 @@
 """The checks of chapter 17's run that are not parity: the balanced cut against an independent
 optimum, the 1F1B step of each cut against its closed form, the activations each schedule holds
 (counted in the stages' real calls) and the bubbles of the simulated timelines against their
-formulas. (The schedules' parity with the unsplit model is checked where they run, in
-`train.main`.)
+formulas; and `save_grads`, every rank's gradients gathered into one file the tests compare. (The
+schedules' parity with the unsplit model is checked where they run, in `train.main`.)
 
 Expected values come from formulas and from another algorithm, never from the code under test.
 """

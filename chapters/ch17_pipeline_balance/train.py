@@ -39,7 +39,6 @@ from torch.distributed.pipelining import (
 from chapters.ch04_model_parallel.checks import stage_diff
 from chapters.ch04_model_parallel.schedule import gpipe_order, one_f_one_b_order, simulate
 from chapters.ch17_pipeline_balance import checks
-from chapters.ch17_pipeline_balance.checks import count_live_activations
 from chapters.ch17_pipeline_balance.partition import (
     balanced_partition,
     stage_costs,
@@ -236,7 +235,7 @@ def main(cfg: Config) -> int:
             schedule, stages, mods = build_schedule(model, bounds, kind, info, m, scale_grads)
             live = {"live": 0, "peak": 0}  # one count per rank, over all its stages (chunks)
             for stage in stages:
-                count_live_activations(stage, live)
+                checks.count_live_activations(stage, live)
             loss = pipeline_step(schedule, X, Y, info)
             diff = stage_diff(model, mods, reference)
             if scale_grads:

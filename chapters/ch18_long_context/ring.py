@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# positions and shard_sequence are re-exported: chapter 25 (composed.py, reference.py) imports them from here
-from chapters.ch18_long_context.layouts import chunk_ids, positions, shard_sequence  # noqa: F401
+from chapters.ch18_long_context.layouts import chunk_ids
 from chapters.ch18_long_context.timeline import RingCounter
 
 BROKEN_RING = ("none", "no_rescale", "dkv_not_returned", "wrong_layout", "serial")

@@ -46,7 +46,6 @@ def allgather_attention(q, k, v, layout: str = "zigzag", causal: bool = True, gr
     """The simple alternative to the ring: all-gather K and V, attend locally. The output is
     right, but every rank holds, and saves for backward, the whole K and V: its activations do
     not fall as 1/N (the activation check's negative control)."""
-    import torch.nn.functional as F
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     k_all, v_all = (unshard_sequence(list(_AllGatherSeq.apply(t, group)), layout, dim=2) for t in (k, v))

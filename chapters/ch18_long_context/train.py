@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from chapters.ch03_data_parallel.data_parallel import max_param_diff
 from chapters.ch05_tensor_parallel.activations import SavedTensors
 from chapters.ch18_long_context import layouts, parity, ring, ulysses
 from chapters.ch18_long_context.sp_gpt import SequenceParallelGPT
@@ -171,10 +172,6 @@ def build_models(cfg: Config, vocab: int, info, dtype):
     sp = SequenceParallelGPT(gpt_config(cfg, vocab), cfg.train_attention, layout).to(info.device, dtype)
     sp.load_state_dict(ref.state_dict())
     return ref, sp
-
-
-def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
 
 
 class SequenceSavedTensors(SavedTensors):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from chapters.ch19_moe import train
+from chapters.ch19_moe import checks, train
 from chapters.ch19_moe.moe import Expert, MoELayer, capacity
 from chapters.ch19_moe.moe_gpt import MoEGPT
 from common.config import parse_config
@@ -219,10 +219,10 @@ def main(cfg: Config) -> int:
         for stage in progress(cfg.stages, len(cfg.stages), "DeepSpeed ZeRO stages trained", info.is_main, 1):
             got = train_deepspeed(stage, tcfg, batches, info, state)
             rec.check(f"DeepSpeed ZeRO-{stage} MoE TinyGPT: losses == one process", "parity",
-                      max(abs(a - b) for a, b in zip(got["losses"], ref_run["loss"])), 0.0, tolerance=train.TOLERANCE["float32"])
+                      max(abs(a - b) for a, b in zip(got["losses"], ref_run["loss"])), 0.0, tolerance=checks.TOLERANCE["float32"])
             diff = max((got["params"][n] - p).abs().max().item() for n, p in mine.items())
             rec.check(f"DeepSpeed ZeRO-{stage}: trained parameters == one process", "parity",
-                      reduce_number(diff, "max"), 0.0, tolerance=train.TOLERANCE["float32"])
+                      reduce_number(diff, "max"), 0.0, tolerance=checks.TOLERANCE["float32"])
         return rec.finish()
     finally:
         teardown_distributed()

@@ -32,6 +32,7 @@ from chapters.ch03_data_parallel.data_parallel import all_reduce_gradients
 from chapters.ch20_memory.copytap import CopyTap, nbytes, working_tensors
 from chapters.ch20_memory.data_shard import rank_rows, regression_shard
 from chapters.ch20_memory.recompute import ResidualMLP
+from chapters.ch20_memory.train import max_diff
 from common.config import RunConfig, parse_config, require_at_least_one
 from common.distributed import reduce_number, setup_distributed, teardown_distributed
 from common.log import log, setup_logging
@@ -160,10 +161,6 @@ def per_rank_bytes(psi: int, elem: int, world: int) -> dict[str, tuple[int, int]
             "FSDP2 + CPUOffloadPolicy": (0, full // world)}
 
 
-def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a, b))
-
-
 def shared_storage(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
     """How many tensors of `a` share their memory with the matching tensor of `b` (a "copy"
     that is not one)."""
@@ -212,8 +209,8 @@ def run(cfg: Config, info) -> int:
     seed_everything(cfg.seed)
     dtype, n = DTYPES[cfg.dtype], cfg.tokens * info.world_size
     base = ResidualMLP(cfg.d_model, cfg.d_ff, cfg.n_layers).to(info.device, dtype)
-    # this rank's rows of every step only (train.py's regression_shard: the same numbers as the
-    # whole data's chunk(world)[rank], without building the other ranks' rows)
+    # this rank's rows of every step only (data_shard.regression_shard, as in train.py: the same
+    # numbers as the whole data's chunk(world)[rank], without building the other ranks' rows)
     rows = rank_rows(cfg.steps, cfg.tokens, info.rank, info.world_size)
     X, Y = regression_shard(cfg.steps * n, cfg.d_model, cfg.d_model, rows, seed=cfg.seed, dtype=dtype)
     shape = (cfg.steps, cfg.tokens, cfg.d_model)

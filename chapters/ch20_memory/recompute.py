@@ -1,5 +1,6 @@
 """Activation recomputation, by hand and with torch.utils.checkpoint, and two ways to count what
-autograd keeps for backward (helpers for chapter 20's train.py; no main guard).
+autograd keeps for backward, and the matmul FLOP ratio of recomputation (`recompute_flop_ratio`,
+which chapter 30 takes). Helpers for chapter 20's train.py and offload.py; no main guard.
 
 Strategies for one residual feed-forward block y = x + W2·gelu(W1·x + b1) + b2:
   none             autograd saves x, h = W1·x + b1 and g = gelu(h)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from chapters.ch03_data_parallel.data_parallel import max_param_diff
 from chapters.ch07_communication.collectives import P2P, ring_all_reduce
 from chapters.ch22_networking.calculator import bus_bandwidth, bytes_leaving_node, shaped_time
 from chapters.ch22_networking.checks import check_hierarchy
@@ -131,10 +132,6 @@ def train(model, X, Y, cfg: Config, rank: int, world: int, all_reduce: bool = Tr
                 p.grad /= world
         opt.step()
     return model
-
-
-def max_param_diff(a, b) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
 def check_training(rec: RunRecorder, cfg: Config, info) -> dict:

@@ -1,7 +1,7 @@
 """A stand-in for the EC2 instance metadata service (IMDS) on 127.0.0.1, for the tests and the
 notebook: the part of it a spot job talks to, written from AWS's documentation (the EC2 user
 guide's "Retrieve instance metadata" and "Spot Instance interruption notices" pages), not from
-`train.SpotNoticePoller`, so that a poller that gets the protocol wrong is refused here.
+`spot_notice.SpotNoticePoller`, so that a poller that gets the protocol wrong is refused here.
 
 What it serves, as IMDS does with IMDSv2 required (`HttpTokens=required`):
 - `PUT /latest/api/token` with the header `X-aws-ec2-metadata-token-ttl-seconds: 1..21600`

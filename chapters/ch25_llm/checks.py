@@ -1,5 +1,7 @@
 """What chapter 25's run proves and measures, recorded beside theory: the tokenizer's size and
-round trip, FLOPs counted against the formula, FSDP2 against DDP, the export, tokens/s and MFU."""
+round trip, FLOPs counted against the formula, FSDP2 against DDP, the losses against ln V and the
+unigram entropy (with the share of tokens already seen), tokens/s and MFU over the timed steps, the
+DCP resume with its control, and the export."""
 
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from chapters.ch25_llm.composed import build_mesh, train_composed
+from chapters.ch25_llm.composed import train_composed
 from chapters.ch25_llm.counters import merge_stages
+from chapters.ch25_llm.parallelize import build_mesh
 from chapters.ch25_llm.reference import DIMS, Layout, Run, differences, tolerances
 
 

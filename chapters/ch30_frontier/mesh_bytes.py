@@ -42,8 +42,16 @@ from __future__ import annotations
 
 import math
 
-# the shapes it counts over, importable from here as well (mesh_spec.py holds them)
-from chapters.ch30_frontier.mesh_spec import PLANS, Dtypes, Llama, Mesh, layout_error, stage_layers  # noqa: F401
+# PLANS and layout_error are re-exported: lesson.py, against_ch25.py and tests/test_ch30_frontier_*.py
+# read the layout's rules through this module, the one the lesson names for the bytes
+from chapters.ch30_frontier.mesh_spec import (  # noqa: F401
+    PLANS,
+    Dtypes,
+    Llama,
+    Mesh,
+    layout_error,
+    stage_layers,
+)
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send")
 HANDED = {"all_gather": lambda n: n, "reduce_scatter": lambda n: 1, "all_reduce": lambda n: 1,

@@ -1,5 +1,6 @@
 """What mesh_bytes.py counts over: a Llama's shape (`Llama`), a dp × tp × pp × cp layout with its
 tensor-parallel plan (`Mesh`) and the bytes per element of each kind of tensor (`Dtypes`), with
+the tensor-parallel plans it knows (`PLANS`), how pp stages split the layers (`stage_layers`) and
 the one-line reason a layout cannot hold a Llama (`layout_error`).
 """
 

@@ -52,7 +52,7 @@ def slurm_conf(root: Path, ctld_port: int, slurmd_port: int, cpus: int, memory_m
     """The cluster's slurm.conf: one node, one partition, no cgroup, no accounting."""
     host = socket.gethostname().split(".")[0]  # slurmctld must run on a host named here
     return f"""\
-# Written by chapters/ch23_containers/slurm/localcluster.py: a one-node practice cluster.
+# Written by chapters/ch23_containers/slurm/clusterconf.py for localcluster.py: a one-node practice cluster.
 ClusterName=course
 SlurmctldHost={host}(127.0.0.1)
 SlurmUser=root

@@ -46,8 +46,6 @@ from chapters.ch23_containers.slurm.clusterconf import (
     NODE,
     ClusterError,
     free_ports,
-    port_free,  # noqa: F401  (re-exported: the tests import it from here)
-    slurm_conf,  # noqa: F401  (re-exported: the tests import it from here)
     write_cluster_files,
 )
 from chapters.ch23_containers.slurm.daemons import (
