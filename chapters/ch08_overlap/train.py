@@ -108,31 +108,6 @@ def validate(cfg: Config, world_size: int) -> None:
     it. (Every collective used is an all-reduce, a broadcast or DDP's start-up all-gather.)"""
 
 
-def build_model(cfg: Config, vocab_size: int, device: torch.device) -> TinyGPT:
-    """A TinyGPT with a tied head and a frozen position embedding: the two cases a wrapper
-    must get right (one gradient for two uses; a parameter with no gradient at all)."""
-    gcfg = GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
-                     n_head=4, d_model=cfg.d_model)
-    model = TinyGPT(gcfg).to(device, DTYPES[cfg.dtype])
-    model.pos_emb.weight.requires_grad_(False)
-    return model
-
-
-def global_batches(cfg: Config, world_size: int, device: torch.device):
-    """The same (steps, micro_batch_size × world_size, block_size) token windows on every rank."""
-    batch = cfg.micro_batch_size * world_size
-    tok = CharTokenizer.fit(text_corpus())
-    tokens = tok.encode(text_corpus(max_chars=100_000))
-    x, y = token_windows(tokens, cfg.block_size, cfg.steps * batch, seed=cfg.seed)
-    shape = (cfg.steps, batch, cfg.block_size)
-    return x.view(shape).to(device), y.view(shape).to(device), tok.vocab_size
-
-
-def rank_shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's contiguous share of a global batch (chapter 03's layout)."""
-    return t.chunk(world_size)[rank]
-
-
 def wrap(kind: str, model: nn.Module, cap_kb: int, info):
     """(module to call, sync to run after backward) for one way of doing data parallelism."""
     cap_mb = cap_kb / 1024  # both wrappers take MiB, as DDP does
@@ -215,6 +190,31 @@ def trace_variant(kind: str, init: nn.Module, X, Y, cfg: Config, info, cap_kb: i
     if info.is_main:
         with library_output():
             prof.export_chrome_trace(str(path))  # .gz: compressed, open it in ui.perfetto.dev
+
+
+def build_model(cfg: Config, vocab_size: int, device: torch.device) -> TinyGPT:
+    """A TinyGPT with a tied head and a frozen position embedding: the two cases a wrapper
+    must get right (one gradient for two uses; a parameter with no gradient at all)."""
+    gcfg = GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
+                     n_head=4, d_model=cfg.d_model)
+    model = TinyGPT(gcfg).to(device, DTYPES[cfg.dtype])
+    model.pos_emb.weight.requires_grad_(False)
+    return model
+
+
+def global_batches(cfg: Config, world_size: int, device: torch.device):
+    """The same (steps, micro_batch_size × world_size, block_size) token windows on every rank."""
+    batch = cfg.micro_batch_size * world_size
+    tok = CharTokenizer.fit(text_corpus())
+    tokens = tok.encode(text_corpus(max_chars=100_000))
+    x, y = token_windows(tokens, cfg.block_size, cfg.steps * batch, seed=cfg.seed)
+    shape = (cfg.steps, batch, cfg.block_size)
+    return x.view(shape).to(device), y.view(shape).to(device), tok.vocab_size
+
+
+def rank_shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's contiguous share of a global batch (chapter 03's layout)."""
+    return t.chunk(world_size)[rank]
 
 
 def bucket_names(model: nn.Module, cap_bytes: int) -> list[list[str]]:

@@ -118,29 +118,6 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ValueError(f"--fail-rank {cfg.fail_rank} does not exist in a world of {world_size}")
 
 
-def fault_due(cfg: Config, rank: int, step: int, where: str) -> bool:
-    """Is this the rank, step and place chosen to fail? Only on the first attempt, so that the
-    restart can succeed."""
-    return (rank == cfg.fail_rank and step == cfg.fail_step and where == cfg.fail_in
-            and restart_count() == 0)
-
-
-def die(cfg: Config, rank: int, step: int) -> None:
-    """Die like a crash: no finally, no destroy_process_group."""
-    log.warning("rank %d: injected fault at step %d (%s, in the %s)", rank, step, cfg.fail_how,
-                cfg.fail_in)
-    sys.stdout.flush()
-    if cfg.fail_how == "sigkill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    os._exit(13)
-
-
-def maybe_inject_fault(cfg: Config, rank: int, step: int) -> None:
-    """Kill this rank in the chosen step, on the first attempt only."""
-    if fault_due(cfg, rank, step, "step"):
-        die(cfg, rank, step)
-
-
 def train(cfg: Config, info, ckpt_dir: Path, rec=None, stop_at: int | None = None) -> dict:
     """The training loop with checkpoint/resume. `stop_at` ends it early without saving (a
     crash, for in-process experiments). The run's id is kept in its `--out` (`rec.out`); called
@@ -203,6 +180,29 @@ def train(cfg: Config, info, ckpt_dir: Path, rec=None, stop_at: int | None = Non
             save_s.append(t.elapsed)
     return {"model": model, "start": start, "losses": losses, "save_s": save_s,
             "resumed_from": state["folder"] if state is not None else None}
+
+
+def fault_due(cfg: Config, rank: int, step: int, where: str) -> bool:
+    """Is this the rank, step and place chosen to fail? Only on the first attempt, so that the
+    restart can succeed."""
+    return (rank == cfg.fail_rank and step == cfg.fail_step and where == cfg.fail_in
+            and restart_count() == 0)
+
+
+def die(cfg: Config, rank: int, step: int) -> None:
+    """Die like a crash: no finally, no destroy_process_group."""
+    log.warning("rank %d: injected fault at step %d (%s, in the %s)", rank, step, cfg.fail_how,
+                cfg.fail_in)
+    sys.stdout.flush()
+    if cfg.fail_how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(13)
+
+
+def maybe_inject_fault(cfg: Config, rank: int, step: int) -> None:
+    """Kill this rank in the chosen step, on the first attempt only."""
+    if fault_due(cfg, rank, step, "step"):
+        die(cfg, rank, step)
 
 
 def main(cfg: Config) -> int:
