@@ -19,8 +19,8 @@
 # FLOPs of a real training step with PyTorch's `FlopCounterMode`, and launches the chapter's
 # first program (`hello.py`) and its full script (`train.py`) on two CPU processes with `torchrun`.
 #
-# Units: GB means decimal gigabytes (1e9 bytes, as on datasheets); GiB is 2**30 bytes, the
-# binary unit of memory tools (`nvidia-smi` prints MiB, 2**20 bytes).
+# Units: GB means decimal gigabytes (1e9 bytes, as on datasheets); GiB is 2³⁰ bytes, the
+# binary unit of memory tools (`nvidia-smi` prints MiB, 2²⁰ bytes).
 
 # %%
 import inspect
