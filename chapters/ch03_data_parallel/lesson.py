@@ -68,7 +68,7 @@ print(inspect.getsource(tap.AllReduceTap.__enter__))
 # ## Uneven token counts: the silent bug
 # With padded sequences, micro-batches hold different numbers of real tokens. A per-batch mean,
 # averaged by DDP, gives a token in a short micro-batch more weight than one in a long
-# micro-batch. One process would weight every token by 1/N. The figure shows the weights for
+# micro-batch. One process would weight every token by 1/N. The cell below prints the weights for
 # the first step of the course's token data on 2 ranks.
 
 # %%
