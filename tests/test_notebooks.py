@@ -6,12 +6,22 @@ import os
 import re
 import shutil
 from pathlib import Path
-from urllib.parse import unquote
 
 import nbformat
 import pytest
 
-from tools import book, notebooks
+from tools import book, book_nav, notebooks
+from tools.book_probe import (
+    DESKTOP,
+    NARROW,
+    cjk_fonts,
+    glyph_problem,
+    local_links,
+    missing_targets,
+    page_problems,
+    probe_page,
+    without_cjk_fonts,
+)
 
 CHAPTERS = notebooks.chapters()
 
@@ -54,35 +64,8 @@ def test_notebook_executes_on_cpu(chapter, tmp_path):
 
 
 # The book (tools/book.py, `./course book`): built from the executions above, so these tests stay
-# at the end of this module and reuse them instead of running every notebook twice.
-
-def local_links(page: Path) -> list[str]:
-    """The local href/src targets of an HTML page (no scheme, not a pure anchor)."""
-    from html.parser import HTMLParser
-
-    found = []
-
-    class Links(HTMLParser):
-        def handle_starttag(self, tag, attrs):
-            for key, value in attrs:
-                if key in ("href", "src") and value and not value.startswith("#") \
-                        and not re.match(r"^[a-z][a-z0-9+.-]*:|^//", value, re.I):
-                    found.append(value)
-
-    Links().feed(page.read_text())
-    return found
-
-
-def missing_targets(root: Path) -> list[str]:
-    """Every local link or image of every page under `root` whose target does not exist."""
-    missing = []
-    for page in sorted(root.glob("*.html")):
-        for url in local_links(page):
-            target = (page.parent / unquote(url.split("#")[0].split("?")[0])).resolve()
-            if not target.exists():
-                missing.append(f"{page.name}: {url}")
-    return missing
-
+# at the end of this module and reuse them instead of running every notebook twice. What they
+# read of the pages (links, and the DOM in headless Chromium) is tools/book_probe.py's.
 
 @pytest.fixture(scope="module")
 def built_book(tmp_path_factory):
@@ -107,6 +90,13 @@ def test_book_has_every_page_link_and_image_and_no_errors(built_book, tmp_path):
     index = (out / "index.html").read_text()
     listed = re.findall(r'<li><a href="(ch\d\d_[a-z0-9_]+)\.html"', index)
     assert listed == written, "the index lists the chapters out of order or misses some"
+    zh = [c.name for c in CHAPTERS if (c / "README.zh.md").exists()]
+    assert done["zh"] == zh and set(done["zh_notebooks"]) <= set(zh)
+    for name in zh:  # the Chinese pages of every chapter with a Chinese lesson, and the Chinese contents
+        for page in (f"{name}.zh.html", *([f"{name}.zh.notebook.html"] if name in done["zh_notebooks"] else [])):
+            assert (out / page).stat().st_size > 1000, f"{page} missing or empty"
+    listed = re.findall(r'<li data-chapter="(ch\d\d_[a-z0-9_]+)"', (out / "index.zh.html").read_text())
+    assert listed == written, "index.zh.html lists the chapters out of order or misses some"
     assert not missing_targets(out), missing_targets(out)[:10]
     assert sum(len(local_links(p)) for p in out.glob("ch*.html")) > 100  # the links were read
     assert any("files/chapters/" in u and u.endswith(".png") for u in local_links(out / "ch07_communication.html"))
@@ -124,63 +114,21 @@ def test_book_has_every_page_link_and_image_and_no_errors(built_book, tmp_path):
     assert missing_targets(tmp_path) == ["p.html: figures/none.png", "p.html: nowhere.html#x"]
 
 
+def chromium() -> str:
+    if os.environ.get("COURSE_SYSTEM_TESTS") != "1":
+        pytest.skip("set COURSE_SYSTEM_TESTS=1 (and ./course setup --system) to open the book in Chromium")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium binary (./course setup --system installs Debian's chromium)")
+    return browser
+
+
 def screenshot_is_not_blank(png: Path) -> bool:
     from PIL import Image
 
     with Image.open(png) as img:
         colours = img.convert("RGB").getcolors(maxcolors=1 << 20)
     return colours is None or len(colours) > 1
-
-
-# What a reader's browser shows, read from the page's DOM once its scripts ran (MathJax included):
-# written into the page as JSON by this script, then dumped by headless Chromium.
-PROBE_JS = r"""(function () {
-  function report() {
-    var imgs = Array.prototype.slice.call(document.images);
-    var broken = imgs.filter(function (i) { return !(i.complete && i.naturalWidth > 0); })
-                     .map(function (i) { return i.getAttribute("src"); });
-    var walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT, null), raw = [];
-    for (var n = walker.nextNode(); n; n = walker.nextNode()) {
-      if (n.parentElement.closest("pre, code, script, style, textarea")) continue;
-      if (/\\\(|\\\[|\$\$/.test(n.nodeValue)) raw.push(n.nodeValue.trim().slice(0, 60));
-    }
-    var header = document.querySelector("header.course-header");
-    var next = document.querySelector("header.course-header a.next");
-    var el = document.createElement("pre");
-    el.id = "course-probe";
-    el.textContent = JSON.stringify({
-      images: imgs.length, broken: broken, raw_tex: raw.slice(0, 5),
-      math: document.querySelectorAll(".mjx-chtml, .MathJax_CHTML").length,
-      header: header ? header.textContent.replace(/\s+/g, " ").trim() : null,
-      next: next ? next.getAttribute("href") : null,
-      width: window.innerWidth, scroll_width: document.documentElement.scrollWidth});
-    document.body.appendChild(el);
-  }
-  window.addEventListener("load", function () {
-    if (window.MathJax && MathJax.Hub) MathJax.Hub.Queue(report); else report();
-  });
-})();
-"""
-DESKTOP, NARROW = "1280,900", "390,844"  # headless Chromium widens the narrow one to 500 px
-
-
-def probe_page(browser: str, book_dir: Path, page: str, size: str) -> dict:
-    """Open `page` of the built book at a window `size` and return what PROBE_JS saw."""
-    import json
-    import subprocess
-
-    (book_dir / "_probe.js").write_text(PROBE_JS)
-    probed = book_dir / f"_probe_{page}"
-    probed.write_text((book_dir / page).read_text().replace(
-        "</body>", '<script src="_probe.js"></script></body>', 1))
-    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                          "--virtual-time-budget=15000", f"--window-size={size}", "--dump-dom",
-                          probed.as_uri()], capture_output=True, text=True, timeout=60).stdout
-    found = re.search(r'<pre id="course-probe">(.*?)</pre>', dom, re.S)
-    assert found, f"{page} at {size}: the probe did not report (the page's scripts did not finish)"
-    import html
-
-    return json.loads(html.unescape(found.group(1)))
 
 
 @pytest.mark.timeout(180)
@@ -190,15 +138,12 @@ def test_book_pages_render_in_headless_chromium(built_book, tmp_path):
     the contents); at a phone's width (headless Chromium's narrowest, 500 px), chapter 07's two
     pages and the contents. Each page: every image loaded, MathJax typeset the lesson's formulas
     and left no raw TeX delimiter outside code, the same header on lesson and notebook pages
-    (book, chapter, page kind) with a next link, and nothing wider than the window."""
-    import shutil
+    (book, chapter, page kind) with a next link and the language switch (linking the Chinese
+    page where it exists, else saying it is not yet written), nothing wider than the window, and
+    where a CJK font is installed, the Chinese of the chapter titles drawn as glyphs."""
     import subprocess
 
-    if os.environ.get("COURSE_SYSTEM_TESTS") != "1":
-        pytest.skip("set COURSE_SYSTEM_TESTS=1 (and ./course setup --system) to open the book in Chromium")
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    if browser is None:
-        pytest.skip("no chromium binary (./course setup --system installs Debian's chromium)")
+    browser = chromium()
     out, done = built_book
     flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
              "--virtual-time-budget=15000", f"--window-size={DESKTOP}"]
@@ -215,14 +160,7 @@ def test_book_pages_render_in_headless_chromium(built_book, tmp_path):
     for page, size in runs:
         got = seen[page, size] = probe_page(browser, out, page, size)
         where = f"{page} at {got['width']} px"
-        if got["broken"]:
-            problems.append(f"{where}: images not loaded: {got['broken'][:3]}")
-        if got["raw_tex"] and done["mathjax"]:  # without MathJax the formulas stay TeX (skipped below)
-            problems.append(f"{where}: raw TeX left untypeset: {got['raw_tex'][:2]}")
-        if got["next"] is None:
-            problems.append(f"{where}: no next link in the header")
-        if got["scroll_width"] > got["width"]:
-            problems.append(f"{where}: the page is {got['scroll_width']} px wide, wider than the window")
+        problems += page_problems(out, page, got, done)
         chapter = page.split(".")[0]
         if chapter in names:
             kind = "notebook" if ".notebook." in page else "lesson"
@@ -244,3 +182,117 @@ def test_book_pages_render_in_headless_chromium(built_book, tmp_path):
     assert len(seen) == len(runs)  # every page at every width reported
     if not done["mathjax"]:
         pytest.skip("the book was built without MathJax (no libjs-mathjax): formulas not typeset")
+
+
+@pytest.mark.timeout(180)
+def test_book_chinese_pages_render_in_headless_chromium(built_book):
+    """The Chinese contents and the Chinese pages of the first two chapters that have them, as
+    the English pages are checked above, plus: <html lang="zh-CN">, the header in Chinese (book,
+    chapter, 讲义 or notebook, 目录), the switch linking the English page, Chinese drawn as glyphs."""
+    browser = chromium()
+    out, done = built_book
+    if not done["zh"]:
+        pytest.skip("no chapter has a Chinese lesson (chapters/chNN_slug/README.zh.md) yet: the Chinese "
+                    "pages are tested on a made-up chapter (test_book_writes_chinese_pages_of_a_chapter)")
+    if not cjk_fonts():
+        pytest.skip("no CJK font (./course setup --system installs fonts-noto-cjk)")
+    runs = [("index.zh.html", DESKTOP), (f"{done['zh'][0]}.zh.html", NARROW)]
+    for name in done["zh"][:2]:
+        runs += [(f"{name}.zh.html", DESKTOP)]
+        runs += [(f"{name}.zh.notebook.html", DESKTOP)] if name in done["zh_notebooks"] else []
+    problems = []
+    for page, size in runs:
+        got = probe_page(browser, out, page, size)
+        problems += page_problems(out, page, got, done)
+        if not got["glyphs"] or glyph_problem(got["glyphs"]):
+            problems.append(f"{page}: {glyph_problem(got['glyphs'])}")
+        kind = "notebook" if ".notebook." in page else "讲义"
+        if page != "index.zh.html" and not (book_nav.BOOK_TITLE_ZH in got["header"]
+                                            and kind in got["header"] and "目录" in got["header"]):
+            problems.append(f"{page}: header {got['header']!r} is not the Chinese one")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.timeout(120)
+def test_book_renders_chinese_glyphs_not_boxes(tmp_path):
+    """The contents pages show the chapters' Chinese titles (通信优化基础 ...): with the CJK font
+    that ./course setup --system installs, Chromium draws them as glyphs, each character its
+    own bitmap, unlike the box of an unassigned code point and about one em wide; the same check
+    fails where the font is missing (fontconfig shown every font but the CJK ones, or none)."""
+    browser = chromium()
+    if not cjk_fonts():
+        pytest.skip("no CJK font (./course setup --system installs fonts-noto-cjk)")
+    book_nav.write_indexes(tmp_path, CHAPTERS, book_nav.Twins(CHAPTERS, notebooks.REPO_ROOT))
+    for page in ("index.html", "index.zh.html"):
+        got = probe_page(browser, tmp_path, page, DESKTOP)["glyphs"]
+        assert got and glyph_problem(got) is None, glyph_problem(got)
+        assert got["distinct"] == got["chars"] >= 2 and got["as_box"] == 0
+    hidden = without_cjk_fonts(tmp_path / "no-cjk")
+    got = probe_page(browser, tmp_path, "index.html", DESKTOP, {"FONTCONFIG_FILE": str(hidden)})["glyphs"]
+    assert "missing-glyph box" in (glyph_problem(got) or ""), f"not caught without a CJK font: {got}"
+    assert got["as_box"] == got["chars"] and got["width"] == got["tofu_width"]
+    (tmp_path / "empty.conf").write_text(f"<fontconfig><cachedir>{tmp_path / 'c'}</cachedir></fontconfig>")
+    got = probe_page(browser, tmp_path, "index.html", DESKTOP, {"FONTCONFIG_FILE": str(tmp_path / "empty.conf")})
+    assert glyph_problem(got["glyphs"]), f"not caught without any font: {got['glyphs']}"
+
+
+def test_book_writes_chinese_pages_of_a_chapter(tmp_path):
+    """On a made-up course of two chapters, the first with a Chinese lesson and notebook (its
+    second code cell changed): the Chinese pages, their headers and switches, the contents in
+    Chinese, and the Chinese notebook showing the English execution's outputs only for the code
+    cells before the first that differs."""
+    (tmp_path / "README.md").write_text("| # | chapter | 中文 |\n|---|---|---|\n"
+                                        "| 01 | [Alpha](chapters/ch01_alpha/README.md) | 阿尔法 |\n"
+                                        "| 02 | [Beta](chapters/ch02_beta/README.md) | 贝塔之章 |\n")
+    (tmp_path / "README.zh.md").write_text("# 课程\n\n[English](README.md) · 中文\n")
+    code = '# %% [markdown]\n# Text, see [next](../chapters/ch02_beta/README.md).\n\n# %%\nprint("out-1")\n\n# %%\nprint("out-2")\n'
+    (tmp_path / "notebooks").mkdir()
+    chapters = []
+    for name, title in (("ch01_alpha", "Alpha"), ("ch02_beta", "Beta")):
+        chapter = tmp_path / "chapters" / name
+        chapter.mkdir(parents=True)
+        (chapter / "lesson.py").write_text(code)
+        switch = "English · [中文](README.zh.md)\n\n" if name == "ch01_alpha" else ""  # its twin exists
+        (chapter / "README.md").write_text(f"# Chapter {name[2:4]} · {title}\n{switch}\nSee [the "
+                                           f"notebook](../../notebooks/{name}.ipynb).\n")
+        nb = notebooks.lesson_notebook(chapter)
+        nbformat.write(nb, notebooks.notebook_path(chapter, tmp_path / "notebooks"))
+        for cell in nb.cells[1:]:
+            cell.outputs = [nbformat.v4.new_output("stream", text=f"shown {cell.source[11]}\n")]
+        book.save_executed(chapter, nb, tmp_path / "build" / "executed")
+        chapters.append(chapter)
+    (chapters[0] / "README.zh.md").write_text("# 第 01 章 · 阿尔法之章\n\n[English](README.md) · 中文\n\n"
+                                              "中文正文，见 [notebook](../../notebooks/ch01_alpha.zh.ipynb)。\n")
+    zh_nb = notebooks.lesson_notebook(chapters[0])
+    zh_nb.cells[0].source = "中文说明，见[下一章](../chapters/ch02_beta/README.md)。"
+    zh_nb.cells[2].source = 'print("changed")'
+    nbformat.write(zh_nb, tmp_path / "notebooks" / "ch01_alpha.zh.ipynb")
+    done = book.build(out := tmp_path / "book", execute_missing=False, log=lambda *a: None, root=tmp_path)
+    assert done["executed"] == [] and done["zh"] == done["zh_notebooks"] == ["ch01_alpha"]
+    assert not missing_targets(out), missing_targets(out)
+    pages = {p.name: p.read_text() for p in out.glob("*.html")}
+    assert sorted(pages) == ["ch01_alpha.html", "ch01_alpha.notebook.html", "ch01_alpha.zh.html",
+                             "ch01_alpha.zh.notebook.html", "ch02_beta.html", "ch02_beta.notebook.html",
+                             "index.html", "index.zh.html"]
+    switch = {n: re.search(r'<span class="lang">(.*?)</span><nav>', p).group(1) for n, p in pages.items()}
+    assert 'href="ch01_alpha.zh.html"' in switch["ch01_alpha.html"] and 'href="ch01_alpha.zh.notebook.html"' in switch["ch01_alpha.notebook.html"]
+    assert 'href="ch01_alpha.html"' in switch["ch01_alpha.zh.html"] and "<b>中文</b>" in switch["ch01_alpha.zh.html"]
+    assert "尚未写成" in switch["ch02_beta.html"] and "href" not in switch["ch02_beta.html"]
+    assert 'href="index.zh.html"' in switch["index.html"] and 'href="index.html"' in switch["index.zh.html"]
+    for name in ("ch01_alpha.zh.html", "ch01_alpha.zh.notebook.html", "index.zh.html"):
+        assert '<html lang="zh-CN">' in pages[name], name
+    assert '<html lang="en">' in pages["ch01_alpha.notebook.html"]
+    zh = pages["ch01_alpha.zh.html"]
+    assert "中文正文" in zh and "第 01 章 · 阿尔法之章" in zh and 'href="ch01_alpha.zh.notebook.html"' in zh
+    assert '目录</a>' in zh and '下一章：ch02（英文）' in zh and 'href="ch01_alpha.zh.html"' in pages["ch01_alpha.html"]
+    assert "中文说明" in pages["ch01_alpha.zh.notebook.html"] and "讲义" in pages["ch01_alpha.zh.notebook.html"]
+    assert "shown 1" in pages["ch01_alpha.zh.notebook.html"] and "shown 2" not in pages["ch01_alpha.zh.notebook.html"]
+    assert "shown 1" in pages["ch01_alpha.notebook.html"] and "shown 2" in pages["ch01_alpha.notebook.html"]
+    assert re.findall(r'<li data-chapter="(\w+)">', index := pages["index.zh.html"]) == ["ch01_alpha", "ch02_beta"]
+    assert '<a href="ch01_alpha.zh.html">第 01 章 · 阿尔法之章</a>' in index
+    assert '第 02 章 · 贝塔之章（中文版尚未写成：<a href="ch02_beta.html"' in index
+    # outputs only while the code is the same: a first code cell that differs leaves none at all
+    english = nbformat.read(tmp_path / "build" / "executed" / "ch01_alpha.ipynb", as_version=4)
+    zh_nb.cells[1].source = 'print("other")'
+    assert book.with_outputs(zh_nb, english) == 0
+    assert all(c.outputs == [] for c in zh_nb.cells if c.cell_type == "code")

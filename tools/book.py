@@ -13,6 +13,11 @@ notebook whose copy is missing or older than its lesson.py is executed here (ann
 each). Formulas are typeset by MathJax copied into the book from Debian's libjs-mathjax
 (`./course setup --system`), so the book opens from file:// on a machine without a network;
 without it the book is built with the formulas left as TeX, and says so.
+
+Bilingual (tools/book_nav.py): a chapter with a Chinese lesson README.zh.md also gets its Chinese
+page, and with notebooks/chNN_slug.zh.ipynb its Chinese notebook page, whose outputs are the English
+execution's, copied cell by cell while the code cells are identical; index.zh.html lists the
+chapters by their Chinese titles. Every page's header switches language.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import re
 import shutil
 import sys
 import time
+from copy import deepcopy
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,36 +38,38 @@ from tools import notebooks  # noqa: E402
 from tools.book_assets import (  # noqa: E402
     HEADER_STYLE,
     MATHJAX_CONFIG,
-    MATHJAX_SCRIPT,
-    STYLE,
     copy_mathjax,
     find_mathjax,
+)
+from tools.book_nav import (  # noqa: E402,F401  (BOOK_TITLE, chapter_title: the tests read them here)
+    BOOK_TITLE,
+    VIEWPORT,
+    Twins,
+    chapter_title,
+    footer,
+    lesson_page,
+    nav_for,
+    notebook_page,
+    page,
+    page_name,
+    write_indexes,
 )
 
 REPO_ROOT = notebooks.REPO_ROOT
 EXECUTED = REPO_ROOT / "build" / "executed"
 EXECUTE_S = 60  # rough cost of executing one notebook on 2 CPU cores
 
-def chapter_title(chapter: Path) -> str:
-    for line in (chapter / "README.md").read_text().splitlines():
-        if line.startswith("# "):
-            return line[2:].strip()
-    return chapter.name
 
-
-def lesson_page(chapter: Path) -> str:
-    return f"{chapter.name}.html"
-
-
-def notebook_page(chapter: Path) -> str:
-    return f"{chapter.name}.notebook.html"
+def chapters_in(root: Path = REPO_ROOT) -> list[Path]:
+    """The chapters of the course at `root` (notebooks.chapters, for any root)."""
+    return sorted(p for p in (root / "chapters").glob("ch[0-9][0-9]_*") if (p / "lesson.py").exists())
 
 
 class Linker:
     """Rewrites the local links and images of a page to the book's pages and copies."""
 
-    def __init__(self, book: Path, chapters: list[Path]):
-        self.book, self.chapters = book, {c.resolve() for c in chapters}
+    def __init__(self, book: Path, chapters: list[Path], root: Path = REPO_ROOT):
+        self.book, self.chapters, self.root = book, {c.resolve() for c in chapters}, root.resolve()
 
     def target(self, url: str, base: Path) -> str:
         if re.match(r"^[a-z][a-z0-9+.-]*:|^#|^//", url, re.I) or not url:
@@ -70,15 +78,19 @@ class Linker:
         anchor = f"#{anchor}" if anchor else ""
         src = (base / path).resolve()
         try:
-            rel = src.relative_to(REPO_ROOT)
+            rel = src.relative_to(self.root)
         except ValueError:
             return url
-        if src == REPO_ROOT / "README.md" or src == REPO_ROOT:
+        if src == self.root / "README.md" or src == self.root:
             return "index.html" + anchor
+        if src == self.root / "README.zh.md":
+            return "index.zh.html" + anchor
         chapter = src if src.is_dir() else src.parent
         if chapter in self.chapters and (src.is_dir() or src.name == "README.md"):
             return lesson_page(chapter) + anchor
-        if src.suffix == ".ipynb" and src.parent == REPO_ROOT / "notebooks":
+        if chapter in self.chapters and src.name == "README.zh.md" and src.exists():
+            return page_name(chapter, zh=True) + anchor
+        if src.suffix == ".ipynb" and src.parent == self.root / "notebooks":
             return f"{src.stem}.notebook.html" + anchor
         if not src.exists():
             return url  # left as it is; the book's test reports it
@@ -98,38 +110,22 @@ class Linker:
         return re.sub(r'\b(href|src)=(["\'])([^"\']*)\2', sub, page)
 
 
-VIEWPORT = '<meta name="viewport" content="width=device-width, initial-scale=1">'
-
-
-def page(title: str, body: str, mathjax: bool, nav: str = "") -> str:
-    head = MATHJAX_SCRIPT if mathjax else ""
-    return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">{VIEWPORT}"
-            f"<title>{html.escape(title)}</title><style>{STYLE}</style>{head}</head>\n"
-            f"<body>{nav}\n{body}\n{footer(nav)}</body></html>\n")
-
-
-def footer(header_html: str) -> str:
-    """The header's links again at the bottom of the page (where a reader finishes)."""
-    links = re.search(r"<nav>.*?</nav>", header_html, re.S)
-    return f"<footer>{links.group(0)}</footer>" if links else ""
-
-
-def render_lesson(chapter: Path, linker: Linker, mathjax: bool, nav: str) -> str:
+def render_lesson(chapter: Path, linker: Linker, mathjax: bool, nav: str, zh: bool = False) -> str:
     import mistune
 
     md = mistune.create_markdown(escape=False, plugins=["table", "strikethrough", "url", "math",
                                                         "footnotes"])
-    body = md((chapter / "README.md").read_text())
-    return page(chapter_title(chapter), linker.rewrite(body, chapter), mathjax, nav)
+    body = md((chapter / ("README.zh.md" if zh else "README.md")).read_text())
+    return page(chapter_title(chapter, zh), linker.rewrite(body, chapter), mathjax, nav, zh)
 
 
-def executed_copy(chapter: Path) -> Path:
-    return EXECUTED / f"{chapter.name}.ipynb"
+def executed_copy(chapter: Path, executed: Path = EXECUTED) -> Path:
+    return executed / f"{chapter.name}.ipynb"
 
 
-def is_current(chapter: Path) -> bool:
+def is_current(chapter: Path, executed: Path = EXECUTED) -> bool:
     """An executed copy made from the lesson.py as it is now."""
-    path = executed_copy(chapter)
+    path = executed_copy(chapter, executed)
     if not path.exists():
         return False
     meta = json.loads(path.read_text()).get("metadata", {}).get("course", {})
@@ -160,7 +156,23 @@ def execute(chapter: Path):
     return nb
 
 
-def render_notebook(chapter: Path, nb, linker: Linker, mathjax: bool, nav: str) -> str:
+def with_outputs(zh_nb, executed_nb) -> int:
+    """Give the Chinese notebook `zh_nb` the English execution's outputs, code cell by code cell
+    while the two code cells are identical; from the first that differs on it has none (they would
+    be the outputs of other code). Returns how many code cells got their outputs."""
+    english = [c for c in executed_nb.cells if c.cell_type == "code"]
+    code = [c for c in zh_nb.cells if c.cell_type == "code"]
+    same = 0
+    while same < min(len(code), len(english)) and code[same].source == english[same].source:
+        same += 1
+    for k, cell in enumerate(code):
+        cell.outputs = deepcopy(english[k].get("outputs", [])) if k < same else []
+        cell.execution_count = english[k].get("execution_count") if k < same else None
+    return same
+
+
+def render_notebook(chapter: Path, nb, linker: Linker, mathjax: bool, nav: str,
+                    zh: bool = False) -> str:
     from nbconvert import HTMLExporter
 
     exporter = HTMLExporter(template_name="lab")
@@ -174,40 +186,17 @@ def render_notebook(chapter: Path, nb, linker: Linker, mathjax: bool, nav: str) 
     # the lesson pages' header style and a phone's viewport, and the links again at the bottom
     body = body.replace("</head>", f"{VIEWPORT}<style>{HEADER_STYLE}</style></head>", 1)
     body = body.replace("</body>", f"{footer(nav)}</body>", 1)
-    return linker.rewrite(body, REPO_ROOT / "notebooks")
+    body = re.sub(r"<html[^>]*>", f'<html lang="{"zh-CN" if zh else "en"}">', body, count=1)
+    return linker.rewrite(body, linker.root / "notebooks")
 
 
-BOOK_TITLE = "Distributed training, from one device to many"
-
-
-def nav_for(chapters: list[Path], i: int, notebook: bool) -> str:
-    """The header every page of a chapter has, lesson and notebook alike: the book, the chapter
-    and which of its two pages this is, then contents, previous, the other page, next (the last
-    chapter's next is the contents)."""
-    here = chapters[i]
-    kind = "notebook" if notebook else "lesson"
-    title = (f'<span class="book">{html.escape(BOOK_TITLE)}</span> · '
-             f'<span class="chapter">{html.escape(chapter_title(here))}</span> · '
-             f'<span class="kind">{kind}</span>')
-    links = ['<a href="index.html">contents</a>']
-    if i > 0:
-        links.append(f'<a href="{lesson_page(chapters[i - 1])}">previous: {chapters[i - 1].name[:4]}</a>')
-    links.append(f'<a href="{lesson_page(here)}">lesson</a>' if notebook
-                 else f'<a href="{notebook_page(here)}">notebook, executed</a>')
-    if i + 1 < len(chapters):
-        links.append(f'<a class="next" href="{lesson_page(chapters[i + 1])}">next: '
-                     f'{chapters[i + 1].name[:4]}</a>')
-    else:
-        links.append('<a class="next" href="index.html">next: the contents</a>')
-    return f'<header class="course-header">{title}<nav>' + " · ".join(links) + "</nav></header>"
-
-
-def build(out: Path, execute_missing: bool = True, log=print) -> dict:
-    """Build the book into `out`; returns what it did (chapters, executed, mathjax)."""
+def build(out: Path, execute_missing: bool = True, log=print, root: Path = REPO_ROOT) -> dict:
+    """Build the book of the course at `root` into `out`; returns what it did (chapters, executed,
+    mathjax, zh: the chapters with a Chinese lesson page, zh_notebooks: with a Chinese notebook)."""
     import nbformat
 
-    chapters = notebooks.chapters()
-    stale = [c for c in chapters if not is_current(c)]
+    chapters, executed_dir = chapters_in(root), root / "build" / "executed"
+    stale = [c for c in chapters if not is_current(c, executed_dir)]
     mathjax_src = find_mathjax()
     out.mkdir(parents=True, exist_ok=True)
     if mathjax_src:
@@ -218,32 +207,37 @@ def build(out: Path, execute_missing: bool = True, log=print) -> dict:
     if stale and execute_missing:
         log(f"executing {len(stale)} notebooks without a current executed copy "
             f"({', '.join(c.name[:4] for c in stale)}; ~{EXECUTE_S * len(stale) / 60:.0f} min)")
-    linker = Linker(out, chapters)
+    linker, twins, mj = Linker(out, chapters, root), Twins(chapters, root), bool(mathjax_src)
     executed = []
     for i, chapter in enumerate(chapters):
         (out / lesson_page(chapter)).write_text(
-            render_lesson(chapter, linker, bool(mathjax_src), nav_for(chapters, i, False)))
+            render_lesson(chapter, linker, mj, nav_for(chapters, i, False, twins=twins)))
         if chapter in stale and execute_missing:
             nb = execute(chapter)
             executed.append(chapter.name)
         elif chapter in stale:
-            nb = nbformat.read(notebooks.notebook_path(chapter), as_version=4)
+            nb = nbformat.read(root / "notebooks" / f"{chapter.name}.ipynb", as_version=4)
         else:
-            nb = nbformat.read(executed_copy(chapter), as_version=4)
+            nb = nbformat.read(executed_copy(chapter, executed_dir), as_version=4)
         (out / notebook_page(chapter)).write_text(
-            render_notebook(chapter, nb, linker, bool(mathjax_src), nav_for(chapters, i, True)))
+            render_notebook(chapter, nb, linker, mj, nav_for(chapters, i, True, twins=twins)))
         log(f"wrote {lesson_page(chapter)} and {notebook_page(chapter)}")
-    items = "\n".join(
-        f'<li><a href="{lesson_page(c)}">{html.escape(chapter_title(c))}</a> '
-        f'(<a href="{notebook_page(c)}">notebook</a>)</li>' for c in chapters)
-    intro = ("<p>Every lesson of the course, and its notebook executed on a CPU with its outputs. "
-             "Built by <code>./course book</code>; it opens offline.</p>")
-    first = (f'<header class="course-header"><span class="book">{html.escape(BOOK_TITLE)}</span>'
-             f'<nav><a class="next" href="{lesson_page(chapters[0])}">next: '
-             f'{chapters[0].name[:4]}</a></nav></header>') if chapters else ""
-    (out / "index.html").write_text(page(BOOK_TITLE, f"<h1>Distributed training: the book</h1>{intro}"
-                                         f"<ol class=\"chapters\">\n{items}\n</ol>", False, first))
-    return {"chapters": [c.name for c in chapters], "executed": executed, "mathjax": bool(mathjax_src)}
+        if twins.has(chapter):
+            (out / page_name(chapter, zh=True)).write_text(
+                render_lesson(chapter, linker, mj, nav_for(chapters, i, False, True, twins), zh=True))
+            log(f"wrote {page_name(chapter, zh=True)}")
+        if twins.has(chapter, notebook=True):
+            zh_nb = nbformat.read(root / "notebooks" / f"{chapter.name}.zh.ipynb", as_version=4)
+            same = with_outputs(zh_nb, nb)
+            (out / page_name(chapter, True, True)).write_text(
+                render_notebook(chapter, zh_nb, linker, mj, nav_for(chapters, i, True, True, twins), zh=True))
+            log(f"wrote {page_name(chapter, True, True)} " + (
+                "(no outputs: the English notebook has no current execution)"
+                if chapter in stale and chapter.name not in executed
+                else f"(the English execution's outputs for its {same} code cells equal to the English)"))
+    write_indexes(out, chapters, twins)
+    return {"chapters": [c.name for c in chapters], "executed": executed, "mathjax": mj,
+            "zh": [c.name for c in twins.zh], "zh_notebooks": [c.name for c in twins.zh_notebooks]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     n = len(notebooks.chapters())
     print(f"building the book of {n} chapters into {args.out} (~{n} s from executed copies)", flush=True)
     done = build(args.out, execute_missing=not args.no_execute)
-    print(f"done in {time.perf_counter() - start:.0f} s: open {args.out / 'index.html'}"
+    print(f"done in {time.perf_counter() - start:.0f} s: open {args.out / 'index.html'} "
+          f"({len(done['zh'])} chapters also in Chinese: index.zh.html)"
           + ("" if done["mathjax"] else " (formulas as raw TeX: no MathJax)"))
     return 0
 

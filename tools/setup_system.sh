@@ -2,13 +2,15 @@
 # System packages for the course's system tests and the offline book (run as root; idempotent):
 #   chromium       headless browser: the book test opens pages and checks a screenshot
 #   libjs-mathjax  MathJax 2.7 in /usr/share/javascript/mathjax: formulas in the book, offline
+#   fonts-noto-cjk Noto Sans/Serif CJK: the book's Chinese pages render as glyphs, not boxes
+#                  (the book's font stack names it first; the browser test checks the glyphs)
 #   slurm-wlm, munge  a real single-node Slurm cluster on localhost (chapter 23's sbatch test)
 #   iproute2       ip netns, veth, tc: chapter 22's multi-node launch in network namespaces
 # Wired to `./course setup --system`. Without apt, root or a network it warns and exits 0:
 # the tests that need these packages then skip with the reason.
 set -u
 
-PACKAGES=(chromium libjs-mathjax slurm-wlm munge iproute2)
+PACKAGES=(chromium libjs-mathjax fonts-noto-cjk slurm-wlm munge iproute2)
 
 step() { printf 'setup --system: %s\n' "$*"; }
 
