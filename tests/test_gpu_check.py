@@ -372,7 +372,8 @@ def test_every_lesson_says_its_gpu_figures_are_not_yet_measured():
         n = text.count(gpu_lessons.BEGIN)
         assert n == 1 and text.count(gpu_lessons.END) == 1, path
         inner = text.split(gpu_lessons.BEGIN)[1].split(gpu_lessons.END)[0]
-        assert inner.strip() and ("not yet measured" in inner or "**On a GPU** (" in inner), path
+        said = ("尚未测量", "**GPU 上**（") if path.name == "README.zh.md" else ("not yet measured", "**On a GPU** (")
+        assert inner.strip() and any(s in inner for s in said), path
 
 
 def test_dry_run_prints_the_plan(capsys):
@@ -446,3 +447,30 @@ def test_first_error_line_is_the_cause_not_the_launchers_summary():
     assert gpu_check.first_error_line(output) == (
         "RuntimeError: CUDA error: an illegal memory access was encountered")
     assert gpu_check.first_error_line("all fine\nbut exit 3\n") == "but exit 3"
+
+
+def test_fill_lessons_writes_chinese_and_keeps_current_stamps_current(tmp_path):
+    """A Chinese lesson gets the block in Chinese with the same figures; the stamp of its section
+    follows the English section's new text when it was current, and a stale stamp stays stale."""
+    from tools.bilingual_text import sections, stamp_of
+
+    report = json.loads(gpu_check.write_report(sample_runs(), tmp_path / "r", 1.0, mach=MACHINE)
+                        .with_suffix(".json").read_text())
+    english = gpu_lessons.add_block(LESSON.format(block=""))
+    stamps = [stamp_of("\n".join(s.lines)) for s in sections(english)]
+    chinese = (f"# 第 3 章\n<!-- en: {stamps[1]} -->\n\n一些文字。\n\n{gpu_lessons.BEGIN}\n尚未测量。\n"
+               f"{gpu_lessons.END}\n## 代码解读\n<!-- en: 0000000000 -->\n\n更多文字。\n")
+    for name in ("ch07_communication", "ch03_data_parallel"):
+        folder = tmp_path / "chapters" / name
+        folder.mkdir(parents=True)
+        (folder / "README.md").write_text(english)
+        (folder / "README.zh.md").write_text(chinese)
+    gpu_lessons.fill_lessons(report, tmp_path)
+    en = (tmp_path / "chapters/ch07_communication/README.md").read_text()
+    zh = (tmp_path / "chapters/ch07_communication/README.zh.md").read_text()
+    inner = zh.split(gpu_lessons.BEGIN)[1].split(gpu_lessons.END)[0]
+    assert inner.lstrip("\n").startswith("**GPU 上**（NVIDIA H200 x 1") and "On a GPU" not in inner
+    assert "| 351.2 GB/s | pass |" in inner and "单节点上 1 张 GPU 测不了的：" in inner
+    new = [stamp_of("\n".join(s.lines)) for s in sections(en)]
+    assert new[1] != stamps[1] and f"<!-- en: {new[1]} -->" in zh  # current before: follows
+    assert "<!-- en: 0000000000 -->" in zh  # stale before: still stale

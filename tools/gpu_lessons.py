@@ -9,7 +9,10 @@ Each lesson (chapters/chNN_*/README.md, and any translation beside it, README.*.
 that says, until a GPU check has run, that the GPU figures are not yet measured, and afterwards
 what `./course gpu-check --fill-lessons runs/gpu-check/report.json` writes there from the report:
 the chapter's result on that machine and its GPU figures. Only the text between the markers is
-ever replaced; filling twice from the same report changes nothing the second time.
+ever replaced; filling twice from the same report changes nothing the second time. A Chinese
+lesson (README.zh.md) gets the same figures in Chinese, and where its section was current with the
+English (tools/bilingual.py's stamp), its stamp follows the English section's new text, so that the
+two stay in step without hiding a translation that was already stale.
 """
 
 from __future__ import annotations
@@ -30,26 +33,52 @@ def lessons(root: Path = REPO_ROOT) -> list[Path]:
     return sorted(root.glob("chapters/ch[0-9][0-9]_*/README*.md"))
 
 
-def block_text(chapter: dict, report: dict) -> str:
-    """What goes between the markers for one chapter's entry of report.json."""
-    m = report["machine"]
+WORDS = {  # the block's own words; what comes from the report (status, names) stays as it is
+    "en": {"on": "**On a GPU** ({where}): {status}", "runs": " (runs: {runs}).", "end": ".",
+           "table": "| GPU figure (timing phase, one run at a time) | measured | run |",
+           "row": "| {name} ({script}, world {world}) | {value} | {run} |", "note": "Note: {note}.",
+           "cannot": "What {gpus} GPU(s) on one node cannot test: {what}."},
+    "zh": {"on": "**GPU 上**（{where}）：{status}", "runs": "（运行：{runs}）。", "end": "。",
+           "table": "| GPU 数值（计时阶段，一次只跑一个） | 实测 | 运行 |",
+           "row": "| {name}（{script}，world {world}） | {value} | {run} |", "note": "注：{note}。",
+           "cannot": "单节点上 {gpus} 张 GPU 测不了的：{what}。"},
+}
+
+
+def block_text(chapter: dict, report: dict, lang: str = "en") -> str:
+    """What goes between the markers for one chapter's entry of report.json, in `lang`."""
+    w, m = WORDS[lang], report["machine"]
     where = (f"{m.get('gpu', 'no GPU')} x {m['gpus']}, torch {m['torch']}, CUDA {m.get('cuda', '-')}, "
              f"`./course gpu-check` of {report.get('date', '?')}")
-    status = chapter["status"] + (f": {chapter['why']}" if chapter.get("why") else "")
+    status = (chapter["status"] + (f": {chapter['why']}" if chapter.get("why") else "")).replace("\n", " ")
     runs = ", ".join(f"{n} {s}" for s, n in chapter.get("runs", {}).items() if n)
-    lines = [f"**On a GPU** ({where}): {status.replace(chr(10), ' ')}" + (f" (runs: {runs})." if runs else ".")]
+    lines = [w["on"].format(where=where, status=status) + (w["runs"].format(runs=runs) if runs else w["end"])]
     figures = chapter.get("figures", {})
     if figures:
-        lines += ["", "| GPU figure (timing phase, one run at a time) | measured | run |", "|---|---|---|"]
+        lines += ["", w["table"], "|---|---|---|"]
         for name, f in figures.items():
-            unit = f" {f['unit']}" if f.get("unit") else ""
-            lines.append(f"| {name} ({f['script']}, world {f['world']}) | {f['measured']}{unit} | {f['run']} |")
+            value = f"{f['measured']}" + (f" {f['unit']}" if f.get("unit") else "")
+            lines.append(w["row"].format(name=name, script=f["script"], world=f["world"], value=value,
+                                         run=f["run"]))
     if chapter.get("figures_note"):
-        lines += ["", f"Note: {chapter['figures_note']}."]
+        lines += ["", w["note"].format(note=chapter["figures_note"])]
     cannot = [c["what"] for c in report.get("cannot_test", [])]
     if cannot:
-        lines += ["", f"What {m['gpus']} GPU(s) on one node cannot test: {'; '.join(cannot)}."]
+        lines += ["", w["cannot"].format(gpus=m["gpus"], what="; ".join(cannot))]
     return "\n".join(lines) + "\n"
+
+
+def carry_stamps(zh_text: str, old_en: str, new_en: str) -> str:
+    """`zh_text` with each stamp that was current for a section of `old_en` moved to that section
+    of `new_en` (the filler changed both languages alike); stale stamps stay stale."""
+    from tools.bilingual_text import sections, stamp_of
+
+    old, new = ([stamp_of("\n".join(s.lines)) for s in sections(t)] for t in (old_en, new_en))
+    if len(old) != len(new):
+        return zh_text
+    moves = {f"<!-- en: {a} -->": f"<!-- en: {b} -->" for a, b in zip(old, new) if a != b}
+    lines = [moves.get(line.strip(), line) for line in zh_text.splitlines()]
+    return "\n".join(lines) + ("\n" if zh_text.endswith("\n") else "")
 
 
 def add_block(text: str, before: str = "\n## How the code works") -> str:
@@ -73,13 +102,18 @@ def replace_block(text: str, inner: str) -> str:
 def fill_lessons(report: dict, root: Path = REPO_ROOT) -> list[Path]:
     """Write each chapter of `report` (report.json, parsed) into its lessons' blocks. Lessons
     without a block, and chapters the report does not hold, are left alone. The files changed."""
-    changed = []
-    for path in lessons(root):
+    changed, english = [], {}
+    for path in sorted(lessons(root), key=lambda p: (p.parent, p.name != "README.md")):
         chapter = report["chapters"].get(path.parent.name)
         text = path.read_text()
         if chapter is None or BEGIN not in text:
             continue
-        new = replace_block(text, block_text(chapter, report))
+        lang = "zh" if path.name == "README.zh.md" else "en"
+        new = replace_block(text, block_text(chapter, report, lang))
+        if path.name == "README.md":
+            english[path.parent] = (text, new)
+        elif lang == "zh" and path.parent in english:
+            new = carry_stamps(new, *english[path.parent])
         if new != text:
             path.write_text(new)
             changed.append(path)
