@@ -3,7 +3,9 @@
 
     python tools/figures.py ch02     # rewrites it, with the chapter's figure (plots.py calls write_readme)
 
-tests/test_ch02_single_node.py fails when the README's block differs from `render_diff()`.
+tests/test_ch02_single_node.py fails when the README's block differs from `render_diff()`. The
+Chinese lesson (README.zh.md) holds the same block and is rewritten with it (its section's stamp
+then asks for the translation to be looked at: `python tools/bilingual.py stamp ch02`).
 The module docstrings (which differ in their run commands) are left out of the diff. This is a
 module, not a script: the course's scripts are training scripts with the common options.
 """
@@ -16,6 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
+READMES = (README, HERE / "README.zh.md")
 START, END = "<!-- diff:start -->", "<!-- diff:end -->"
 
 
@@ -44,6 +47,9 @@ def readme_with_diff(readme: str, diff: str) -> str:
 
 
 def write_readme() -> Path:
-    """Rewrite the README's diff block from the current files."""
-    README.write_text(readme_with_diff(README.read_text(), render_diff()))
+    """Rewrite the lessons' diff block (English, and Chinese where it exists) from the files."""
+    diff = render_diff()
+    for path in READMES:
+        if path.exists():
+            path.write_text(readme_with_diff(path.read_text(), diff))
     return README
