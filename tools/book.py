@@ -115,7 +115,11 @@ def render_lesson(chapter: Path, linker: Linker, mathjax: bool, nav: str, zh: bo
 
     md = mistune.create_markdown(escape=False, plugins=["table", "strikethrough", "url", "math",
                                                         "footnotes"])
-    body = md((chapter / ("README.zh.md" if zh else "README.md")).read_text())
+    from tools.bilingual_text import EN_SWITCH, ZH_SWITCH
+
+    text = (chapter / ("README.zh.md" if zh else "README.md")).read_text()
+    # the lesson's own language switch: the page header has one that links the twin page
+    body = md("\n".join(line for line in text.splitlines() if line.strip() not in (EN_SWITCH, ZH_SWITCH)))
     return page(chapter_title(chapter, zh), linker.rewrite(body, chapter), mathjax, nav, zh)
 
 
