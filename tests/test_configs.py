@@ -257,7 +257,9 @@ def test_documented_command_is_valid(source, command):
         cfg = module.Config(**vars(ns))
         if launches_itself(script) and hasattr(cfg, "nprocs"):  # it starts its own ranks
             world = cfg.nprocs
-        module.validate(cfg, world)
+        validate = getattr(module, "validate", None)  # chapter 01's hello.py: any world is valid
+        if validate is not None:
+            validate(cfg, world)
     except (ValueError, SystemExit) as e:
         if refused:
             return
