@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from unittest import mock
@@ -315,6 +316,34 @@ def test_readme_diff_is_generated_and_current():
             f"{path.name}'s diff is stale: run python tools/figures.py ch02"
     readme = (CH / "README.md").read_text()
     assert "+        idx = shard_for_rank(batch, info.rank, info.world_size)" in readme
+
+
+def test_regenerated_diff_keeps_the_chinese_stamps_current(tmp_path, monkeypatch):
+    """A change to train.py rewrites the block in both lessons; the Chinese section's stamp follows
+    the English's (the block is code, alike in both), so the pair still checks without a re-stamp."""
+    import shutil
+
+    from tools.bilingual_text import sections, stamp_of
+
+    for name in ("README.md", "README.zh.md", "single.py", "train.py"):
+        shutil.copy(CH / name, tmp_path / name)
+    with open(tmp_path / "train.py", "a") as f:
+        f.write("\nEXTRA = 1  # a change the diff must show\n")
+    monkeypatch.setattr(make_diff, "HERE", tmp_path)
+    monkeypatch.setattr(make_diff, "README", tmp_path / "README.md")
+    monkeypatch.setattr(make_diff, "ZH", tmp_path / "README.zh.md")
+
+    def stamps(path):  # the English's headed sections' stamps, the Chinese's stamp lines, in order
+        en = [stamp_of("\n".join(s.lines)) for s in sections(path.read_text())[1:]]
+        return en, re.findall(r"^<!-- en: ([0-9a-f]{10}) -->$", (tmp_path / "README.zh.md").read_text(), re.M)
+
+    before_en, before_zh = stamps(tmp_path / "README.md")
+    assert before_en == before_zh  # the committed pair is current
+    make_diff.write_readme()
+    after_en, after_zh = stamps(tmp_path / "README.md")
+    assert "+EXTRA = 1" in (tmp_path / "README.zh.md").read_text()
+    assert sum(a != b for a, b in zip(before_en, after_en)) == 1  # the diff's section changed ...
+    assert after_zh == after_en  # ... and its Chinese stamp moved with it
 
 
 # --- nn.DataParallel: its mechanism counted on simulated devices, its timing on GPUs -------------

@@ -83,6 +83,18 @@ def stamp_of(text: str) -> str:
     return hashlib.sha256("\n".join(line.rstrip() for line in text.splitlines()).encode()).hexdigest()[:10]
 
 
+def carry_stamps(zh_text: str, old_en: str, new_en: str) -> str:
+    """`zh_text` with each stamp that was current for a section of `old_en` moved to that section
+    of `new_en`: for a generator that rewrote both languages alike (the GPU figures, chapter 02's
+    diff); stale stamps stay stale, and nothing moves if the English's sections changed."""
+    old, new = ([stamp_of("\n".join(s.lines)) for s in sections(t)] for t in (old_en, new_en))
+    if len(old) != len(new):
+        return zh_text
+    moves = {f"<!-- en: {a} -->": f"<!-- en: {b} -->" for a, b in zip(old, new) if a != b}
+    lines = [moves.get(line.strip(), line) for line in zh_text.splitlines()]
+    return "\n".join(lines) + ("\n" if zh_text.endswith("\n") else "")
+
+
 @dataclass
 class Prose:
     codes: Counter

@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tools.bilingual_text import carry_stamps
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- gpu-figures:begin -->", "<!-- gpu-figures:end -->"
 BLOCK = re.compile(re.escape(BEGIN) + r"\n(.*?)" + re.escape(END), re.DOTALL)
@@ -66,19 +68,6 @@ def block_text(chapter: dict, report: dict, lang: str = "en") -> str:
     if cannot:
         lines += ["", w["cannot"].format(gpus=m["gpus"], what="; ".join(cannot))]
     return "\n".join(lines) + "\n"
-
-
-def carry_stamps(zh_text: str, old_en: str, new_en: str) -> str:
-    """`zh_text` with each stamp that was current for a section of `old_en` moved to that section
-    of `new_en` (the filler changed both languages alike); stale stamps stay stale."""
-    from tools.bilingual_text import sections, stamp_of
-
-    old, new = ([stamp_of("\n".join(s.lines)) for s in sections(t)] for t in (old_en, new_en))
-    if len(old) != len(new):
-        return zh_text
-    moves = {f"<!-- en: {a} -->": f"<!-- en: {b} -->" for a, b in zip(old, new) if a != b}
-    lines = [moves.get(line.strip(), line) for line in zh_text.splitlines()]
-    return "\n".join(lines) + ("\n" if zh_text.endswith("\n") else "")
 
 
 def add_block(text: str, before: str = "\n## How the code works") -> str:

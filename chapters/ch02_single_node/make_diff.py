@@ -4,8 +4,8 @@
     python tools/figures.py ch02     # rewrites it, with the chapter's figure (plots.py calls write_readme)
 
 tests/test_ch02_single_node.py fails when the README's block differs from `render_diff()`. The
-Chinese lesson (README.zh.md) holds the same block and is rewritten with it (its section's stamp
-then asks for the translation to be looked at: `python tools/bilingual.py stamp ch02`).
+Chinese lesson (README.zh.md) holds the same block and is rewritten with it; its section's stamp
+follows the English one's where it was current, as tools/gpu_lessons.py's GPU figures do.
 The module docstrings (which differ in their run commands) are left out of the diff. This is a
 module, not a script: the course's scripts are training scripts with the common options.
 """
@@ -18,7 +18,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
-READMES = (README, HERE / "README.zh.md")
+ZH = HERE / "README.zh.md"
+READMES = (README, ZH)
 START, END = "<!-- diff:start -->", "<!-- diff:end -->"
 
 
@@ -47,9 +48,15 @@ def readme_with_diff(readme: str, diff: str) -> str:
 
 
 def write_readme() -> Path:
-    """Rewrite the lessons' diff block (English, and Chinese where it exists) from the files."""
+    """Rewrite the lessons' diff block (English, and Chinese where it exists) from the files. The
+    block is code, the same in both languages: where the Chinese section's stamp was current, it
+    follows the English section's new text (tools/bilingual_text.py's `carry_stamps`)."""
+    from tools.bilingual_text import carry_stamps
+
     diff = render_diff()
-    for path in READMES:
-        if path.exists():
-            path.write_text(readme_with_diff(path.read_text(), diff))
+    old_en = README.read_text()
+    new_en = readme_with_diff(old_en, diff)
+    README.write_text(new_en)
+    if ZH.exists():
+        ZH.write_text(carry_stamps(readme_with_diff(ZH.read_text(), diff), old_en, new_en))
     return README
