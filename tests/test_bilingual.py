@@ -177,6 +177,11 @@ def test_numbers_are_normalised():
     assert {"12000", "300000000", "2500000000000"} <= set(zh)
     prose = read_prose(["`x = 5` and $W = 7$ and [chapter 04](../ch04_x/README.md) cost \\$2 and $3"])
     assert set(prose.numbers) == {"4", "2", "3"} and list(prose.maths) == ["$W = 7$"]
+    # an English paragraph wraps a formula over two lines; the Chinese keeps it on one: the same math
+    wrapped = read_prose(["bounded by $\\sqrt{1-\\beta_2}", "\\approx 3.2\\,\\mathrm{lr}$ each, at $5", "", "per$ 6"])
+    one = read_prose(["以 $\\sqrt{1-\\beta_2} \\approx 3.2\\,\\mathrm{lr}$ 为界"], chinese=True)
+    assert wrapped.maths == one.maths and "3.2" not in wrapped.numbers
+    assert {"5", "6"} <= set(wrapped.numbers)  # a blank line ends a paragraph: no formula across it
 
 
 @pytest.mark.parametrize("name, old, new, expected", [
