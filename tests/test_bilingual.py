@@ -199,6 +199,8 @@ def test_numbers_are_normalised():
     pytest.param("README.zh.md", "(../ch98_prev/README.md)", "(../ch97_prev/README.md)", "link to ../ch98_prev/README.md of the English is missing", id="link-changed"),
     pytest.param("README.zh.md", "../ch01_overview/README.md", "../ch01_overview/README.zh.md", "README.zh.md, which does not exist", id="link-to-missing-zh"),
     pytest.param("README.zh.md", "[English](README.md) · 中文\n", "", "line 2 must be", id="zh-switch-missing"),
+    pytest.param("README.zh.md", "输出 0.5 和", "**输出：**0.5 和", "(### 你应该看到): emphasis not rendered", id="bold-before-cjk"),
+    pytest.param("lesson.zh.md", "跑 1000 步。", "跑 *1000 步（默认）*后停。", "cell 0 section 1 (# 第 99 章 · 假的): emphasis not rendered", id="italic-after-punctuation"),
     pytest.param("README.md", "Two ranks run", "Two ranks now run", "section 2 (## 思路): stale stamp en: ", id="english-edited-stale-stamp"),
     pytest.param("lesson.py", "Runs 2 ranks", "Runs 4 ranks", "lesson.zh.md cell 0: stale stamp", id="english-cell-edited-stale-stamp"),
     pytest.param("lesson.zh.md", "跑 1000 步", "跑 100 步", "lesson.zh.md cell 0 section 1 (# 第 99 章 · 假的): number 1000", id="cell-number-missing"),

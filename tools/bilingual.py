@@ -40,6 +40,7 @@ from tools.bilingual_text import (  # noqa: E402
     ZH_SWITCH,
     Prose,
     Section,
+    emphasis_problems,
     glossary_problems,
     kinds,
     read_prose,
@@ -95,6 +96,7 @@ def compare_texts(en_text: str, zh_text: str, label: str, base: Path, inline: bo
 
     for k, s in enumerate(zh):
         problems += glossary_problems("\n".join(s.lines), where(k))
+        problems += emphasis_problems("\n".join(s.prose), where(k))
     if structure:
         return structure + problems  # sections do not line up: the per-section rules would be noise
     for k, (e, z) in enumerate(zip(en, zh)):

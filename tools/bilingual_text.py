@@ -157,6 +157,22 @@ def glossary(path: Path = REPO_ROOT / "GLOSSARY.md") -> list[tuple[str, str, str
     return rows
 
 
+LEFT_OVER_EMPHASIS = re.compile(r"\*\*[^\n]*?\*\*|\*\*|(?<![\w*\\])\*(?=\S)[^*\n]*?(?<=\S)\*(?!\*)")
+
+
+def emphasis_problems(prose: str, where: str) -> list[str]:
+    """Bold or italic that CommonMark (GitHub, Jupyter) leaves as literal asterisks: in Chinese, a
+    closing `**` after punctuation needs a space (or punctuation) after it, `**粗体：**中文` fails."""
+    from markdown_it import MarkdownIt
+
+    text = INLINE_MATH.sub("§", DISPLAY_MATH.sub("§", prose))  # a formula is one opaque token
+    html = MarkdownIt("commonmark").enable("table").render(text)
+    html = re.sub(r"<code>.*?</code>", " ", html, flags=re.S)
+    shown = re.sub(r"<[^>]+>", "", html)
+    return [f"{where}: emphasis not rendered (CommonMark needs a space after the closing * here): "
+            f"{shown[max(m.start() - 15, 0):m.end() + 15].strip()!r}" for m in LEFT_OVER_EMPHASIS.finditer(shown)]
+
+
 def glossary_problems(text: str, where: str) -> list[str]:
     return [f"{where}: uses {bad!r}, a rejected variant of {en!r} (GLOSSARY.md: {zh})"
             for en, zh, _, rejected in glossary() for bad in rejected if bad in text]
