@@ -77,7 +77,7 @@ print(inspect.getsource(checks.hidden_under_backward))
 # Naive (chapter 03's `all_reduce_gradients` after backward), the same buckets launched after
 # backward (`BucketedDDP(overlap=False)`), `BucketedDDP` and torch DDP, each checked against one
 # process on the global batch. A fixed 20 ms sleep in each block's backward stands in for
-# accelerator compute, so that the early buckets have something to hide behind (two steps, no
+# accelerator compute, so that the early buckets have something to hide behind (three steps, no
 # sweep, no traces, to stay quick; the lesson shows the default run too).
 
 # %%

@@ -43,8 +43,8 @@ from common.results import REPO_ROOT
 # %% [markdown]
 # ## How often to save
 # A job of $N$ nodes of MTBF $M_1$ fails every $M = M_1/N$: 1 000 nodes of 1 000 days fail once a
-# day. Young/Daly's interval $\sqrt{2\,\delta\,M}$ balances the time spent saving against the work
-# lost at a failure.
+# day. Young/Daly's interval $\sqrt{2\,\delta\,M}$ ($\delta$: the seconds one save stalls
+# training) balances the time spent saving against the work lost at a failure.
 
 # %%
 M = 1000 * 86400 / 1000  # seconds
